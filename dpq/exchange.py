@@ -1,0 +1,281 @@
+"""Flat gradient buckets and the two exchange policies.
+
+:class:`GradBuckets` gives every lane one flat fp32 buffer and makes each tuned
+parameter's ``.grad`` a view of its slot, so backward accumulates straight into memory a
+communicator can take whole, with no gather/scatter copies (PyTorch DDP's
+``gradient_as_bucket_view``). An exchange policy then turns every lane's buffer into the
+identical reduced gradient:
+
+* :class:`FullSumExchange` - all-reduce: every lane's grads become the sum over lanes
+  (momentum, Adam, weight decay: anything that needs values).
+* :class:`SignExchange` - pure SignSGD needs only ``sign(sum)``: reduce-scatter in fp32,
+  each lane signs its own chunk, an all-gather of 2 bits per element.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dpq.nccl_comm import Communicator
+from dpq.streams import Lane
+
+__all__ = ["FullSumExchange", "GradBuckets", "SignExchange", "sign_padded_length"]
+
+
+class GradBuckets:
+    """One flat fp32 gradient buffer per lane; every tuned parameter's ``.grad`` is a view of its slot.
+
+    ``params_per_lane[k]`` is lane k's list of tuned parameters: same order and shapes on
+    every lane, all on one device per lane, all fp32. ``lanes`` (optional) are the lanes
+    the buffers belong to: zeroing is then queued on each lane's stream, where backward
+    accumulates into the same memory.
+
+    Layout invariant: slots are laid out in the REVERSE order of the parameter list, and
+    buckets are contiguous ranges of the buffer taken from its start, so bucket 0 holds the
+    last parameters. Backward produces gradients roughly in reverse parameter order, so
+    buckets fill front to back and bucket i is complete before bucket i+1 is (for a block
+    whose forward uses the parameters in list order): an engine may exchange bucket i
+    while backward still fills the rest. Every bucket boundary is a parameter boundary; a
+    bucket holds consecutive parameters whose sizes add up to at most ``bucket_cap_elems``,
+    except that a larger parameter gets a bucket of its own.
+    """
+
+    def __init__(
+        self,
+        params_per_lane: Sequence[Sequence[torch.nn.Parameter]],
+        bucket_cap_elems: int = 2**22,
+        lanes: Sequence[Lane] | None = None,
+    ) -> None:
+        if len(params_per_lane) == 0:
+            raise ValueError("dpq: GradBuckets needs the parameters of at least one lane")
+        if bucket_cap_elems < 1:
+            raise ValueError(f"dpq: bucket_cap_elems must be positive, got {bucket_cap_elems}")
+        if lanes is not None and len(lanes) != len(params_per_lane):
+            raise ValueError(f"dpq: {len(lanes)} lanes for {len(params_per_lane)} parameter lists")
+        self.params: list[list[torch.nn.Parameter]] = [list(ps) for ps in params_per_lane]
+        self.lanes = None if lanes is None else list(lanes)
+        devices = [_check_lane_params(k, ps, self.params[0]) for k, ps in enumerate(self.params)]
+        if self.lanes is not None:
+            for k, (lane, dev) in enumerate(zip(self.lanes, devices, strict=True)):
+                if dev is not None and (dev.type, dev.index or 0) != (lane.device.type, lane.device.index or 0):
+                    raise ValueError(f"dpq: lane {k}'s parameters are on {dev} but the lane is on {lane.device}")
+        sizes = [p.numel() for p in self.params[0]]
+        self.offsets = _reverse_offsets(sizes)
+        self.numel = sum(sizes)
+        self.bucket_params = _bucket_params(sizes, bucket_cap_elems)
+        self.bucket_ranges = [_range_of(ids, self.offsets, sizes) for ids in self.bucket_params]
+        self.buffers = [
+            torch.zeros(self.numel, dtype=torch.float32, device=dev if dev is not None else "cpu") for dev in devices
+        ]
+
+    @property
+    def world(self) -> int:
+        return len(self.params)
+
+    def bucket(self, i: int) -> list[Tensor]:
+        """Bucket ``i`` of every lane: 1-D contiguous views of the flat buffers."""
+        start, end = self.bucket_ranges[i]
+        return [buf[start:end] for buf in self.buffers]
+
+    def attach(self) -> None:
+        """Zero the buffers and point every ``p.grad`` at its slot.
+
+        Call before every backward: ``zero_grad(set_to_none=True)`` drops the views, and a
+        parameter without ``.grad`` would get a fresh tensor outside the buffer. With the
+        view in place autograd accumulates into it in place. A parameter that receives no
+        gradient keeps an exact zero (not None).
+        """
+        for k, (buf, params) in enumerate(zip(self.buffers, self.params, strict=True)):
+            with self._issue(k):
+                buf.zero_()
+            for p, off in zip(params, self.offsets, strict=True):
+                p.grad = buf[off : off + p.numel()].view_as(p)
+
+    def is_attached(self) -> bool:
+        """True when every ``p.grad`` is still the view of its slot."""
+        return all(
+            p.grad is not None and p.grad.data_ptr() == buf[off:].data_ptr()
+            for buf, params in zip(self.buffers, self.params, strict=True)
+            for p, off in zip(params, self.offsets, strict=True)
+        )
+
+    def _issue(self, k: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.lanes is None else self.lanes[k].issue()
+
+
+def _check_lane_params(k: int, params: Sequence[torch.nn.Parameter], ref: Sequence[torch.nn.Parameter]):
+    """Lane k's parameter list is usable next to lane 0's; returns the lane's device (None if no params)."""
+    if len(params) != len(ref):
+        raise ValueError(f"dpq: lane {k} has {len(params)} tuned parameters, lane 0 has {len(ref)}")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError(f"dpq: lane {k} lists a parameter twice; each tuned parameter needs one gradient slot")
+    for i, (p, p0) in enumerate(zip(params, ref, strict=True)):
+        if p.dtype != torch.float32:
+            raise TypeError(
+                f"dpq: tuned parameter {i} of lane {k} is {p.dtype}; gradient buckets hold fp32 "
+                "(tuned values and scales are kept in fp32)"
+            )
+        if p.shape != p0.shape:
+            raise ValueError(
+                f"dpq: tuned parameter {i} has shape {tuple(p.shape)} on lane {k}, {tuple(p0.shape)} on lane 0"
+            )
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"dpq: lane {k}'s tuned parameters span devices {sorted(map(str, devices))}")
+    return devices.pop() if devices else None
+
+
+def _reverse_offsets(sizes: Sequence[int]) -> list[int]:
+    """Offset of each parameter (in list order) when slots are laid out last parameter first."""
+    offsets, off = [0] * len(sizes), 0
+    for i in reversed(range(len(sizes))):
+        offsets[i] = off
+        off += sizes[i]
+    return offsets
+
+
+def _bucket_params(sizes: Sequence[int], cap: int) -> list[list[int]]:
+    """Parameter indices per bucket, in buffer order (last parameter first)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i in reversed(range(len(sizes))):
+        if current and filled + sizes[i] > cap:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += sizes[i]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _range_of(ids: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[int, int]:
+    # ids run from a later to an earlier parameter, so the last one ends the range.
+    return offsets[ids[0]], offsets[ids[-1]] + sizes[ids[-1]]
+
+
+class _Exchange:
+    """Runs a policy bucket by bucket and counts the communicator's wire bytes."""
+
+    name = "exchange"
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.last_wire_bytes = 0  # bytes of the last exchange() call
+        self.total_wire_bytes = 0  # bytes of every bucket ever exchanged
+
+    def exchange(self, buckets: GradBuckets) -> None:
+        """Every bucket, in buffer order; afterwards every lane's grads hold the identical result."""
+        if buckets.world != len(self.comm.lanes):
+            raise ValueError(f"dpq: {buckets.world} gradient buffers for {len(self.comm.lanes)} lanes")
+        before = self.total_wire_bytes
+        for i in range(len(buckets.bucket_ranges)):
+            self.exchange_bucket(buckets, i)
+        self.last_wire_bytes = self.total_wire_bytes - before
+
+    def exchange_bucket(self, buckets: GradBuckets, i: int) -> None:
+        before = self.comm.wire_bytes
+        self._exchange(buckets.bucket(i))
+        self.total_wire_bytes += self.comm.wire_bytes - before
+
+    def _exchange(self, grads: list[Tensor]) -> None:
+        raise NotImplementedError
+
+
+class FullSumExchange(_Exchange):
+    """All-reduce every bucket: each lane's grads become the sum over lanes.
+
+    Wire bytes: per bucket of n elements ``2*(W-1)*n*4 // W`` (the ring all-reduce of fp32),
+    summed over buckets, so (W-1)/W x 8 bytes per element up to one byte of flooring per bucket.
+    """
+
+    name = "full"
+
+    def _exchange(self, grads: list[Tensor]) -> None:
+        self.comm.all_reduce(grads)
+
+
+def sign_padded_length(n: int, world: int) -> int:
+    """The sign path's bucket length: ``n`` rounded up to a multiple of 8*W (whole bytes per lane chunk)."""
+    step = 8 * world
+    return -(-n // step) * step
+
+
+class SignExchange(_Exchange):
+    """Pure SignSGD: every lane's grads become exactly ``sign(sum of lane grads)`` in {-1.0, 0.0, +1.0}.
+
+    Per bucket of n elements: pad with zeros to m = :func:`sign_padded_length` (n, W); fp32
+    reduce-scatter, so lane k holds the sum of chunk k (m/W elements); the lane packs the
+    sign of its chunk; an all-gather of the packed bytes; every lane unpacks all chunks.
+
+    Why two bit planes: sign is three-valued, and exact zeros are common (auto-round clamps
+    rounded values, which gives exactly-zero gradients on every lane). A single sign bit
+    would turn 0 into +-1 and move parameters serial SignSGD leaves alone. So each element
+    gets a "negative" bit and a "nonzero" bit, each plane packed 8 elements to a byte; a
+    lane's packed chunk is [negative plane | nonzero plane]. The gather moves 2 bits per
+    element, so wire bytes per element per lane are (W-1)/W x (4 + 0.25) = (W-1)/W x 4.25,
+    counted on the padded length m (exactly ``17*(W-1)*m // (4*W)`` per bucket). DESIGN.md's
+    4.125 assumes a binary sign, which is not exact.
+
+    A NaN sum has the nonzero bit and not the negative bit, so it becomes +1 (the loss
+    shows the NaN). World 1: ``grad = sign(grad)`` in place, no wire bytes.
+    """
+
+    name = "sign"
+
+    def _exchange(self, grads: list[Tensor]) -> None:
+        comm, lanes, world = self.comm, self.comm.lanes, self.comm.world
+        if world == 1:
+            with lanes[0].issue():
+                grads[0].sign_()
+            return
+        n = grads[0].numel()
+        m = sign_padded_length(n, world)
+        chunk = m // world
+        # Temporaries are allocated under each lane's context: the caching allocator then
+        # ties them to the lane's stream, where all their uses are queued.
+        send, recv = [], []
+        for g, lane in zip(grads, lanes, strict=True):
+            with lane.issue():
+                send.append(g if m == n else _zero_padded(g, m))  # reduce_scatter only reads send
+                recv.append(torch.empty(chunk, dtype=torch.float32, device=g.device))
+        comm.reduce_scatter(send, recv)
+        packed, gathered = [], []
+        for r, lane in zip(recv, lanes, strict=True):
+            with lane.issue():
+                packed.append(torch.cat([_pack_bits(r < 0), _pack_bits(r != 0)]))
+                gathered.append(torch.empty(m // 4, dtype=torch.uint8, device=r.device))
+        comm.all_gather(packed, gathered)
+        for g, q, lane in zip(grads, gathered, lanes, strict=True):
+            with lane.issue():
+                g.copy_(_unpack_signs(q, world)[:n])
+
+
+def _zero_padded(g: Tensor, m: int) -> Tensor:
+    out = torch.zeros(m, dtype=g.dtype, device=g.device)
+    out[: g.numel()].copy_(g)
+    return out
+
+
+def _bit_weights(device: torch.device) -> Tensor:
+    # Built on the device each call (two tiny kernels), never cached: a tensor cached per
+    # device would be shared by lanes on different streams of one device.
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    return torch.bitwise_left_shift(torch.ones_like(shifts), shifts)
+
+
+def _pack_bits(bits: Tensor) -> Tensor:
+    """bool (8*k,) -> uint8 (k,); element 8*i + b is bit b of byte i."""
+    return (bits.view(-1, 8).to(torch.uint8) * _bit_weights(bits.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_signs(packed: Tensor, world: int) -> Tensor:
+    """uint8 (W * 2 * c/8,) of [negative plane | nonzero plane] per chunk -> fp32 signs (W*c,)."""
+    bits = (packed.view(world, 2, -1, 1) & _bit_weights(packed.device)).ne(0).view(world, 2, -1)
+    negative, nonzero = bits[:, 0].float(), bits[:, 1].float()
+    return (nonzero - 2 * negative).view(-1)  # negative implies nonzero: -1, +1 or 0

@@ -1,0 +1,412 @@
+"""Communicators without in-process NCCL, the process-group communicator, and the choice between them.
+
+Local, peer-copy, host-staged and xpu-copy communicators share one algorithm
+(:class:`_RootReduce`): bring every lane's buffer to one *place* (lane 0's device, or host
+memory), sum there in lane order (``((b0 + b1) + b2) + ...`` in the buffer dtype, one
+accumulator, as NCCL does for one rank's chunk), then copy that one result out to every
+lane. Every lane receives a copy of the same accumulator, so results are bitwise identical
+across lanes, and the fixed order makes them repeatable run to run.
+
+Cross-stream invariant (what keeps these communicators correct on accelerators): every
+copy between two lanes' memory is bracketed by :func:`_join` of the lanes involved, before
+and after, and runs inside both lanes' stream contexts. So a buffer is read only after the
+work its owner lane queued before the collective; a lane's later work runs after the data
+written into its buffers arrived; and no buffer - nor a staging block that the caching
+allocator hands out on the root's stream - is written while queued work still uses it.
+torch makes cross-device copies barrier on the two devices' *current* streams, which is
+why both lanes' contexts are entered; lanes that share a device (separate streams) get
+their ordering only from the joins. Copies through the host are issued on the owning
+lane's stream, and the host waits for device-to-host copies before it sums (the one host
+sync these fallbacks need). On CPU streams are None: joins are no-ops and copies are
+synchronous, so the same code (copies included) runs in tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dpq import nccl_comm
+from dpq.nccl_comm import Communicator, CommunicatorBase, CupyNcclCommunicator, TorchNcclCommunicator
+from dpq.streams import Lane, backend
+
+__all__ = [
+    "COMMUNICATORS",
+    "HostStagedCommunicator",
+    "LocalCommunicator",
+    "PeerCopyCommunicator",
+    "ProcessGroupCommunicator",
+    "XpuCopyCommunicator",
+    "select_communicator",
+]
+
+HPU_MULTI_LANE = (
+    "Gaudi's bridge allows one device per process; multi-lane hpu needs a torch.distributed process group "
+    "(HCCL), which dpq does not run in-process yet; run a single hpu lane (serial)"
+)
+
+_HOST = None  # a place index meaning host memory (device places are lane indices)
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    return device.type, 0 if device.index is None else device.index
+
+
+def _wait(waiter: Lane, producer: Lane) -> None:
+    if waiter.stream is not None and producer.stream is not None and waiter.stream is not producer.stream:
+        waiter.stream.wait_stream(producer.stream)
+
+
+def _join(lanes: Sequence[Lane]) -> None:
+    """Device-side barrier: work queued afterwards on any of ``lanes`` runs after all work queued on all of them.
+
+    Hub and spokes through the first lane: 2*(len-1) event waits, no host sync.
+    """
+    hub, *rest = lanes
+    for lane in rest:
+        _wait(hub, lane)
+    for lane in rest:
+        _wait(lane, hub)
+
+
+Move = tuple[Tensor, int | None, Tensor, int | None]  # (dst, dst place, src, src place)
+
+
+class _RootReduce(CommunicatorBase):
+    """Gather at a place, sum there in lane order, copy the one result out (module docstring)."""
+
+    place: int | None = 0  # lane index whose device holds the sums, or _HOST
+    copies_to_place = True  # False: the place reads lanes' buffers where they are (same device)
+
+    def __init__(self, lanes: Sequence[Lane]) -> None:
+        super().__init__(lanes)
+        # Pinned host memory lets device<->host copies run async; CPU lanes have nothing to pin for.
+        self._pin = any(lane.device.type != "cpu" for lane in self.lanes)
+
+    # -- moving data ---------------------------------------------------------------------
+
+    def _lane(self, place: int | None) -> Lane | None:
+        return None if place is _HOST else self.lanes[place]
+
+    def _issue_at(self, place: int | None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if place is _HOST else self.lanes[place].issue()
+
+    def _empty_at(self, place: int | None, numel: int, dtype: torch.dtype) -> Tensor:
+        if place is _HOST:
+            return torch.empty(numel, dtype=dtype, pin_memory=self._pin)
+        with self.lanes[place].issue():  # allocated for (and owned by) that lane's stream
+            return torch.empty(numel, dtype=dtype, device=self.lanes[place].device)
+
+    def _move(self, moves: Sequence[Move]) -> None:
+        """``dst <- src`` for every move, ordered against both ends (module docstring)."""
+        between = [
+            (d, self.lanes[dp], s, self.lanes[sp]) for d, dp, s, sp in moves if dp is not _HOST and sp is not _HOST
+        ]
+        to_host = [(d, s, self.lanes[sp]) for d, dp, s, sp in moves if dp is _HOST and sp is not _HOST]
+        from_host = [(d, s, self.lanes[dp]) for d, dp, s, sp in moves if sp is _HOST and dp is not _HOST]
+        if between:
+            involved = list({id(lane): lane for m in between for lane in (m[1], m[3])}.values())
+            _join(involved)
+            for dst, dst_lane, src, src_lane in between:
+                with dst_lane.issue(), src_lane.issue():  # src entered last: same-device copies run on its stream
+                    dst.copy_(src, non_blocking=True)
+            _join(involved)
+        for dst, src, lane in to_host:
+            with lane.issue():
+                dst.copy_(src, non_blocking=True)
+        for lane in {id(lane): lane for _, _, lane in to_host}.values():
+            lane.synchronize()  # the host reads these next; the one host sync of the staged path
+        for dst, src, lane in from_host:
+            with lane.issue():  # pinned src: torch's host allocator keeps it alive until the copy ran
+                dst.copy_(src, non_blocking=True)
+
+    def _fetch(self, srcs: Sequence[Tensor]) -> list[Tensor]:
+        """Every lane's buffer readable at the place, in lane order."""
+        if not self.copies_to_place:
+            _join(self.lanes)  # the place reads the lanes' own buffers on its stream
+            return list(srcs)
+        parts = [
+            src if k == self.place else self._empty_at(self.place, src.numel(), src.dtype) for k, src in enumerate(srcs)
+        ]
+        self._move([(parts[k], self.place, srcs[k], k) for k in range(len(srcs)) if k != self.place])
+        return parts
+
+    def _sum(self, srcs: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+        """Sum of ``srcs`` in lane order, into ``out`` (a tensor at the place) or a fresh one."""
+        parts = self._fetch(srcs)
+        acc = self._empty_at(self.place, parts[0].numel(), parts[0].dtype) if out is None else out
+        with self._issue_at(self.place):
+            torch.add(parts[0], parts[1], out=acc)  # out may alias parts[0]: same-index aliasing is safe
+            for part in parts[2:]:
+                acc.add_(part)
+        return acc
+
+    def _finish(self) -> None:
+        # Lanes must not touch buffers the place read or wrote on its stream until it is done.
+        if self.place is not _HOST:
+            _join(self.lanes)
+
+    def _own_out(self, bufs: Sequence[Tensor], k: int) -> Tensor | None:
+        """``bufs[k]`` when it can be the accumulator in place (it lives at the place)."""
+        return bufs[k] if k == self.place else None
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
+        acc = self._sum(bufs, out=self._own_out(bufs, 0))
+        self._move([(bufs[k], k, acc, self.place) for k in range(self.world) if bufs[k] is not acc])
+        self._finish()
+
+    def _reduce(self, bufs: Sequence[Tensor], root: int) -> None:
+        acc = self._sum(bufs, out=self._own_out(bufs, root))
+        if acc is not bufs[root]:
+            self._move([(bufs[root], root, acc, self.place)])
+        self._finish()
+
+    def _reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        acc, n = self._sum(send), recv[0].numel()
+        self._move([(recv[k], k, acc[k * n : (k + 1) * n], self.place) for k in range(self.world)])
+        self._finish()
+
+    def _all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        n = send[0].numel()
+        gathered = recv[0] if self.place == 0 else self._empty_at(self.place, self.world * n, send[0].dtype)
+        self._move([(gathered[j * n : (j + 1) * n], self.place, send[j], j) for j in range(self.world)])
+        self._move([(recv[k], k, gathered, self.place) for k in range(self.world) if recv[k] is not gathered])
+        self._finish()
+
+    def _broadcast(self, bufs: Sequence[Tensor], root: int) -> None:
+        src, src_place = bufs[root], root
+        if self.place is _HOST:
+            src, src_place = self._empty_at(_HOST, bufs[root].numel(), bufs[root].dtype), _HOST
+            self._move([(src, _HOST, bufs[root], root)])
+        self._move([(bufs[k], k, src, src_place) for k in range(self.world) if k != root])
+        self._finish()
+
+
+class LocalCommunicator(_RootReduce):
+    """Lanes that share one device (several CPU lanes, or several lanes on one GPU).
+
+    Lane 0's stream sums the other lanes' buffers where they are (no staging copy); the
+    result is copied to the other lanes.
+    """
+
+    name = "local"
+    copies_to_place = False
+
+    def __init__(self, lanes: Sequence[Lane]) -> None:
+        super().__init__(lanes)
+        devices = {_device_key(lane.device) for lane in self.lanes}
+        if len(devices) != 1:
+            raise ValueError(
+                f"dpq: the local communicator needs lanes on one device, got {sorted(map(str, devices))}; "
+                "use p2p or host for lanes on different devices"
+            )
+
+
+class PeerCopyCommunicator(_RootReduce):
+    """Lanes on different devices: direct device-to-device copies to lane 0's device, sums there, copies back.
+
+    With peer access (``backend.can_access_peer``) the copies go GPU to GPU; without it the
+    runtime stages them, and :class:`HostStagedCommunicator` is the better choice. Copies
+    into lane 0 run concurrently on the source lanes' streams; copies back run on lane 0's
+    stream. Works for lanes that share a device too, and for CPU lanes (tests).
+    """
+
+    name = "p2p"
+
+
+class XpuCopyCommunicator(PeerCopyCommunicator):
+    """Intel XPU lanes: the peer-copy path.
+
+    oneCCL has no in-process multi-device API (no ``ncclCommInitAll`` / group-call
+    equivalent: one rank per process), so several XPUs in one process exchange through
+    device-to-device copies to lane 0's device, summed there in lane order.
+    """
+
+    name = "xpu-copy"
+
+    def __init__(self, lanes: Sequence[Lane]) -> None:
+        super().__init__(lanes)
+        others = sorted({str(lane.device) for lane in self.lanes if lane.device.type != "xpu"})
+        if others:
+            raise ValueError(f"dpq: the xpu-copy communicator is for xpu lanes; got {', '.join(others)}")
+
+
+class HostStagedCommunicator(_RootReduce):
+    """Any lanes: device-to-host copies into (pinned) host buffers, sums on the host in lane order, copies back.
+
+    Pinned only when some lane is an accelerator; CPU lanes use plain buffers and still go
+    through the staging copies. The host waits for the device-to-host copies before it
+    sums: unlike the other communicators this one syncs the host once per collective.
+    """
+
+    name = "host"
+    place = _HOST
+
+
+class ProcessGroupCommunicator(CommunicatorBase):
+    """Lanes of this process plus ``torch.distributed`` across processes (gloo / nccl / xccl / hccl).
+
+    World: every process runs the same number L of lanes (checked at construction); global
+    lane index ``g = process_rank * L + k``; ``world`` = L * processes, and the ``root`` of
+    broadcast is a global lane index.
+
+    all_reduce: ``inner.reduce`` onto lane 0, ``dist.all_reduce`` of lane 0's buffer (issued
+    on lane 0's stream), ``inner.broadcast`` back. Across processes the summation order is
+    the backend's, still identical on every rank. reduce_scatter and all_gather are
+    fallbacks built on that all_reduce: reduce_scatter all-reduces a W*n copy of the send
+    buffer and keeps its chunk; all_gather zeroes the receive buffer, writes its own chunk
+    and all-reduces the raw bytes as uint8 (one non-zero contributor per byte, so the
+    result is exact for any dtype, -0.0 and NaN payloads included). Their ``wire_bytes``
+    are counted as what runs, an all_reduce of W*n elements: twice the ring
+    reduce-scatter / all-gather bytes. ``inner.wire_bytes`` counts the in-process legs.
+    """
+
+    def __init__(
+        self, lanes: Sequence[Lane], group: object | None = None, inner: CommunicatorBase | None = None
+    ) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "dpq: the process-group communicator needs torch.distributed initialised "
+                "(launch with torchrun, or call torch.distributed.init_process_group first)"
+            )
+        super().__init__(lanes)
+        self._dist = dist
+        self.group = group
+        self.inner = inner if inner is not None else select_communicator(self.lanes)[0]
+        self.processes = dist.get_world_size(group)
+        self.process_rank = dist.get_rank(group)
+        self.name = f"pg-{dist.get_backend(group)}"
+        self._check_same_lane_count()
+
+    @property
+    def world(self) -> int:
+        return len(self.lanes) * self.processes
+
+    def _check_same_lane_count(self) -> None:
+        count = len(self.lanes)
+        t = torch.tensor([count, -count], dtype=torch.int64, device=self.lanes[0].device)
+        with self.lanes[0].issue():
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        most, fewest = int(t[0]), -int(t[1])
+        if most != fewest:
+            raise ValueError(
+                f"dpq: every process must run the same number of lanes; they run {fewest}..{most} (this one {count})"
+            )
+
+    def _count(self, op: str, numel: int, itemsize: int) -> None:
+        # The fallbacks run an all_reduce of the whole W*n buffer; count what runs.
+        super()._count("all_reduce" if op in ("reduce_scatter", "all_gather") else op, numel, itemsize)
+
+    def _global_rank(self, process: int) -> int:
+        return process if self.group is None else self._dist.get_global_rank(self.group, process)
+
+    def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
+        self.inner.reduce(bufs, root=0)
+        with self.lanes[0].issue():
+            self._dist.all_reduce(bufs[0], group=self.group)
+        self.inner.broadcast(bufs, root=0)
+
+    def _reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        full = []
+        for s, lane in zip(send, self.lanes, strict=True):
+            with lane.issue():
+                full.append(s.clone())
+        self._all_reduce(full)
+        n, base = recv[0].numel(), self.process_rank * len(self.lanes)
+        for k, (r, lane) in enumerate(zip(recv, self.lanes, strict=True)):
+            with lane.issue():
+                r.copy_(full[k][(base + k) * n : (base + k + 1) * n])
+
+    def _all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        nbytes, base = send[0].numel() * send[0].element_size(), self.process_rank * len(self.lanes)
+        raw = [r.view(torch.uint8) for r in recv]
+        for k, (s, lane) in enumerate(zip(send, self.lanes, strict=True)):
+            with lane.issue():
+                raw[k].zero_()
+                raw[k][(base + k) * nbytes : (base + k + 1) * nbytes].copy_(s.view(torch.uint8))
+        self._all_reduce(raw)
+
+    def _broadcast(self, bufs: Sequence[Tensor], root: int) -> None:
+        process, lane = divmod(root, len(self.lanes))
+        if process == self.process_rank:
+            self.inner.broadcast(bufs, root=lane)  # the root's data onto lane 0 (and the others)
+        with self.lanes[0].issue():
+            self._dist.broadcast(bufs[0], src=self._global_rank(process), group=self.group)
+        self.inner.broadcast(bufs, root=0)
+
+    def reduce(self, bufs: Sequence[Tensor], root: int = 0) -> None:
+        raise NotImplementedError("dpq: reduce is an in-process helper; a process group runs all_reduce")
+
+
+# -- the choice ----------------------------------------------------------------------------
+
+COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
+    "local": LocalCommunicator,
+    "p2p": PeerCopyCommunicator,
+    "host": HostStagedCommunicator,
+    "xpu-copy": XpuCopyCommunicator,
+    "cupy-nccl": CupyNcclCommunicator,
+    "torch-nccl": TorchNcclCommunicator,
+}
+
+
+def _all_pairs_peer(lanes: Sequence[Lane]) -> bool:
+    devices = list({_device_key(lane.device): lane.device for lane in lanes}.values())
+    return all(backend(a).can_access_peer(a, b) for a in devices for b in devices if a != b)
+
+
+def _choose(lanes: Sequence[Lane]) -> tuple[str, str]:
+    """(communicator name, one-line reason) for these lanes."""
+    world = len(lanes)
+    if world == 1:
+        return "local", "one lane: nothing to exchange"
+    devices = {_device_key(lane.device) for lane in lanes}
+    if len(devices) == 1:
+        return "local", f"all {world} lanes share {lanes[0].device}: sums stay on that device"
+    types = {lane.device.type for lane in lanes}
+    if "hpu" in types:
+        raise ValueError(f"dpq: {HPU_MULTI_LANE}")
+    if len(types) > 1:
+        return "host", f"lanes mix device types ({', '.join(sorted(types))}): sums go through host memory"
+    if types == {"xpu"}:
+        return "xpu-copy", f"{world} xpu lanes: oneCCL has no in-process multi-device API, so device-to-device copies"
+    if types == {"cuda"}:
+        if len(devices) == world:
+            if nccl_comm.cupy_nccl_available():
+                return "cupy-nccl", f"{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
+            if nccl_comm.torch_nccl_available():
+                return "torch-nccl", f"{world} distinct GPUs, CuPy absent (pip install dpq[cuda12]): torch.cuda.nccl"
+            why = f"{world} distinct GPUs but no NCCL (neither CuPy nor torch.cuda.nccl)"
+        else:
+            why = f"{world} lanes on {len(devices)} GPUs, some shared (NCCL hangs when ranks share a GPU)"
+        if _all_pairs_peer(lanes):
+            return "p2p", f"{why}; every GPU pair has peer access: device-to-device copies"
+        return "host", f"{why}; not every GPU pair has peer access: sums go through pinned host memory"
+    return "host", f"lanes on {len(devices)} distinct {types.pop()} devices: sums go through host memory"
+
+
+def select_communicator(lanes: Sequence[Lane], prefer: str | None = None) -> tuple[Communicator, str]:
+    """The communicator for ``lanes`` and a one-line reason.
+
+    ``prefer`` forces one by name (benchmarks, tests); a forced choice the lanes cannot
+    take fails in that communicator's constructor with its own reason.
+    """
+    lanes = list(lanes)
+    if not lanes:
+        raise ValueError("dpq: select_communicator needs at least one lane")
+    if prefer is None:
+        name, reason = _choose(lanes)
+        return COMMUNICATORS[name](lanes), reason
+    if prefer not in COMMUNICATORS:
+        raise ValueError(f"dpq: unknown communicator {prefer!r}; choose from {', '.join(COMMUNICATORS)}")
+    hpus = {_device_key(lane.device) for lane in lanes if lane.device.type == "hpu"}
+    if hpus and len({_device_key(lane.device) for lane in lanes}) > 1:
+        raise ValueError(f"dpq: {HPU_MULTI_LANE}")
+    return COMMUNICATORS[prefer](lanes), f"{prefer}: forced by prefer={prefer!r}"

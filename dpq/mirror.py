@@ -1,0 +1,157 @@
+"""Replicas of one module on a set of lanes.
+
+``ReplicaSet(module, lanes, tuned)`` keeps the caller's module as lane 0 (home, no copy) and
+builds one mirror per extra lane. Invariants kept here:
+
+* **Aliasing.** A mirror is made by one ``copy.deepcopy`` whose memo is pre-seeded with the
+  lane-side copy of every tensor reachable from the module's ``__dict__``s (parameters,
+  buffers, plain tensor attributes, and tensors inside dict/list/tuple attributes such as
+  auto-round's ``WrapperLinear.params``). deepcopy resolves every reference to a tensor
+  through that memo, so a tensor that appears under two names at home is one tensor in
+  the mirror too: the optimizer's params, the registered parameters and a wrapper's
+  ``params`` dict stay the same objects. A broken alias would silently stop gradients.
+* **No home-device spike.** Tensors are copied straight to the lane's device; nothing
+  is duplicated on home first.
+* **Frozen tensors are shared, tuned ones never.** On a lane that shares home's device,
+  tensors that are not tuned (frozen weights, buffers) are the same storage as home's:
+  they are read-only during tuning. Tuned parameters are always fresh copies.
+* **Identical state.** After the exchange and the step, every lane's tuned parameters are
+  bitwise equal (``check_identical`` verifies it; the engine calls it in debug mode).
+* **Teardown.** ``close()`` drops every mirror and the references this object holds, so
+  the memory returns to the pre-block baseline; the home module is never modified here.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from dpq.streams import Lane
+
+__all__ = ["ReplicaMismatchError", "ReplicaSet", "stage"]
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Lanes disagree on a tuned parameter: the exchange or the step is broken."""
+
+
+def _tensors_in(value, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 2 and isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v, depth + 1)
+    elif depth < 2 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v, depth + 1)
+
+
+def _reachable_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor held by the module tree (each module's params, buffers and attributes)."""
+    for m in module.modules():
+        yield from _tensors_in(m.__dict__)
+
+
+def _lane_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    data = t.detach().to(device, copy=True)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(data, requires_grad=t.requires_grad)
+    return data.requires_grad_(t.requires_grad) if t.is_leaf else data
+
+
+def _mirror(module: torch.nn.Module, device: torch.device, tuned_ids: set[int], share_frozen: bool):
+    memo: dict[int, object] = {}
+    for t in _reachable_tensors(module):
+        if id(t) in memo:
+            continue
+        if share_frozen and id(t) not in tuned_ids and t.device == device:
+            memo[id(t)] = t
+        else:
+            memo[id(t)] = _lane_copy(t, device)
+    mirror = copy.deepcopy(module, memo)
+    for m in mirror.modules():
+        # Wrappers remember "their" device as a plain attribute (auto-round's WrapperLinear
+        # keeps .device / .output_device); point them at the lane.
+        for attr in ("device", "output_device"):
+            if isinstance(m.__dict__.get(attr), (str, torch.device)):
+                m.__dict__[attr] = device
+    return mirror
+
+
+class ReplicaSet:
+    """The home module plus one mirror per extra lane; see the module docstring."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        lanes: Sequence[Lane],
+        tuned: Sequence[str],
+        *,
+        share_frozen: bool = True,
+    ) -> None:
+        if not lanes:
+            raise ValueError("dpq: ReplicaSet needs at least one lane")
+        named = dict(module.named_parameters(remove_duplicate=False))
+        missing = [n for n in tuned if n not in named]
+        if missing:
+            raise ValueError(f"dpq: tuned parameter names not found in the module: {missing[:5]}")
+        self.lanes = list(lanes)
+        self.tuned_names = list(tuned)
+        tuned_ids = {id(named[n]) for n in tuned}
+        self.modules: list[torch.nn.Module] = [module]
+        for lane in self.lanes[1:]:
+            with lane.issue():
+                self.modules.append(_mirror(module, lane.device, tuned_ids, share_frozen))
+        self._tuned = [self._lookup(m) for m in self.modules]
+        for lane in self.lanes[1:]:
+            lane.wait_for_current()
+
+    def _lookup(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        named = dict(module.named_parameters(remove_duplicate=False))
+        return [named[n] for n in self.tuned_names]
+
+    @property
+    def world(self) -> int:
+        return len(self.lanes)
+
+    @property
+    def home(self) -> torch.nn.Module:
+        return self.modules[0]
+
+    def tuned_params(self, lane: int) -> list[torch.nn.Parameter]:
+        """Lane ``lane``'s tuned parameters, in the caller's order (same order on every lane)."""
+        return self._tuned[lane]
+
+    def check_identical(self) -> None:
+        """Raise ReplicaMismatchError unless every lane's tuned parameters equal home's bit for bit."""
+        for k in range(1, self.world):
+            for name, ref, p in zip(self.tuned_names, self._tuned[0], self._tuned[k], strict=True):
+                other = p.detach().to(ref.device)
+                if ref.dtype.is_floating_point and ref.element_size() in (2, 4, 8):
+                    int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ref.element_size()]
+                    same = torch.equal(ref.detach().view(int_t), other.view(int_t))
+                else:
+                    same = torch.equal(ref.detach(), other)
+                if not same:
+                    raise ReplicaMismatchError(f"dpq: lane {k} diverged from home on tuned parameter {name!r}")
+
+    def close(self) -> None:
+        """Drop the mirrors; home is untouched. Safe to call twice."""
+        del self.modules[1:]
+        del self._tuned[1:]
+        gc.collect()
+        for lane in self.lanes[1:]:
+            if lane.device.type == "cuda":
+                torch.cuda.empty_cache()
+                break
+
+
+def stage(lane: Lane, tensor: torch.Tensor) -> torch.Tensor:
+    """Copy a pool tensor onto the lane, queued on the lane's stream (async where the source is pinned)."""
+    if tensor.device == lane.device:
+        return tensor
+    with lane.issue():
+        return tensor.to(lane.device, non_blocking=True)

@@ -1,0 +1,506 @@
+"""Communicators: every collective on CPU lanes, the NCCL call sequences (recording fake), the choice."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dpq import nccl_comm
+from dpq.fallback_p2p import (
+    HPU_MULTI_LANE,
+    HostStagedCommunicator,
+    LocalCommunicator,
+    PeerCopyCommunicator,
+    ProcessGroupCommunicator,
+    XpuCopyCommunicator,
+    select_communicator,
+)
+from dpq.nccl_comm import (
+    Communicator,
+    CupyNcclCommunicator,
+    TorchNcclCommunicator,
+    cupy_nccl_available,
+    ring_wire_bytes,
+)
+from dpq.streams import Lane, make_lanes
+from tests import fake_cupy_nccl
+
+WORLDS = [1, 2, 3, 4]
+SIZES = [1, 37, 1000]
+EPS = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8}
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gloo_world1():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(params=["local", "p2p", "host", "pg"])
+def make_comm(request):
+    """W -> a communicator over W CPU lanes (pg: a real gloo group of one process)."""
+    if request.param == "pg":
+        request.getfixturevalue("gloo_world1")
+
+    def make(world: int):
+        lanes = make_lanes(["cpu"] * world)
+        if request.param == "pg":
+            return ProcessGroupCommunicator(lanes)
+        comm, _ = select_communicator(lanes, prefer=request.param)
+        return comm
+
+    return make
+
+
+def lane_data(world: int, n: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    """Random per-lane buffers with exact zeros sprinkled in (one lane all zero when W >= 3)."""
+    gen = torch.Generator().manual_seed(seed + 1000 * world + n)
+    if dtype == torch.uint8:
+        return [torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8) for _ in range(world)]
+    out = []
+    for k in range(world):
+        x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 4, (n,), generator=gen)
+        x[torch.rand(n, generator=gen) < 0.2] = 0.0
+        if world >= 3 and k == 1:
+            x.zero_()
+        out.append(x.to(dtype))
+    return out
+
+
+def lane_order_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc += x
+    return acc
+
+
+def assert_sum(out: list[torch.Tensor], inputs: list[torch.Tensor], exact_order: bool = True) -> None:
+    """Identical bits on every lane; within fp tolerance of the float64 sum; exactly the lane-order sum."""
+    for t in out[1:]:
+        assert torch.equal(t.view(torch.uint8), out[0].view(torch.uint8)), "lanes differ"
+    ref64 = sum(x.double() for x in inputs)
+    bound = len(inputs) * EPS[inputs[0].dtype] * sum(x.double().abs() for x in inputs) + 1e-30
+    assert bool(((out[0].double() - ref64).abs() <= bound).all())
+    if exact_order:
+        assert torch.equal(out[0], lane_order_sum(inputs))
+
+
+# -- every collective on CPU lanes --------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_reduce(make_comm, world, dtype):
+    comm = make_comm(world)
+    assert isinstance(comm, Communicator)
+    for n in SIZES:
+        inputs = lane_data(world, n, dtype)
+        bufs = [x.clone() for x in inputs]
+        before = comm.wire_bytes
+        comm.all_reduce(bufs)
+        assert_sum(bufs, inputs)
+        assert comm.wire_bytes - before == 2 * (world - 1) * n * bufs[0].element_size() // world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter(make_comm, world):
+    comm = make_comm(world)
+    for n in SIZES:
+        send = lane_data(world, world * n, torch.float32)
+        originals = [s.clone() for s in send]
+        recv = [torch.full((n,), float("nan")) for _ in range(world)]
+        before = comm.wire_bytes
+        comm.reduce_scatter(send, recv)
+        full = lane_order_sum(originals)
+        for k in range(world):
+            chunk = slice(k * n, (k + 1) * n)
+            assert_sum([recv[k]], [x[chunk] for x in originals])
+            assert torch.equal(recv[k], full[chunk])
+        assert all(torch.equal(s, o) for s, o in zip(send, originals, strict=True)), "send buffers changed"
+        expected = (world - 1) * world * n * 4 // world
+        if comm.name.startswith("pg-"):
+            expected = 2 * expected  # documented: runs as an all_reduce of the W*n buffer
+        assert comm.wire_bytes - before == expected
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_all_gather(make_comm, world, dtype):
+    comm = make_comm(world)
+    for n in SIZES:
+        send = lane_data(world, n, dtype)
+        if dtype == torch.float32:
+            send[0][0] = -0.0  # gathers move bits, signed zeros included
+        recv = [torch.zeros(world * n, dtype=dtype) for _ in range(world)]
+        before = comm.wire_bytes
+        comm.all_gather(send, recv)
+        expected = torch.cat(send).view(torch.uint8)
+        for r in recv:
+            assert torch.equal(r.view(torch.uint8), expected)
+        nbytes = (world - 1) * world * n * send[0].element_size() // world
+        assert comm.wire_bytes - before == (2 * nbytes if comm.name.startswith("pg-") else nbytes)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_broadcast(make_comm, world, dtype):
+    comm = make_comm(world)
+    for root in range(world):
+        bufs = lane_data(world, 37, dtype, seed=root)
+        expected = bufs[root].clone()
+        before = comm.wire_bytes
+        comm.broadcast(bufs, root=root)
+        assert all(torch.equal(b, expected) for b in bufs)
+        assert comm.wire_bytes - before == (world - 1) * 37 * bufs[0].element_size() // world
+
+
+@pytest.mark.parametrize("name", ["local", "p2p", "host"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_in_process(name, world):
+    comm, _ = select_communicator(make_lanes(["cpu"] * world), prefer=name)
+    for root in range(world):
+        inputs = lane_data(world, 37, torch.float32, seed=root)
+        bufs = [x.clone() for x in inputs]
+        comm.reduce(bufs, root=root)
+        assert torch.equal(bufs[root], lane_order_sum(inputs))
+        assert all(torch.equal(bufs[k], inputs[k]) for k in range(world) if k != root)
+
+
+def test_world_one_shortcuts():
+    comm = LocalCommunicator(make_lanes(["cpu"]))
+    buf = torch.randn(5)
+    keep = buf.clone()
+    comm.all_reduce([buf])
+    comm.broadcast([buf])
+    assert torch.equal(buf, keep)
+    recv = [torch.empty(5)]
+    comm.reduce_scatter([buf], recv)
+    assert torch.equal(recv[0], buf) and recv[0].data_ptr() != buf.data_ptr()
+    recv = [torch.empty(5)]
+    comm.all_gather([buf], recv)
+    assert torch.equal(recv[0], buf)
+    assert comm.wire_bytes == 0
+
+
+def test_wire_bytes_formula():
+    assert ring_wire_bytes("all_reduce", 4, 1000, 4) == 6000
+    assert ring_wire_bytes("reduce_scatter", 4, 1000, 4) == 3000
+    assert ring_wire_bytes("all_gather", 3, 10, 1) == 6
+    assert ring_wire_bytes("broadcast", 3, 1, 4) == 2  # floor of 8/3
+    assert ring_wire_bytes("all_reduce", 1, 1000, 4) == 0
+
+
+def test_rejects_bad_buffers():
+    comm = PeerCopyCommunicator(make_lanes(["cpu"] * 2))
+    with pytest.raises(ValueError, match="1 buffers for 2 lanes"):
+        comm.all_reduce([torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"bufs\[1\] has 4 elements, expected 3"):
+        comm.all_reduce([torch.zeros(3), torch.zeros(4)])
+    with pytest.raises(ValueError, match="1-D and contiguous"):
+        comm.all_reduce([torch.zeros(3, 2), torch.zeros(3, 2)])
+    with pytest.raises(TypeError, match="float32, bfloat16, uint8"):
+        comm.all_reduce([torch.zeros(3, dtype=torch.float64)] * 2)
+    with pytest.raises(ValueError, match=r"send\[0\] has 3 elements, expected 6"):
+        comm.reduce_scatter([torch.zeros(3)] * 2, [torch.zeros(3)] * 2)
+    with pytest.raises(ValueError, match="root 2 is not a rank"):
+        comm.broadcast([torch.zeros(3)] * 2, root=2)
+    with pytest.raises(ValueError, match="lanes on one device"):
+        LocalCommunicator([Lane(0, torch.device("cpu")), Lane(1, torch.device("cuda", 0))])
+
+
+# -- the process-group communicator across two real processes -------------------------------
+
+
+def _pg_worker(rank: int, store_path: str, out_dir: str, lanes_per_proc: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        comm = ProcessGroupCommunicator(make_lanes(["cpu"] * lanes_per_proc))
+        world, mine = comm.world, [rank * lanes_per_proc + k for k in range(lanes_per_proc)]
+        data = _pg_data(world)
+        out = {"world": world, "name": comm.name}
+        bufs = [data["ar"][g].clone() for g in mine]
+        comm.all_reduce(bufs)
+        out["ar"] = bufs
+        bufs = [data["ar16"][g].clone() for g in mine]
+        comm.all_reduce(bufs)
+        out["ar16"] = bufs
+        recv = [torch.empty(5) for _ in mine]
+        comm.reduce_scatter([data["rs"][g] for g in mine], recv)
+        out["rs"] = recv
+        recv = [torch.empty(7 * world, dtype=torch.uint8) for _ in mine]
+        comm.all_gather([data["ag"][g] for g in mine], recv)
+        out["ag"] = recv
+        bufs = [data["bc"][g].clone() for g in mine]
+        comm.broadcast(bufs, root=world - 1)
+        out["bc"] = bufs
+        out["wire_bytes"] = comm.wire_bytes
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _pg_data(world: int) -> dict[str, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "ar": [torch.randn(33, generator=gen) for _ in range(world)],
+        "ar16": [torch.randn(33, generator=gen).bfloat16() for _ in range(world)],
+        "rs": [torch.randn(5 * world, generator=gen) for _ in range(world)],
+        "ag": [torch.randint(0, 256, (7,), generator=gen, dtype=torch.uint8) for _ in range(world)],
+        "bc": [torch.randn(9, generator=gen) for _ in range(world)],
+    }
+
+
+def test_process_group_two_processes(tmp_path):
+    lanes_per_proc = 2
+    mp.spawn(_pg_worker, args=(str(tmp_path / "store"), str(tmp_path), lanes_per_proc), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    world = results[0]["world"]
+    assert world == 4 and results[0]["name"] == "pg-gloo"
+    data = _pg_data(world)
+    lanes = [t for r in results for t in r["ar"]]
+    assert_sum(lanes, data["ar"], exact_order=False)
+    assert_sum([t for r in results for t in r["ar16"]], data["ar16"], exact_order=False)
+    full = sum(x.double() for x in data["rs"])
+    rs = [t for r in results for t in r["rs"]]
+    for g in range(world):
+        assert torch.allclose(rs[g].double(), full[g * 5 : (g + 1) * 5], rtol=1e-5, atol=1e-6)
+    for t in (t for r in results for t in r["ag"]):
+        assert torch.equal(t, torch.cat(data["ag"]))
+    for t in (t for r in results for t in r["bc"]):
+        assert torch.equal(t, data["bc"][world - 1])
+    expected = (
+        ring_wire_bytes("all_reduce", world, 33, 4)
+        + ring_wire_bytes("all_reduce", world, 33, 2)
+        + ring_wire_bytes("all_reduce", world, 5 * world, 4)
+        + ring_wire_bytes("all_reduce", world, 7 * world, 1)
+        + ring_wire_bytes("broadcast", world, 9, 4)
+    )
+    assert results[0]["wire_bytes"] == results[1]["wire_bytes"] == expected
+
+
+def test_process_group_needs_init():
+    with pytest.raises(RuntimeError, match=r"torch\.distributed initialised"):
+        ProcessGroupCommunicator(make_lanes(["cpu"]))
+
+
+# -- select_communicator ------------------------------------------------------------------
+
+
+def lanes_on(*devices: str) -> list[Lane]:
+    return [Lane(k, torch.device(d)) for k, d in enumerate(devices)]
+
+
+@pytest.fixture
+def no_cupy(monkeypatch):
+    monkeypatch.setattr(nccl_comm, "cupy_nccl_available", lambda: False)
+
+
+def peer_access(monkeypatch, allowed: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: allowed)
+
+
+def test_select_single_lane_and_shared_device():
+    comm, reason = select_communicator(make_lanes(["cpu"]))
+    assert comm.name == "local" and "one lane" in reason
+    comm, reason = select_communicator(make_lanes(["cpu"] * 3))
+    assert comm.name == "local" and "share cpu" in reason
+    comm, reason = select_communicator(lanes_on("cuda:1", "cuda:1"))
+    assert isinstance(comm, LocalCommunicator) and "share cuda:1" in reason
+
+
+def test_select_cupy_when_available(monkeypatch):
+    fake = fake_cupy_nccl.install(monkeypatch)
+    assert cupy_nccl_available()
+    comm, reason = select_communicator(lanes_on("cuda:0", "cuda:1"))
+    assert isinstance(comm, CupyNcclCommunicator) and "CuPy" in reason
+    assert fake.calls == [("initAll", [0, 1])]
+
+
+def test_select_torch_nccl_without_cupy(monkeypatch, no_cupy):
+    monkeypatch.setattr(nccl_comm, "torch_nccl_available", lambda: True)
+    comm, reason = select_communicator(lanes_on("cuda:0", "cuda:1", "cuda:2"))
+    assert isinstance(comm, TorchNcclCommunicator) and "pip install dpq[cuda12]" in reason
+
+
+@pytest.mark.parametrize(("peer", "name"), [(True, "p2p"), (False, "host")])
+def test_select_without_nccl(monkeypatch, no_cupy, peer, name):
+    monkeypatch.setattr(nccl_comm, "torch_nccl_available", lambda: False)
+    peer_access(monkeypatch, peer)
+    comm, reason = select_communicator(lanes_on("cuda:0", "cuda:1"))
+    assert comm.name == name and "no NCCL" in reason and ("peer access" in reason)
+
+
+@pytest.mark.parametrize(("peer", "cls"), [(True, PeerCopyCommunicator), (False, HostStagedCommunicator)])
+def test_select_shared_gpus_avoid_nccl(monkeypatch, peer, cls):
+    fake = fake_cupy_nccl.install(monkeypatch)  # NCCL would be available: still not chosen
+    peer_access(monkeypatch, peer)
+    comm, reason = select_communicator(lanes_on("cuda:0", "cuda:0", "cuda:1"))
+    assert type(comm) is cls and "NCCL hangs" in reason
+    assert fake.calls == []
+
+
+def test_select_xpu_mixed_hpu():
+    comm, reason = select_communicator(lanes_on("xpu:0", "xpu:1"))
+    assert isinstance(comm, XpuCopyCommunicator) and comm.name == "xpu-copy" and "oneCCL" in reason
+    comm, reason = select_communicator(lanes_on("cuda:0", "cpu"))
+    assert comm.name == "host" and "mix device types" in reason
+    with pytest.raises(ValueError) as err:
+        select_communicator(lanes_on("hpu:0", "hpu:1"))
+    assert HPU_MULTI_LANE in str(err.value)
+    with pytest.raises(ValueError, match="Gaudi"):
+        select_communicator(lanes_on("hpu:0", "hpu:1"), prefer="host")
+    assert select_communicator(lanes_on("hpu:0"))[0].name == "local"
+
+
+def test_select_prefer(monkeypatch):
+    comm, reason = select_communicator(make_lanes(["cpu"] * 2), prefer="host")
+    assert isinstance(comm, HostStagedCommunicator) and "forced" in reason
+    with pytest.raises(ValueError, match="unknown communicator 'mpi'"):
+        select_communicator(make_lanes(["cpu"] * 2), prefer="mpi")
+    with pytest.raises(ValueError, match="one device"):
+        select_communicator(lanes_on("cuda:0", "cuda:1"), prefer="local")
+    with pytest.raises(ValueError, match="xpu lanes"):
+        select_communicator(make_lanes(["cpu"] * 2), prefer="xpu-copy")
+    with pytest.raises(ValueError, match="NCCL needs CUDA lanes"):
+        select_communicator(make_lanes(["cpu"] * 2), prefer="torch-nccl")
+    monkeypatch.setitem(sys.modules, "cupy", None)  # CuPy absent, whatever is installed
+    with pytest.raises(RuntimeError, match=r"pip install dpq\[cuda12\]"):
+        select_communicator(lanes_on("cuda:0", "cuda:1"), prefer="cupy-nccl")
+    assert not cupy_nccl_available()
+
+
+# -- NCCL communicators: refusals and the recorded call sequence ---------------------------
+
+
+@pytest.mark.parametrize("cls", [CupyNcclCommunicator, TorchNcclCommunicator])
+def test_nccl_refuses_shared_gpu_before_any_nccl_call(monkeypatch, cls):
+    fake = fake_cupy_nccl.install(monkeypatch)
+    with pytest.raises(ValueError, match="NCCL hangs when two ranks share a GPU"):
+        cls(lanes_on("cuda:0", "cuda:1", "cuda:0"))
+    assert fake.calls == []
+
+
+def fake_cuda_lanes(world: int):
+    return [
+        types.SimpleNamespace(
+            index=k, device=torch.device("cuda", k), stream=None, stream_handle=1000 + k, issue=contextlib.nullcontext
+        )
+        for k in range(world)
+    ]
+
+
+@pytest.fixture
+def fake_cupy_comm(monkeypatch):
+    """W -> (CupyNcclCommunicator over fake cuda lanes, the recording fake). CPU tensors stand in for GPU buffers."""
+    fake = fake_cupy_nccl.install(monkeypatch)
+    monkeypatch.setattr(CupyNcclCommunicator, "_check_device", lambda self, t, lane: None)
+
+    def make(world):
+        comm = CupyNcclCommunicator(fake_cuda_lanes(world))
+        assert fake.calls == [("initAll", list(range(world)))]
+        fake.calls.clear()
+        return comm, fake
+
+    return make
+
+
+def expect_group(fake, op, per_rank):
+    """One groupStart, the W rank calls in rank order, one groupEnd, nothing else."""
+    calls = [fake_cupy_nccl.Call(op, k, *args) for k, args in enumerate(per_rank)]
+    assert fake.calls == [("groupStart",), *calls, ("groupEnd",)]
+    fake.calls.clear()
+
+
+NCCL_DTYPES = [
+    (torch.float32, fake_cupy_nccl.NCCL_FLOAT32),
+    (torch.bfloat16, fake_cupy_nccl.NCCL_BFLOAT16),
+    (torch.uint8, fake_cupy_nccl.NCCL_UINT8),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("dtype", "code"), NCCL_DTYPES)
+def test_cupy_nccl_call_sequence(fake_cupy_comm, world, dtype, code):
+    comm, fake = fake_cupy_comm(world)
+    n = 6
+    bufs = [torch.zeros(n, dtype=dtype) for _ in range(world)]
+    ptr = [b.data_ptr() for b in bufs]
+    stream = [1000 + k for k in range(world)]
+
+    comm.all_reduce(bufs)
+    expect_group(fake, "allReduce", [(ptr[k], ptr[k], n, code, None, stream[k]) for k in range(world)])
+
+    send = [torch.zeros(world * n, dtype=dtype) for _ in range(world)]
+    comm.reduce_scatter(send, bufs)
+    args = [(send[k].data_ptr(), ptr[k], n, code, None, stream[k]) for k in range(world)]
+    expect_group(fake, "reduceScatter", args)  # count = recvcount = n
+
+    recv = [torch.zeros(world * n, dtype=dtype) for _ in range(world)]
+    comm.all_gather(bufs, recv)
+    args = [(ptr[k], recv[k].data_ptr(), n, code, None, stream[k]) for k in range(world)]
+    expect_group(fake, "allGather", args)  # count = sendcount = n
+
+    comm.broadcast(bufs, root=1)
+    expect_group(fake, "broadcast", [(ptr[k], ptr[k], n, code, 1, stream[k]) for k in range(world)])
+
+    comm.reduce(bufs, root=world - 1)
+    expect_group(fake, "reduce", [(ptr[k], ptr[k], n, code, world - 1, stream[k]) for k in range(world)])
+
+    s = bufs[0].element_size()
+    assert comm.wire_bytes == sum(
+        ring_wire_bytes(op, world, numel, s)
+        for op, numel in [
+            ("all_reduce", n),
+            ("reduce_scatter", world * n),
+            ("all_gather", world * n),
+            ("broadcast", n),
+            ("reduce", n),
+        ]
+    )
+    comm.close()
+    assert fake.calls == [("destroy", k) for k in range(world)]
+    with pytest.raises(RuntimeError, match="after close"):
+        comm.all_reduce(bufs)
+
+
+def test_cupy_nccl_world_one_issues_nothing(fake_cupy_comm):
+    comm, fake = fake_cupy_comm(1)
+    buf = torch.zeros(4)
+    comm.all_reduce([buf])
+    comm.broadcast([buf])
+    assert fake.calls == []
+
+
+def test_torch_nccl_passes_lane_streams(monkeypatch):
+    monkeypatch.setattr(nccl_comm, "torch_nccl_available", lambda: True)
+    monkeypatch.setattr(TorchNcclCommunicator, "_check_device", lambda self, t, lane: None)
+    import torch.cuda.nccl as tnccl
+
+    calls = []
+    for fn in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"):
+        monkeypatch.setattr(tnccl, fn, lambda *a, _fn=fn, **kw: calls.append((_fn, a, kw)))
+    lanes = fake_cuda_lanes(2)
+    for lane in lanes:
+        lane.stream = object()
+    comm = TorchNcclCommunicator(lanes)
+    bufs = [torch.zeros(3), torch.zeros(3)]
+    comm.all_reduce(bufs)
+    comm.broadcast(bufs, root=1)
+    comm.reduce_scatter([torch.zeros(6)] * 2, bufs)
+    comm.all_gather(bufs, [torch.zeros(6)] * 2)
+    comm.reduce(bufs, root=1)
+    assert [c[0] for c in calls] == ["all_reduce", "broadcast", "reduce_scatter", "all_gather", "reduce"]
+    streams = [lane.stream for lane in lanes]
+    assert all(c[2]["streams"] == streams for c in calls)
+    assert calls[1][2]["root"] == 1 and calls[4][2]["root"] == 1 and calls[4][2]["output"] is bufs[1]

@@ -1,0 +1,221 @@
+"""Gradient buckets and the full-sum / sign exchange policies on CPU lanes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpq.exchange import FullSumExchange, GradBuckets, SignExchange, sign_padded_length
+from dpq.fallback_p2p import select_communicator
+from dpq.streams import make_lanes
+
+WORLDS = [1, 2, 3, 4]
+LENGTHS = [1, 7, 13, 1000, 4099]
+
+
+def lane_params(world: int, shapes, dtype=torch.float32) -> list[list[torch.nn.Parameter]]:
+    return [[torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes] for _ in range(world)]
+
+
+def comm_for(world: int, name: str = "local"):
+    return select_communicator(make_lanes(["cpu"] * world), prefer=name)[0]
+
+
+def fill_grads(buckets: GradBuckets, seed: int) -> list[torch.Tensor]:
+    """Random lane gradients with the zeros the sign path must keep: scattered exact zeros, an
+    all-zero lane (W >= 3), elements zero on every lane, and elements whose lane sum cancels to 0."""
+    gen = torch.Generator().manual_seed(seed)
+    world, n = buckets.world, buckets.numel
+    grads = [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-4, 3, (n,), generator=gen) for _ in range(world)]
+    for g in grads:
+        g[torch.rand(n, generator=gen) < 0.25] = 0.0
+    all_zero = torch.rand(n, generator=gen) < 0.2
+    for g in grads:
+        g[all_zero] = 0.0
+    if world >= 3:
+        grads[1].zero_()
+    if world >= 2 and n >= 3:
+        grads[0][2], grads[-1][2] = 0.5, -0.5  # cancels exactly in fp32 (the lanes between hold 0 there)
+        for g in grads[1:-1]:
+            g[2] = 0.0
+    for buf, g in zip(buckets.buffers, grads, strict=True):
+        buf.copy_(g)
+    return grads
+
+
+def lane_order_sum(xs):
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc += x
+    return acc
+
+
+def assert_same_bits_everywhere(buckets: GradBuckets) -> None:
+    for buf in buckets.buffers[1:]:
+        assert torch.equal(buf.view(torch.int32), buckets.buffers[0].view(torch.int32))
+
+
+# -- GradBuckets ------------------------------------------------------------------------------
+
+
+def test_reverse_layout_and_buckets():
+    params = lane_params(2, [(3,), (2, 2), (5,)])
+    b = GradBuckets(params, bucket_cap_elems=9)
+    assert b.numel == 12
+    assert b.offsets == [9, 5, 0]  # last parameter first
+    assert b.bucket_params == [[2, 1], [0]]
+    assert b.bucket_ranges == [(0, 9), (9, 12)]
+    one_each = GradBuckets(params, bucket_cap_elems=1)  # a parameter over the cap gets its own bucket
+    assert one_each.bucket_ranges == [(0, 5), (5, 9), (9, 12)]
+    assert GradBuckets(params).bucket_ranges == [(0, 12)]
+
+
+def test_grads_are_views_and_backward_accumulates_in_place():
+    params = lane_params(2, [(3,), (2, 2), (5,)])
+    b = GradBuckets(params, bucket_cap_elems=9)
+    b.attach()
+    for buf, ps in zip(b.buffers, params, strict=True):
+        for p, off in zip(ps, b.offsets, strict=True):
+            assert p.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+            assert p.grad.data_ptr() == buf.data_ptr() + off * 4
+            assert p.grad.shape == p.shape
+    for k, ps in enumerate(params):
+        for _ in range(2):  # two backwards accumulate into the same slots
+            sum(((i + 1 + k) * p).sum() for i, p in enumerate(ps)).backward()
+    for k, buf in enumerate(b.buffers):
+        expected = torch.cat(
+            [torch.full((5,), 2.0 * (3 + k)), torch.full((4,), 2.0 * (2 + k)), torch.full((3,), 2.0 * (1 + k))]
+        )
+        assert torch.equal(buf, expected)
+    assert b.is_attached()
+
+
+def test_attach_after_zero_grad_set_to_none():
+    params = lane_params(1, [(4,), (6,)])
+    b = GradBuckets(params)
+    b.attach()
+    opt = torch.optim.SGD(params[0], lr=0.1)
+    (params[0][0].sum() + params[0][1].sum()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert params[0][0].grad is None and not b.is_attached()
+    b.attach()
+    assert b.is_attached()
+    assert torch.equal(b.buffers[0], torch.zeros(10))  # attach zeroes
+    (3 * params[0][1].sum()).backward()
+    assert torch.equal(b.buffers[0], torch.cat([torch.full((6,), 3.0), torch.zeros(4)]))
+
+
+def test_refusals():
+    with pytest.raises(TypeError, match="fp32"):
+        GradBuckets(lane_params(2, [(3,)], dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="fp32"):
+        GradBuckets(lane_params(1, [(3,)], dtype=torch.float16))
+    mismatched = lane_params(2, [(3,)])
+    mismatched[1][0] = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="shape"):
+        GradBuckets(mismatched)
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="twice"):
+        GradBuckets([[p, p]])
+    with pytest.raises(ValueError, match="1 tuned parameters, lane 0 has 2"):
+        GradBuckets([lane_params(1, [(3,), (3,)])[0], lane_params(1, [(3,)])[0]])
+    with pytest.raises(ValueError, match="2 gradient buffers for 3 lanes"):
+        FullSumExchange(comm_for(3)).exchange(GradBuckets(lane_params(2, [(3,)])))
+
+
+# -- exchanges ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("comm_name", ["local", "p2p", "host"])
+def test_full_sum(world, comm_name):
+    comm = comm_for(world, comm_name)
+    ex = FullSumExchange(comm)
+    for n in LENGTHS:
+        b = GradBuckets(lane_params(world, [(n,), (n // 3 + 1,)]), bucket_cap_elems=max(n // 2, 1))
+        b.attach()
+        grads = fill_grads(b, seed=n + world)
+        ex.exchange(b)
+        assert_same_bits_everywhere(b)
+        total = lane_order_sum(grads)
+        assert torch.equal(b.buffers[0], total)
+        ref64 = sum(g.double() for g in grads)
+        bound = world * 2.0**-23 * sum(g.double().abs() for g in grads)
+        assert bool(((b.buffers[0].double() - ref64).abs() <= bound).all())
+        # Counted: per bucket of n_b fp32 elements, 2*(W-1)*n_b*4 // W (the ring all-reduce).
+        expected = sum(2 * (world - 1) * (e - s) * 4 // world for s, e in b.bucket_ranges)
+        assert ex.last_wire_bytes == expected
+        assert abs(expected - (world - 1) / world * 8 * b.numel) <= len(b.bucket_ranges)
+        for ps in b.params:  # the grads seen by an optimizer are the sum
+            assert torch.equal(ps[0].grad, total[b.offsets[0] : b.offsets[0] + n])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("comm_name", ["local", "p2p", "host"])
+def test_sign(world, comm_name):
+    comm = comm_for(world, comm_name)
+    ex = SignExchange(comm)
+    total_before = 0
+    for n in LENGTHS:
+        b = GradBuckets(lane_params(world, [(n,), (5,)]), bucket_cap_elems=n)
+        b.attach()
+        grads = fill_grads(b, seed=n + 10 * world)
+        ex.exchange(b)
+        assert_same_bits_everywhere(b)
+        expected_sign = torch.sign(lane_order_sum(grads))  # sign of the fp32 sum in lane order
+        assert torch.equal(b.buffers[0], expected_sign)
+        assert set(b.buffers[0].unique().tolist()) <= {-1.0, 0.0, 1.0}
+        everywhere_zero = torch.stack([g == 0 for g in grads]).all(0)
+        assert bool((b.buffers[0][everywhere_zero] == 0).all()), "a zero sum must stay 0, not become +-1"
+        if world >= 2 and n >= 3:
+            assert b.buffers[0][2] == 0  # lanes cancel exactly: 0, although no lane was 0
+        # Counted on the padded length m of each bucket: (W-1)/W * (4 + 0.25) bytes per element, exact.
+        padded = [sign_padded_length(e - s, world) for s, e in b.bucket_ranges]
+        assert ex.last_wire_bytes == sum(int((world - 1) / world * 4.25 * m) for m in padded)
+        assert ex.last_wire_bytes == sum(17 * (world - 1) * m // (4 * world) for m in padded)
+        assert ex.total_wire_bytes == total_before + ex.last_wire_bytes
+        total_before = ex.total_wire_bytes
+        if world == 1:
+            assert ex.last_wire_bytes == 0
+
+
+def test_sign_padding():
+    assert sign_padded_length(1, 1) == 8
+    assert sign_padded_length(16, 2) == 16
+    assert sign_padded_length(17, 2) == 32
+    assert sign_padded_length(4099, 3) == 4104
+
+
+def test_sign_handles_bucket_already_aligned():
+    world, n = 2, 32  # m == n: the grads themselves are the reduce-scatter send buffers
+    b = GradBuckets(lane_params(world, [(n,)]))
+    b.attach()
+    grads = fill_grads(b, seed=3)
+    SignExchange(comm_for(world)).exchange(b)
+    assert torch.equal(b.buffers[1], torch.sign(grads[0] + grads[1]))
+
+
+def test_exchange_after_real_backward():
+    """Mirrors of one Linear on 3 lanes, a backward each, one exchange: every lane holds the summed grads."""
+    world = 3
+    torch.manual_seed(0)
+    home = torch.nn.Linear(6, 4)
+    mirrors = [home] + [torch.nn.Linear(6, 4) for _ in range(world - 1)]
+    for m in mirrors[1:]:
+        m.load_state_dict(home.state_dict())
+    b = GradBuckets([list(m.parameters()) for m in mirrors], bucket_cap_elems=5)
+    b.attach()
+    xs = [torch.randn(2, 6) for _ in range(world)]
+    for m, x in zip(mirrors, xs, strict=True):
+        m(x).square().sum().backward()
+    singles = []
+    for x in xs:
+        ref = torch.nn.Linear(6, 4)
+        ref.load_state_dict(home.state_dict())
+        ref(x).square().sum().backward()
+        singles.append([p.grad.clone() for p in ref.parameters()])
+    FullSumExchange(comm_for(world)).exchange(b)
+    for m in mirrors:
+        for i, p in enumerate(m.parameters()):
+            assert torch.equal(p.grad, lane_order_sum([s[i] for s in singles]))
