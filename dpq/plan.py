@@ -1,9 +1,12 @@
-"""The one decision per block: how many lanes, on which devices, talking through what.
+"""The one decision per block: how many lanes, on which devices.
 
 ``resolve(request)`` returns a :class:`Plan` or raises :class:`PlanRefused` listing every
-reason at once (never the first one only: a user fixing one reason per run would rerun a long
-job many times). ``world='auto'`` never refuses: it keeps what can be served and says why the
-rest was dropped; an explicit world refuses.
+reason at once (never only the first: a user fixing one reason per run would rerun a long
+job many times). ``world='auto'`` never refuses: it keeps the lanes that can be served, falls
+back to serial when none beyond home can, and says why. An explicit world refuses before the
+block starts. The communicator for the chosen lanes is picked by
+``dpq.fallback_p2p.select_communicator``; the exchange policy by the tuner (sign path for pure
+SignSGD, full sums otherwise).
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpq.streams import check_device_exists, default_accelerator_type, parse_devices
+from dpq.streams import backend, check_device_exists, default_accelerator_type, parse_devices
 
-__all__ = ["Plan", "PlanRefused", "PlanRequest", "resolve", "validate_world"]
+__all__ = ["Plan", "PlanRefused", "PlanRequest", "price_mirror", "resolve", "validate_world"]
+
+SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
+MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
 
 
 class PlanRefused(ValueError):
@@ -33,7 +39,8 @@ class PlanRequest:
     devices: Sequence[str | int | torch.device] | str | None = None
     samples_per_iter: int = 8
     home: torch.device | str | None = None
-    extra_reasons: Sequence[str] = ()  # refusals found by the caller (tuner features dpq cannot split)
+    extra_reasons: Sequence[str] = ()  # tuner features dpq cannot split (found by the adapter)
+    mirror_bytes: int | None = None  # price of one mirror (see price_mirror); None = not checked
 
 
 @dataclass
@@ -58,66 +65,93 @@ def validate_world(world: object) -> int | str:
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(
             f"dpq: world must be 'off', 'auto' or an integer >= 1, got {world!r}. "
-            "Fix: pass e.g. --parallel_quantization 2 (or auto)."
+            "Fix: pass e.g. --parallel_quantization 2 (or auto, or off)."
         )
     return world
 
 
-def _default_devices(world: int | str, home: torch.device) -> list[torch.device]:
-    if home.type == "cpu":
-        n = 1 if world == "auto" else int(world)
-        return [torch.device("cpu")] * n
-    from dpq.streams import backend
+def price_mirror(block: torch.nn.Module, inputs: Sequence[torch.Tensor], samples_per_iter: int) -> int:
+    """Bytes one more lane needs: block weights + fp32 tuning values (rounding value per weight,
+    two scales per group: bounded by 2x the weight count in fp32) + activations for its slice
+    (a decoder block keeps roughly 16 hidden-sized tensors per token alive for backward)."""
+    weights = sum(p.numel() * p.element_size() for p in block.parameters())
+    tunable = sum(p.numel() for p in block.parameters() if p.dim() == 2) * 4 * 2
+    act = 0
+    if inputs:
+        act = inputs[0].numel() * 4 * 16 * max(1, samples_per_iter)
+    return int((weights + tunable + act) * MARGIN)
 
-    count = backend(home).device_count()
-    devices = [torch.device(home.type, i) for i in range(count)]
-    # home first: lane 0 is the block itself
-    devices.sort(key=lambda d: d != home)
+
+def _home(request: PlanRequest) -> torch.device:
+    home = torch.device(request.home) if request.home is not None else torch.device(default_accelerator_type())
+    if home.type != "cpu" and home.index is None:
+        home = torch.device(home.type, 0)
+    return home
+
+
+def _candidate_devices(world: int | str, home: torch.device, given) -> list[torch.device]:
+    if given is not None:
+        return parse_devices(given)
+    if home.type == "cpu":
+        return [home] * (1 if world == "auto" else int(world))
+    be = backend(home)
+    devices = [torch.device(home.type, i) for i in range(be.device_count())] or [home]
+    devices.sort(key=lambda d: d != home)  # lane 0 is home: the block itself
     return devices if world == "auto" else devices[: int(world)]
+
+
+def _memory_refusals(devices: list[torch.device], price: int | None, home: torch.device) -> list[tuple[int, str]]:
+    """(lane, reason) for each lane whose mirror does not fit; lanes sharing a device add up."""
+    if price is None:
+        return []
+    out, used = [], {}
+    for k, dev in enumerate(devices):
+        if k == 0 and dev == home:
+            continue  # home already holds the block
+        used[dev] = used.get(dev, 0) + price
+        free = backend(dev).mem_get_info(dev)[0]
+        if used[dev] > free:
+            out.append((k, f"lane {k} on {dev}: a mirror needs ~{price / 2**30:.2f} GiB (weights + fp32 tuning "
+                           f"values + activations + {MARGIN - 1:.0%} margin) but only {free / 2**30:.2f} GiB is free "
+                           "for it. Fix: fewer lanes, a smaller --batch_size, or --low_gpu_mem_usage"))
+    return out
 
 
 def resolve(request: PlanRequest) -> Plan:
     world = validate_world(request.world)
-    home = torch.device(request.home) if request.home is not None else torch.device(default_accelerator_type())
-    if home.type != "cpu" and home.index is None:
-        home = torch.device(home.type, 0)
+    home = _home(request)
     if world == "off":
         return Plan(1, [home], ["parallel quantization is off"])
     reasons = list(request.extra_reasons)
-    if request.devices is not None:
-        devices = parse_devices(request.devices)
-    else:
-        devices = _default_devices(world, home)
-    bad = [msg for d in devices if (msg := check_device_exists(d))]
-    reasons += bad
+    if home.type not in SUPPORTED_HOME_TYPES:
+        reasons.append(f"home device type {home.type!r} is not supported (cuda, xpu, hpu, cpu)")
+    devices = _candidate_devices(world, home, request.devices)
+    missing = [msg for d in devices if (msg := check_device_exists(d))]
+    reasons += missing
     devices = [d for d in devices if check_device_exists(d) is None]
-    if world != "auto" and len(devices) < world and not bad:
-        reasons.append(
-            f"world {world} needs {world} devices but only {len(devices)} were given/found ({devices}); "
-            "Fix: pass --parallel_devices with one device per lane (e.g. cpu,cpu or 0,1)"
-        )
+    if world != "auto" and not missing and len(devices) < world:
+        reasons.append(f"world {world} needs {world} devices but {len(devices)} were given or found "
+                       f"({', '.join(map(str, devices))}). Fix: --parallel_devices with one device per lane "
+                       "(e.g. cpu,cpu or 0,1)")
     n = len(devices) if world == "auto" else min(int(world), len(devices))
     if n > request.samples_per_iter:
-        msg = (
-            f"{n} lanes but only {request.samples_per_iter} samples per iteration (batch_size x "
-            "gradient_accumulate_steps): every lane needs at least one sample. Fix: lower the world "
-            "or raise --batch_size"
-        )
-        if world == "auto":
-            n = request.samples_per_iter
-            reasons.append(msg)
-        else:
-            reasons.append(msg)
+        reasons.append(f"{n} lanes but only {request.samples_per_iter} samples per iteration (batch_size x "
+                       "gradient_accumulate_steps): every lane needs at least one sample. Fix: a smaller world "
+                       "or a larger --batch_size")
+        n = request.samples_per_iter
     if home.type == "hpu" and n > 1:
-        reasons.append(
-            "Gaudi's bridge allows one device per process; multi-lane hpu needs a torch.distributed process "
-            "group (HCCL), which dpq does not run in-process yet. Fix: run with --parallel_quantization off"
-        )
-    refusals = [r for r in reasons if r not in bad or world != "auto"]
-    if world != "auto" and refusals:
-        raise PlanRefused(refusals)
-    if world == "auto" and request.extra_reasons:
-        return Plan(1, [home], reasons)
-    if world == "auto" and home.type == "hpu":
+        reasons.append("Gaudi's bridge allows one device per process; multi-lane hpu needs a torch.distributed "
+                       "process group (HCCL), which dpq does not run yet. Fix: --parallel_quantization off")
         n = 1
-    return Plan(max(1, n), devices[: max(1, n)] or [home], reasons)
+    mem = _memory_refusals(devices[:n], request.mirror_bytes, home)
+    reasons += [r for _, r in mem]
+    if world != "auto":
+        if reasons:
+            raise PlanRefused(reasons)
+        return Plan(n, devices[:n])
+    # auto: keep the lanes before the first one that does not fit; serial when a feature forbids it
+    if mem:
+        n = min(n, mem[0][0])
+    if request.extra_reasons or n <= 1:
+        return Plan(1, [home], reasons or ["only one lane available"])
+    return Plan(n, devices[:n], reasons)

@@ -152,8 +152,8 @@ def parallel_tune(
         torch.manual_seed(seed)
 
     runner = BlockForwardRunner(
-        batch_size=batch_size, device=home, cache_device="cpu", amp=amp, amp_dtype=amp_dtype, enable_torch_compile=False,
-        shared_cache_keys=tuple(shared_cache_keys),
+        batch_size=batch_size, device=home, cache_device="cpu", amp=amp, amp_dtype=amp_dtype,
+        enable_torch_compile=False, shared_cache_keys=tuple(shared_cache_keys),
     )
     others = dict(input_others or {})
     if outputs is None:

@@ -1,0 +1,325 @@
+"""``enable()``: auto-round's SignRound tune loop delegates each block to dpq's engine.
+
+Patches ``SignRoundQuantizer.quantize_block`` (inherited by SignRoundV2 and AdamRound).
+Per block: the plan decides (``dpq.plan``); when it says serial, auto-round's own method runs
+unchanged (contract 5). When it says parallel, the block is tuned by
+:func:`dpq.autoround.tune.tune_wrapped_block` with the quantizer's own wrapper, lr per layer,
+loss (``_get_loss``), runner, optimizer class, lr schedule and early-stop settings.
+
+Refuse loudly, lose nothing (contract 6): a failure inside the parallel lanes restores the
+home block exactly (wrappers removed, original layer objects back, tuned values dropped),
+then under ``auto`` reruns the block serially from the same RNG state, and under an explicit
+world raises :class:`ParallelLaneError`. Blocks already quantized are untouched either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from dpq.fallback_p2p import select_communicator
+from dpq.plan import Plan, PlanRequest, price_mirror, resolve, validate_world
+from dpq.streams import make_lanes
+
+from .compat import check_auto_round_version
+
+check_auto_round_version()
+
+from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer  # noqa: E402
+from auto_round.logger import logger  # noqa: E402
+from auto_round.utils import set_amax_for_all_moe_layers, set_module  # noqa: E402
+from auto_round.utils.device_manager import device_manager  # noqa: E402
+from auto_round.wrapper import unwrapper_block  # noqa: E402
+
+from .tune import BlockData, SignRoundSettings, tune_wrapped_block  # noqa: E402
+
+__all__ = ["BlockRecord", "ParallelLaneError", "disable", "enable", "parallel_quantization", "run_summary"]
+
+_ORIGINAL = SignRoundQuantizer.quantize_block
+
+
+class ParallelLaneError(RuntimeError):
+    """A lane failed mid-block under an explicit world; the home block was restored first."""
+
+
+@dataclass
+class BlockRecord:
+    name: str
+    world: int
+    seconds: float
+    wire_bytes: int = 0
+    best_loss: float | None = None
+    communicator: str = ""
+    reasons: list[str] = field(default_factory=list)
+    fell_back: bool = False
+
+
+@dataclass
+class _State:
+    world: int | str = "off"
+    devices: object = None
+    debug_identical: bool = False
+    fail_lane_at: tuple[int, int] | None = None  # (block index, iteration) fault injection for tests
+    records: list[BlockRecord] = field(default_factory=list)
+    shapes_logged: set = field(default_factory=set)
+    cpu_logged: bool = False
+
+
+_state = _State()
+
+
+def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False) -> None:
+    """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
+
+    ``parallel_quantization``: 'off', 'auto' (use what fits; never refuses) or an int world
+    (refuses before the block starts when it cannot be served). ``devices``: lane devices
+    (``'0,1,2,3'``, ``'cpu,cpu'``); default: auto-round's device list when it has several,
+    else every visible device of the home device's type.
+    """
+    global _state
+    world = validate_world(parallel_quantization)
+    _state = _State(world=world, devices=devices, debug_identical=debug_identical)
+    SignRoundQuantizer.quantize_block = _delegated_quantize_block
+
+
+def disable() -> None:
+    SignRoundQuantizer.quantize_block = _ORIGINAL
+
+
+@contextlib.contextmanager
+def parallel_quantization(world: int | str = "auto", devices=None, **kw) -> Iterator[list[BlockRecord]]:
+    """``with parallel_quantization(2): AutoRound(...).quantize()``; yields the block records."""
+    enable(world, devices, **kw)
+    try:
+        yield _state.records
+    finally:
+        disable()
+
+
+def run_summary() -> list[BlockRecord]:
+    return list(_state.records)
+
+
+def _feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx) -> list[str]:
+    """What this quantizer/block uses that the delegated loop cannot split, each with the fix."""
+    reasons = []
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        reasons.append("a torch.distributed group is active (multi-process lanes are not supported yet); "
+                       "run one process, or --parallel_quantization off")
+    if not isinstance(fp_inputs, list) or not all(isinstance(t, torch.Tensor) for t in fp_inputs):
+        reasons.append("calibration inputs are not a flat list of tensors (diffusion-style dict pool); "
+                       "use --parallel_quantization off for this model")
+    if q._get_scaler() is not None:
+        reasons.append("a gradient scaler is in use (AdamRound under fp16 amp); use --disable_amp or "
+                       "--parallel_quantization off")
+    if q.enable_lfq:
+        reasons.append("LFQ loss (--enable_lfq) needs the lm_head on every lane; turn it off or use "
+                       "--parallel_quantization off")
+    if _loss_scale(q) is None:
+        reasons.append(f"{type(q).__name__} overrides the backward step; dpq only knows SignRound's and "
+                       "AdamRound's; use --parallel_quantization off")
+    devices = {p.device for p in block.parameters()}
+    if len(devices) > 1:
+        reasons.append(f"the block's weights span {len(devices)} devices ({sorted(map(str, devices))}): a block "
+                       "that does not fit one device keeps auto-round's split placement, serially")
+    return reasons
+
+
+def _loss_scale(q: SignRoundQuantizer) -> float | None:
+    from auto_round.algorithms.quantization.adam_round.adam import AdamRoundQuantizer
+
+    impl = type(q)._scale_loss_and_backward
+    if impl is SignRoundQuantizer._scale_loss_and_backward:
+        return 1000.0
+    if impl is AdamRoundQuantizer._scale_loss_and_backward:
+        return 1.0
+    return None
+
+
+def _lane_devices(home: torch.device):
+    if _state.devices is not None:
+        return _state.devices
+    dl = [d for d in (device_manager.device_list or []) if d is not None]
+    if len(dl) > 1:
+        return [str(d) for d in dl]
+    return None
+
+
+def _plan_for(q, block, fp_inputs, block_ctx) -> Plan:
+    home = torch.device(device_manager.device)
+    per_iter = min(len(fp_inputs) if isinstance(fp_inputs, list) else 1,
+                   q.calibration_context.batch_size * q.gradient_accumulate_steps)
+    request = PlanRequest(
+        world=_state.world,
+        devices=_lane_devices(home),
+        samples_per_iter=per_iter,
+        home=home,
+        extra_reasons=_feature_refusals(q, block, fp_inputs, block_ctx),
+        mirror_bytes=price_mirror(block, fp_inputs, per_iter) if isinstance(fp_inputs, list) else None,
+    )
+    plan = resolve(request)
+    key = (type(block).__name__, tuple(p.shape for p in block.parameters()))
+    if key not in _state.shapes_logged:
+        _state.shapes_logged.add(key)
+        lanes = ", ".join(map(str, plan.devices))
+        logger.info(f"dpq plan for {block_ctx.block_name} ({type(block).__name__}): world {plan.world} on [{lanes}]"
+                    + ("".join(f"\n  - {r}" for r in plan.reasons) if plan.reasons else ""))
+    if plan.world > 1 and home.type == "cpu" and not _state.cpu_logged:
+        _state.cpu_logged = True
+        logger.info("dpq: CPU lanes share the CPU: no speedup, but the parallel path and its parity run here")
+    return plan
+
+
+def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
+                              input_ids=None, **kwargs):
+    t0 = time.perf_counter()
+    plan = _plan_for(self, block, fp_inputs, block_ctx)  # PlanRefused propagates: nothing started
+    if plan.world == 1:
+        out = _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
+        _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0, reasons=plan.reasons))
+        return out
+    rng = (random.getstate(), torch.get_rng_state())
+    try:
+        return _parallel_block(self, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
+                               input_ids, t0)
+    except Exception as err:
+        if _state.world != "auto":
+            raise ParallelLaneError(
+                f"dpq: a lane failed while tuning {block_ctx.block_name} at world {plan.world}: {err!r}. "
+                "The block was restored and nothing already quantized was lost. Fix: rerun with "
+                "--parallel_quantization auto (falls back to serial per block) or off"
+            ) from err
+        logger.warning(f"dpq: a lane failed on {block_ctx.block_name} ({err!r}); block restored, rerunning serially")
+        random.setstate(rng[0])
+        torch.set_rng_state(rng[1])
+        out = _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
+        _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0,
+                                          reasons=[f"lane failure: {err!r}"], fell_back=True))
+        return out
+
+
+def _restore_unwrapped(block) -> None:
+    """Put the original layers back without quantizing them (unlike unwrapper_block)."""
+    for n, m in list(block.named_modules()):
+        if hasattr(m, "orig_layer"):
+            set_module(block, n, m.orig_layer)
+
+
+def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, t0):
+    device = device_manager.device
+    valid_token_mask = None
+    if input_ids is not None:
+        if not hasattr(q, "_cached_valid_token_mask"):
+            q._cached_valid_token_mask = q._compute_valid_token_mask(input_ids)
+        valid_token_mask = q._cached_valid_token_mask
+    active_inputs = q_inputs if (q_inputs is not None and q.enable_quanted_input) else fp_inputs
+    quantized, unquantized = q.wrapper_block(
+        block, q.enable_minmax_tuning, q.enable_norm_bias_tuning,
+        enable_torch_compile=q.compress_context.enable_torch_compile, device=device,
+        enable_neuqi=getattr(q.config, "enable_neuqi", False),
+    )
+    try:
+        if not any(hasattr(m, "orig_layer") and m.params for m in block.modules()):
+            unwrapper_block(block, {})
+            return {}
+        settings = SignRoundSettings(
+            iters=q.iters, batch_size=q.calibration_context.batch_size,
+            gradient_accumulate_steps=q.gradient_accumulate_steps, enable_minmax_tuning=q.enable_minmax_tuning,
+            not_use_best_mse=q.not_use_best_mse, dynamic_max_gap=q.dynamic_max_gap, momentum=q.momentum,
+            optimizer_cls=q.optimizer, lr_scheduler=q.lr_scheduler, loss_scale=_loss_scale(q),
+            amp=q.model_context.amp, amp_dtype=q.model_context.amp_dtype,
+            cache_device=q.compress_context.cache_device, low_gpu_mem_usage=q.compress_context.low_gpu_mem_usage,
+            dq_cur_iter=bool(q.enable_alg_ext and q.scheme.data_type.endswith("dq")),
+        )
+
+        def lr_of(m):
+            bits = getattr(m.orig_layer, "bits", None)
+            lr = q._config.compute_lr(bits)
+            mm = q._config.compute_minmax_lr(bits)
+            q._maybe_log_low_bit_lr(bits)
+            return (q.lr if lr is None else lr), (q.minmax_lr if mm is None else mm)
+
+        lanes = make_lanes(plan.devices)
+        comm, comm_reason = select_communicator(lanes)
+        progress = _progress_bar(block_ctx.block_name, q.iters, plan.world)
+        fault = _fault_injector(block_ctx.block_index)
+        try:
+            outcome = tune_wrapped_block(
+                block, BlockData(active_inputs, input_others, fp_outputs, valid_token_mask), settings, lanes, comm,
+                q.block_forward, lr_of,
+                loss_fn=_wrap_fault(fault, lambda pred, ref, idx, mse, dev: q._get_loss(
+                    pred, ref, idx, mse, dev, valid_token_mask)),
+                progress=progress.update if progress else None,
+                debug_identical=_state.debug_identical,
+            )
+        finally:
+            if progress:
+                progress.close()
+    except BaseException:
+        _restore_unwrapped(block)
+        raise
+    q.compress_context.clear_memory()
+    with torch.no_grad():
+        unwrapper_block(block, outcome.best_params)
+    if q.config.is_act_nv_fp:
+        set_amax_for_all_moe_layers(block, attr_name="orig_layer.act_max")
+    if unquantized:
+        logger.info(f"Unquantized layers: {unquantized}")
+    logger.infoclean(
+        f"quantized {len(quantized)}/{len(quantized) + len(unquantized)} layers in the block, loss iter 0: "
+        f"{outcome.init_loss:.3e} -> iter {outcome.best_iter}: {outcome.best_loss:.3e} "
+        f"[dpq world {plan.world}, {comm.name}]"
+    )
+    _state.records.append(BlockRecord(block_ctx.block_name, plan.world, time.perf_counter() - t0,
+                                      outcome.wire_bytes, outcome.best_loss, comm.name, [comm_reason]))
+    return outcome.best_params
+
+
+class _Progress:
+    """Per-block iteration bar, shown only once a block has run for a few seconds."""
+
+    def __init__(self, name: str, iters: int, world: int) -> None:
+        self.name, self.iters, self.world = name, iters, world
+        self.t0 = time.perf_counter()
+        self.bar = None
+
+    def update(self, i: int, loss: float) -> None:
+        if self.bar is None and time.perf_counter() - self.t0 > 5.0:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.iters, initial=i, desc=f"{self.name} (dpq world {self.world})", leave=False)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3e}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress_bar(name: str, iters: int, world: int) -> _Progress:
+    return _Progress(name, iters, world)
+
+
+def _fault_injector(block_index: int):
+    if _state.fail_lane_at is None or _state.fail_lane_at[0] != block_index:
+        return None
+    return {"calls": 0, "at": _state.fail_lane_at[1]}
+
+
+def _wrap_fault(fault, loss_fn):
+    if fault is None:
+        return loss_fn
+
+    def failing(pred, ref, idx, mse, dev):
+        fault["calls"] += 1
+        if fault["calls"] > fault["at"]:
+            raise RuntimeError("injected lane failure (dpq test hook)")
+        return loss_fn(pred, ref, idx, mse, dev)
+
+    return failing
