@@ -68,9 +68,10 @@ class GradBuckets:
         self.numel = sum(sizes)
         self.bucket_params = _bucket_params(sizes, bucket_cap_elems)
         self.bucket_ranges = [_range_of(ids, self.offsets, sizes) for ids in self.bucket_params]
-        self.buffers = [
-            torch.zeros(self.numel, dtype=torch.float32, device=dev if dev is not None else "cpu") for dev in devices
-        ]
+        self.buffers = []
+        for k, dev in enumerate(devices):
+            with self._issue(k):  # allocated for the lane's stream, where all its uses are queued
+                self.buffers.append(torch.zeros(self.numel, dtype=torch.float32, device=dev or "cpu"))
 
     @property
     def world(self) -> int:
@@ -107,7 +108,9 @@ class GradBuckets:
         return contextlib.nullcontext() if self.lanes is None else self.lanes[k].issue()
 
 
-def _check_lane_params(k: int, params: Sequence[torch.nn.Parameter], ref: Sequence[torch.nn.Parameter]):
+def _check_lane_params(
+    k: int, params: Sequence[torch.nn.Parameter], ref: Sequence[torch.nn.Parameter]
+) -> torch.device | None:
     """Lane k's parameter list is usable next to lane 0's; returns the lane's device (None if no params)."""
     if len(params) != len(ref):
         raise ValueError(f"dpq: lane {k} has {len(params)} tuned parameters, lane 0 has {len(ref)}")
@@ -253,7 +256,7 @@ class SignExchange(_Exchange):
         comm.all_gather(packed, gathered)
         for g, q, lane in zip(grads, gathered, lanes, strict=True):
             with lane.issue():
-                g.copy_(_unpack_signs(q, world)[:n])
+                g.copy_(_unpack_signs(q, world)[:n])  # int8 -> fp32: exactly -1.0, 0.0, +1.0
 
 
 def _zero_padded(g: Tensor, m: int) -> Tensor:
@@ -262,20 +265,25 @@ def _zero_padded(g: Tensor, m: int) -> Tensor:
     return out
 
 
-def _bit_weights(device: torch.device) -> Tensor:
-    # Built on the device each call (two tiny kernels), never cached: a tensor cached per
+def _bit_shifts(device: torch.device) -> Tensor:
+    # Built on the device each call (one tiny kernel), never cached: a tensor cached per
     # device would be shared by lanes on different streams of one device.
-    shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    return torch.bitwise_left_shift(torch.ones_like(shifts), shifts)
+    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def _pack_bits(bits: Tensor) -> Tensor:
     """bool (8*k,) -> uint8 (k,); element 8*i + b is bit b of byte i."""
-    return (bits.view(-1, 8).to(torch.uint8) * _bit_weights(bits.device)).sum(dim=1, dtype=torch.uint8)
+    b = bits.view(-1, 8).view(torch.uint8)  # bools are bytes holding 0 or 1
+    out = b[:, 0].clone()
+    for shift in range(1, 8):  # over bit positions, not elements
+        out |= b[:, shift] << shift
+    return out
 
 
 def _unpack_signs(packed: Tensor, world: int) -> Tensor:
-    """uint8 (W * 2 * c/8,) of [negative plane | nonzero plane] per chunk -> fp32 signs (W*c,)."""
-    bits = (packed.view(world, 2, -1, 1) & _bit_weights(packed.device)).ne(0).view(world, 2, -1)
-    negative, nonzero = bits[:, 0].float(), bits[:, 1].float()
-    return (nonzero - 2 * negative).view(-1)  # negative implies nonzero: -1, +1 or 0
+    """uint8 (W * 2 * c/8,) of [negative plane | nonzero plane] per chunk -> int8 signs (W*c,)."""
+    planes = packed.view(world, 2, -1, 1)
+    shifts = _bit_shifts(packed.device)
+    negative = ((planes[:, 0] >> shifts) & 1).view(torch.int8)
+    nonzero = ((planes[:, 1] >> shifts) & 1).view(torch.int8)
+    return nonzero.sub_(negative).sub_(negative).view(-1)  # negative implies nonzero: -1, +1 or 0

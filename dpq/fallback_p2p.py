@@ -72,7 +72,39 @@ def _join(lanes: Sequence[Lane]) -> None:
         _wait(lane, hub)
 
 
-Move = tuple[Tensor, int | None, Tensor, int | None]  # (dst, dst place, src, src place)
+def _unique(lanes) -> list[Lane]:
+    return list({id(lane): lane for lane in lanes}.values())
+
+
+def _copy_between(moves: Sequence[tuple[Tensor, Lane, Tensor, Lane]]) -> None:
+    """Device-to-device (or same-device) copies between lanes, joined before and after."""
+    if not moves:
+        return
+    involved = _unique(lane for _, dst_lane, _, src_lane in moves for lane in (dst_lane, src_lane))
+    _join(involved)
+    for dst, dst_lane, src, src_lane in moves:
+        with dst_lane.issue(), src_lane.issue():  # src entered last: same-device copies run on its stream
+            dst.copy_(src, non_blocking=True)
+    _join(involved)
+
+
+def _copy_to_host(moves: Sequence[tuple[Tensor, Tensor, Lane]]) -> None:
+    """Device-to-host copies on the source lanes' streams; returns when they have landed."""
+    for dst, src, lane in moves:
+        with lane.issue():
+            dst.copy_(src, non_blocking=True)
+    for lane in _unique(lane for _, _, lane in moves):
+        lane.synchronize()  # the host reads these next: the one host sync of the staged path
+
+
+def _copy_from_host(moves: Sequence[tuple[Tensor, Tensor, Lane]]) -> None:
+    """Host-to-device copies on the destination lanes' streams (no host wait)."""
+    for dst, src, lane in moves:
+        with lane.issue():  # pinned src: torch's host allocator keeps it alive until the copy ran
+            dst.copy_(src, non_blocking=True)
+
+
+Move = tuple[Tensor, int | None, Tensor, int | None]  # (dst, dst place, src, src place); None = host
 
 
 class _RootReduce(CommunicatorBase):
@@ -88,9 +120,6 @@ class _RootReduce(CommunicatorBase):
 
     # -- moving data ---------------------------------------------------------------------
 
-    def _lane(self, place: int | None) -> Lane | None:
-        return None if place is _HOST else self.lanes[place]
-
     def _issue_at(self, place: int | None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if place is _HOST else self.lanes[place].issue()
 
@@ -102,26 +131,10 @@ class _RootReduce(CommunicatorBase):
 
     def _move(self, moves: Sequence[Move]) -> None:
         """``dst <- src`` for every move, ordered against both ends (module docstring)."""
-        between = [
-            (d, self.lanes[dp], s, self.lanes[sp]) for d, dp, s, sp in moves if dp is not _HOST and sp is not _HOST
-        ]
-        to_host = [(d, s, self.lanes[sp]) for d, dp, s, sp in moves if dp is _HOST and sp is not _HOST]
-        from_host = [(d, s, self.lanes[dp]) for d, dp, s, sp in moves if sp is _HOST and dp is not _HOST]
-        if between:
-            involved = list({id(lane): lane for m in between for lane in (m[1], m[3])}.values())
-            _join(involved)
-            for dst, dst_lane, src, src_lane in between:
-                with dst_lane.issue(), src_lane.issue():  # src entered last: same-device copies run on its stream
-                    dst.copy_(src, non_blocking=True)
-            _join(involved)
-        for dst, src, lane in to_host:
-            with lane.issue():
-                dst.copy_(src, non_blocking=True)
-        for lane in {id(lane): lane for _, _, lane in to_host}.values():
-            lane.synchronize()  # the host reads these next; the one host sync of the staged path
-        for dst, src, lane in from_host:
-            with lane.issue():  # pinned src: torch's host allocator keeps it alive until the copy ran
-                dst.copy_(src, non_blocking=True)
+        lane = self.lanes
+        _copy_between([(d, lane[dp], s, lane[sp]) for d, dp, s, sp in moves if dp is not _HOST and sp is not _HOST])
+        _copy_to_host([(d, s, lane[sp]) for d, dp, s, sp in moves if dp is _HOST and sp is not _HOST])
+        _copy_from_host([(d, s, lane[dp]) for d, dp, s, sp in moves if sp is _HOST and dp is not _HOST])
 
     def _fetch(self, srcs: Sequence[Tensor]) -> list[Tensor]:
         """Every lane's buffer readable at the place, in lane order."""
@@ -205,6 +218,19 @@ class LocalCommunicator(_RootReduce):
                 f"dpq: the local communicator needs lanes on one device, got {sorted(map(str, devices))}; "
                 "use p2p or host for lanes on different devices"
             )
+
+    def _reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        # Every buffer is on the place's device: sum each chunk straight into its lane's
+        # recv buffer (same lane order per element as the generic path, so the same bits),
+        # with no W*n accumulator and no copy out.
+        parts, n = self._fetch(send), recv[0].numel()
+        with self._issue_at(self.place):
+            for k, out in enumerate(recv):
+                chunks = [p[k * n : (k + 1) * n] for p in parts]
+                torch.add(chunks[0], chunks[1], out=out)
+                for chunk in chunks[2:]:
+                    out.add_(chunk)
+        self._finish()
 
 
 class PeerCopyCommunicator(_RootReduce):

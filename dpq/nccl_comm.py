@@ -193,29 +193,34 @@ class CommunicatorBase:
     def _check(
         self, op: str, what: str, bufs: Sequence[Tensor], numel: int | None = None, dtype: torch.dtype | None = None
     ) -> int:
-        """Refuse anything the collectives cannot take; returns the per-lane element count."""
+        """Refuse anything the collectives cannot take; returns the per-lane element count.
+
+        ``numel`` / ``dtype`` default to those of ``bufs[0]``.
+        """
         where = f"dpq: {self.name}.{op}: {what}"
         if len(bufs) != len(self.lanes):
             raise ValueError(f"{where} has {len(bufs)} buffers for {len(self.lanes)} lanes (one per lane)")
+        if not all(isinstance(t, Tensor) for t in bufs):
+            raise TypeError(f"{where} must be tensors, got {[type(t).__name__ for t in bufs]}")
         numel = bufs[0].numel() if numel is None else numel
         dtype = bufs[0].dtype if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{where} has dtype {dtype}; supported: float32, bfloat16, uint8")
         for k, (t, lane) in enumerate(zip(bufs, self.lanes, strict=True)):
-            problem = None
-            if not isinstance(t, Tensor):
-                problem = f"is a {type(t).__name__}, not a tensor"
-            elif t.dim() != 1 or not t.is_contiguous():
-                problem = f"must be 1-D and contiguous (shape {tuple(t.shape)})"
-            elif t.dtype != dtype:
-                problem = f"has dtype {t.dtype}, expected {dtype}"
-            elif t.numel() != numel:
-                problem = f"has {t.numel()} elements, expected {numel}"
-            else:
-                problem = self._check_device(t, lane)
+            problem = _layout_problem(t, numel, dtype) or self._check_device(t, lane)
             if problem:
                 raise ValueError(f"{where}[{k}] {problem}")
         return numel
+
+
+def _layout_problem(t: Tensor, numel: int, dtype: torch.dtype) -> str | None:
+    if t.dim() != 1 or not t.is_contiguous():
+        return f"must be 1-D and contiguous (shape {tuple(t.shape)})"
+    if t.dtype != dtype:
+        return f"has dtype {t.dtype}, expected {dtype}"
+    if t.numel() != numel:
+        return f"has {t.numel()} elements, expected {numel}"
+    return None
 
 
 def _copy_on_lane(dst: Tensor, src: Tensor, lane: Lane) -> None:

@@ -121,7 +121,7 @@ class TuneEngine:
             opt, sched = make_optimizer(module)
             self.optimizers.append(opt)
             self.schedulers.append(sched)
-        self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)])
+        self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)], lanes=replicas.lanes)
         self.last = IterationStats()
 
     @property

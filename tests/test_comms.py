@@ -504,3 +504,37 @@ def test_torch_nccl_passes_lane_streams(monkeypatch):
     streams = [lane.stream for lane in lanes]
     assert all(c[2]["streams"] == streams for c in calls)
     assert calls[1][2]["root"] == 1 and calls[4][2]["root"] == 1 and calls[4][2]["output"] is bufs[1]
+
+
+# -- stream ordering, with recording streams on CPU lanes ----------------------------------
+
+
+class RecordingStream:
+    """Stands in for a device stream: records waits and host syncs (CPU copies run at once)."""
+
+    def __init__(self, log: list, k: int) -> None:
+        self.log, self.k = log, k
+
+    def wait_stream(self, other: RecordingStream) -> None:
+        self.log.append(("wait", self.k, other.k))
+
+    def synchronize(self) -> None:
+        self.log.append(("sync", self.k))
+
+
+@pytest.mark.parametrize("name", ["local", "p2p", "host"])
+def test_stream_ordering(name):
+    log: list = []
+    lanes = [Lane(k, torch.device("cpu"), RecordingStream(log, k)) for k in range(3)]
+    comm, _ = select_communicator(lanes, prefer=name)
+    inputs = lane_data(3, 37, torch.float32)
+    bufs = [x.clone() for x in inputs]
+    comm.all_reduce(bufs)
+    assert_sum(bufs, inputs)
+    if name == "host":
+        # no stream joins: each lane's copies stay on its own stream; the host waits before summing
+        assert log == [("sync", 0), ("sync", 1), ("sync", 2)]
+    else:
+        join = [("wait", 0, 1), ("wait", 0, 2), ("wait", 1, 0), ("wait", 2, 0)]
+        assert log[:4] == join, "lane 0 must wait for every lane before it reads their buffers"
+        assert log[-4:] == join, "every lane must wait for lane 0 before it touches its buffers again"

@@ -172,7 +172,7 @@ def test_sign(world, comm_name):
             assert b.buffers[0][2] == 0  # lanes cancel exactly: 0, although no lane was 0
         # Counted on the padded length m of each bucket: (W-1)/W * (4 + 0.25) bytes per element, exact.
         padded = [sign_padded_length(e - s, world) for s, e in b.bucket_ranges]
-        assert ex.last_wire_bytes == sum(int((world - 1) / world * 4.25 * m) for m in padded)
+        assert ex.last_wire_bytes == sum(round((world - 1) / world * 4.25 * m) for m in padded)
         assert ex.last_wire_bytes == sum(17 * (world - 1) * m // (4 * world) for m in padded)
         assert ex.total_wire_bytes == total_before + ex.last_wire_bytes
         total_before = ex.total_wire_bytes
@@ -219,3 +219,16 @@ def test_exchange_after_real_backward():
     for m in mirrors:
         for i, p in enumerate(m.parameters()):
             assert torch.equal(p.grad, lane_order_sum([s[i] for s in singles]))
+
+
+def test_buckets_with_lanes():
+    lanes = make_lanes(["cpu"] * 2)
+    b = GradBuckets(lane_params(2, [(3,)]), lanes=lanes)
+    b.attach()
+    assert b.is_attached() and b.buffers[1].device.type == "cpu"
+    with pytest.raises(ValueError, match="2 lanes for 3 parameter lists"):
+        GradBuckets(lane_params(3, [(3,)]), lanes=lanes)
+    cuda_lane = make_lanes(["cpu"])[0]
+    cuda_lane.device = torch.device("cuda", 1)  # placement check only; nothing runs on it
+    with pytest.raises(ValueError, match="parameters are on cpu but the lane is on cuda:1"):
+        GradBuckets(lane_params(1, [(3,)]), lanes=[cuda_lane])

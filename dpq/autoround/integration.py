@@ -179,7 +179,9 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
                               input_ids=None, **kwargs):
     t0 = time.perf_counter()
     plan = _plan_for(self, block, fp_inputs, block_ctx)  # PlanRefused propagates: nothing started
-    if plan.world == 1:
+    # An explicit world 1 runs the engine (bitwise serial: the CLI test of '1 == off' checks the
+    # engine end to end); 'auto' resolving to one lane, and every refusal, run auto-round itself.
+    if plan.world == 1 and (_state.world != 1 or plan.reasons):
         out = _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
         _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0, reasons=plan.reasons))
         return out

@@ -1,0 +1,263 @@
+"""auto-round integration: enable(), the plan's refusals, lane failures, and the real CLI."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpq.autoround import integration
+from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
+from dpq.plan import PlanRefused, PlanRequest, resolve
+
+
+def quantize(world, devices=None, iters=6, fail_lane_at=None, return_model=False, **ar_kwargs):
+    """Quantize the tiny Llama with AutoRound; returns (state_dict, block records, fp model)."""
+    from auto_round import AutoRound
+
+    model = build_tiny_llama(TinyLlamaConfig())
+    fp = copy.deepcopy(model)
+    integration.enable(world, devices, debug_identical=True)
+    integration._state.fail_lane_at = fail_lane_at
+    try:
+        ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(16, 64), device_map="cpu",
+                       enable_torch_compile=False, iters=iters, nsamples=16, seqlen=64, batch_size=8, seed=42,
+                       **ar_kwargs)
+        try:
+            ar.quantize()
+        finally:
+            records = integration.run_summary()
+    finally:
+        integration.disable()
+    if return_model:
+        return model, records, fp
+    return model.state_dict(), records, fp
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def serial_state():
+    return quantize("off")[0]
+
+
+def test_world1_equals_plain_autoround(serial_state):
+    state, records, _ = quantize(1)
+    assert [r.world for r in records] == [1, 1]
+    assert bitwise_equal(state, serial_state)
+
+
+@pytest.fixture(scope="module")
+def serial_20():
+    return quantize(1, iters=20, return_model=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_world_n_statistical_parity_model_level(serial_20, world):
+    """Per-block best loss within 2% of serial and model KL(fp || q) no more than 2% above it."""
+    from dpq.demo.metrics import kl_fp_quantized
+
+    s_model, s_rec, fp = serial_20
+    p_model, p_rec, _ = quantize(world, ",".join(["cpu"] * world), iters=20, return_model=True)
+    assert [r.world for r in p_rec] == [world, world]
+    assert all(r.wire_bytes > 0 for r in p_rec)
+    for s, p in zip(s_rec, p_rec, strict=True):
+        assert abs(p.best_loss - s.best_loss) / s.best_loss < 0.02, (s.name, s.best_loss, p.best_loss)
+    held_out = calibration_samples(4, 64, seed=99)
+    kl_s, kl_p = kl_fp_quantized(fp, s_model, held_out), kl_fp_quantized(fp, p_model, held_out)
+    print(f"world {world}: KL serial {kl_s:.6e} parallel {kl_p:.6e} ({(kl_p - kl_s) / kl_s:+.2%}); best losses "
+          + ", ".join(f"{s.best_loss:.4e}/{p.best_loss:.4e}" for s, p in zip(s_rec, p_rec, strict=True)))
+    # One-sided: the parallel model must not be worse than serial by more than 2%. (Measured at
+    # world 2 it came out 2.6% *better*; trajectories differ by rounding, not by quality.)
+    assert kl_p <= kl_s * 1.02
+
+
+@pytest.mark.parametrize("alg", [{"enable_alg_ext": True}, {"enable_adam": True}])
+def test_signround_v2_and_adamround_go_through_the_lane(alg):
+    serial, _, _ = quantize("off", **alg)
+    w1, _, _ = quantize(1, **alg)
+    assert bitwise_equal(w1, serial)
+    _, rec2, _ = quantize(2, "cpu,cpu", **alg)
+    assert [r.world for r in rec2] == [2, 2]
+
+
+def test_lane_failure_under_auto_reruns_serially_bitwise(serial_state):
+    # auto on CPU defaults to one lane; give it two so the parallel path runs, then break lane 1
+    state, records, _ = quantize("auto", "cpu,cpu", fail_lane_at=(1, 3))
+    assert [r.world for r in records] == [2, 1]
+    assert records[1].fell_back
+    assert bitwise_equal(state, serial_state)  # block 1 was rerun from the same RNG state
+
+
+def test_lane_failure_under_explicit_world_raises_and_loses_nothing():
+    from auto_round import AutoRound
+
+    model = build_tiny_llama(TinyLlamaConfig())
+    fp_block1 = copy.deepcopy(model.model.layers[1])
+    integration.enable(2, "cpu,cpu")
+    integration._state.fail_lane_at = (1, 3)
+    seen = {}
+    orig = integration._ORIGINAL
+
+    try:
+        ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(16, 64), device_map="cpu",
+                       enable_torch_compile=False, iters=6, nsamples=16, seqlen=64, batch_size=8, seed=42)
+        real_parallel = integration._parallel_block
+
+        def spy(q, plan, block, *a, **k):
+            seen[a[-3].block_index] = {n: t.clone() for n, t in block.state_dict().items()}
+            return real_parallel(q, plan, block, *a, **k)
+
+        integration._parallel_block = spy
+        with pytest.raises(integration.ParallelLaneError, match=r"lane failed while tuning model\.layers\.1"):
+            ar.quantize()
+    finally:
+        integration._parallel_block = real_parallel
+        integration.disable()
+    assert integration._ORIGINAL is orig
+    block1 = model.model.layers[1]
+    assert not any(hasattr(m, "orig_layer") for m in block1.modules()), "wrappers removed"
+    assert bitwise_equal(block1.state_dict(), seen[1]), "home block exactly as before the block started"
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight.float(),
+                           fp_block1.self_attn.q_proj.weight.float())
+
+
+# -- refusals: each reason, checked by message; an explicit world refuses, auto falls back --
+
+def _refusal(**kw) -> list[str]:
+    with pytest.raises(PlanRefused) as e:
+        resolve(PlanRequest(**kw))
+    return e.value.reasons
+
+
+def test_refusals_are_listed_together():
+    reasons = _refusal(world=3, devices="cpu,cpu,cuda:7", samples_per_iter=1, home="cpu",
+                       extra_reasons=["LFQ loss (--enable_lfq) ..."])
+    assert any("LFQ" in r for r in reasons)
+    assert any("cuda:7 does not exist" in r for r in reasons)
+    assert any("every lane needs at least one sample" in r for r in reasons)
+
+
+def test_refusal_mirror_does_not_fit(monkeypatch):
+    from dpq import streams
+
+    monkeypatch.setattr(streams.Backend, "mem_get_info", lambda self, d: (10 * 2**20, 2**40))
+    reasons = _refusal(world=2, devices="cpu,cpu", home="cpu", mirror_bytes=2**30)
+    assert any("a mirror needs ~1.00 GiB" in r and "Fix:" in r for r in reasons)
+    plan = resolve(PlanRequest(world="auto", devices="cpu,cpu", home="cpu", mirror_bytes=2**30))
+    assert plan.world == 1 and any("mirror needs" in r for r in plan.reasons)
+
+
+def test_refusal_hpu_multi_lane(monkeypatch):
+    from dpq import streams
+
+    monkeypatch.setattr(streams, "check_device_exists", lambda d: None)
+    import dpq.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)
+    reasons = _refusal(world=2, devices="hpu:0,hpu:1", home="hpu:0")
+    assert any("Gaudi's bridge allows one device per process" in r for r in reasons)
+
+
+@pytest.mark.parametrize(
+    "patch,expect",
+    [
+        ("dist", "torch.distributed group is active"),
+        ("dict_pool", "not a flat list of tensors"),
+        ("scaler", "gradient scaler is in use"),
+        ("lfq", "LFQ loss"),
+        ("split", "weights span 2 devices"),
+    ],
+)
+def test_feature_refusals(recorded_blocks, monkeypatch, patch, expect):
+    rec = recorded_blocks[0]
+    q = copy.copy(rec.quantizer)
+    block, inputs = rec.fresh_block(), list(rec.fp_inputs)
+    if patch == "dist":
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    if patch == "dict_pool":
+        inputs = {"hidden_states": inputs}
+    if patch == "scaler":
+        monkeypatch.setattr(type(q), "_get_scaler", lambda self: object())
+    if patch == "lfq":
+        q.enable_lfq = True
+    if patch == "split":
+        p = next(block.parameters())
+        monkeypatch.setattr(type(block), "parameters",
+                            lambda self, recurse=True: iter([p, torch.nn.Parameter(torch.zeros(1, device="meta"))]))
+    reasons = integration._feature_refusals(q, block, inputs, rec.block_ctx)
+    assert any(expect in r for r in reasons), reasons
+    with pytest.raises(PlanRefused, match=expect):
+        resolve(PlanRequest(world=2, devices="cpu,cpu", home="cpu", extra_reasons=reasons))
+    auto = resolve(PlanRequest(world="auto", devices="cpu,cpu", home="cpu", extra_reasons=reasons))
+    assert auto.world == 1 and any(expect in r for r in auto.reasons)
+
+
+def test_explicit_world_refuses_before_any_work():
+    """4 lanes, 2 samples per iteration: refused at block 0, whose weights stay as loaded."""
+    from auto_round import AutoRound
+
+    model = build_tiny_llama(TinyLlamaConfig())
+    before = {k: v.clone() for k, v in model.model.layers[0].state_dict().items()}
+    integration.enable(4, "cpu,cpu,cpu,cpu")
+    try:
+        with pytest.raises(PlanRefused, match="every lane needs at least one sample"):
+            AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(16, 64), device_map="cpu",
+                      enable_torch_compile=False, iters=2, nsamples=16, seqlen=64, batch_size=2, seed=42).quantize()
+    finally:
+        integration.disable()
+    after = model.model.layers[0].state_dict()
+    # auto-round casts the model to bf16 before the blocks; nothing else may have touched block 0
+    assert all(torch.equal(after[k], before[k].to(after[k].dtype)) for k in before)
+    assert not any(hasattr(m, "orig_layer") for m in model.model.layers[0].modules())
+
+
+# -- the real CLI, in a subprocess --
+
+def _cli(tmp: Path, out: str, *extra: str) -> dict:
+    from safetensors.torch import load_file
+
+    from dpq.demo.model import save_embedded_model
+
+    model_dir, calib = save_embedded_model(tmp / "emb") if not (tmp / "emb").exists() else (
+        tmp / "emb" / "model", tmp / "emb" / "calib.jsonl")
+    cmd = [sys.executable, "-m", "dpq.autoround.cli", "--model", str(model_dir), "--dataset", str(calib),
+           "--iters", "4", "--nsamples", "16", "--seqlen", "64", "--batch_size", "8", "--device_map", "cpu",
+           "--disable_torch_compile", "--output_dir", str(tmp / out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted((tmp / out).rglob("*.safetensors"))
+    assert files, f"no saved model under {tmp / out}"
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return {"state": state, "stdout": proc.stdout}
+
+
+@pytest.fixture(scope="module")
+def cli_tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli")
+
+
+def test_cli_world1_saves_the_same_tensors_as_off(cli_tmp):
+    off = _cli(cli_tmp, "off", "--parallel_quantization", "off")
+    one = _cli(cli_tmp, "one", "--parallel_quantization", "1")
+    assert bitwise_equal(off["state"], one["state"])
+
+
+def test_cli_world2_prints_summary(cli_tmp):
+    two = _cli(cli_tmp, "two", "--parallel_quantization", "2", "--parallel_devices", "cpu,cpu")
+    assert "dpq summary:" in two["stdout"]
+    assert "model.layers.1                   2" in two["stdout"]
+
+
+def test_cli_rejects_bad_world(cli_tmp):
+    proc = subprocess.run([sys.executable, "-m", "dpq.autoround.cli", "--parallel_quantization", "zero"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "world must be 'off', 'auto' or an integer >= 1" in proc.stderr
