@@ -74,7 +74,7 @@ def test_dpq_engine(benchmark, rec, world):
         world=world,
         communicator=result.communicator,
         # the loop alone (mirrors set up, iterations run), without wrap/unwrap and teardown
-        loop_s_per_iter=result.seconds / ITERS,
+        loop_s_per_iter_last_round=result.seconds / ITERS,
         wire_bytes_per_iter=result.wire_bytes // ITERS,
     )
     _record(benchmark, f"world{world}")

@@ -78,13 +78,21 @@ def test_world_n_statistical_parity_model_level(serial_20, world):
     assert kl_p <= kl_s * 1.02
 
 
-@pytest.mark.parametrize("alg", [{"enable_alg_ext": True}, {"enable_adam": True}])
-def test_signround_v2_and_adamround_go_through_the_lane(alg):
+@pytest.mark.parametrize(
+    "alg,quantizer",
+    [({"enable_alg_ext": True}, "SignRoundV2Quantizer"), ({"enable_adam": True}, "AdamRoundQuantizer")],
+)
+def test_signround_v2_and_adamround_go_through_the_lane(alg, quantizer):
     serial, _, _ = quantize("off", **alg)
-    w1, _, _ = quantize(1, **alg)
-    assert bitwise_equal(w1, serial)
+    w1, rec1, _ = quantize(1, **alg)
+    assert [r.algorithm for r in rec1] == [quantizer] * 2 and [r.world for r in rec1] == [1, 1]
+    assert bitwise_equal(w1, serial)  # world 1 through the engine == auto-round's own loop, bit for bit
     _, rec2, _ = quantize(2, "cpu,cpu", **alg)
-    assert [r.world for r in rec2] == [2, 2]
+    assert [r.world for r in rec2] == [2, 2] and rec2[0].algorithm == quantizer
+    assert all(r.best_loss is not None for r in rec1 + rec2)
+    for s, p in zip(rec1, rec2, strict=True):
+        print(quantizer, s.name, s.best_loss, p.best_loss, (p.best_loss - s.best_loss) / s.best_loss)
+        assert abs(p.best_loss - s.best_loss) / s.best_loss < 0.02, (s.name, s.best_loss, p.best_loss)
 
 
 def test_lane_failure_under_auto_reruns_serially_bitwise(serial_state):

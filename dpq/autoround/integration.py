@@ -57,6 +57,7 @@ class BlockRecord:
     communicator: str = ""
     reasons: list[str] = field(default_factory=list)
     fell_back: bool = False
+    algorithm: str = ""  # the quantizer class that ran (SignRoundQuantizer, SignRoundV2Quantizer, ...)
 
 
 @dataclass
@@ -183,7 +184,8 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
     # engine end to end); 'auto' resolving to one lane, and every refusal, run auto-round itself.
     if plan.world == 1 and (_state.world != 1 or plan.reasons):
         out = _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
-        _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0, reasons=plan.reasons))
+        _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0, reasons=plan.reasons,
+                                          algorithm=type(self).__name__))
         return out
     rng = (random.getstate(), torch.get_rng_state())
     try:
@@ -201,7 +203,8 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
         torch.set_rng_state(rng[1])
         out = _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
         _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0,
-                                          reasons=[f"lane failure: {err!r}"], fell_back=True))
+                                          reasons=[f"lane failure: {err!r}"], fell_back=True,
+                                          algorithm=type(self).__name__))
         return out
 
 
@@ -278,7 +281,8 @@ def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_input
         f"[dpq world {plan.world}, {comm.name}]"
     )
     _state.records.append(BlockRecord(block_ctx.block_name, plan.world, time.perf_counter() - t0,
-                                      outcome.wire_bytes, outcome.best_loss, comm.name, [comm_reason]))
+                                      outcome.wire_bytes, outcome.best_loss, comm.name, [comm_reason],
+                                      algorithm=type(q).__name__))
     return outcome.best_params
 
 
