@@ -269,3 +269,18 @@ def test_cli_rejects_bad_world(cli_tmp):
     proc = subprocess.run([sys.executable, "-m", "dpq.autoround.cli", "--parallel_quantization", "zero"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "world must be 'off', 'auto' or an integer >= 1" in proc.stderr
+
+
+def test_multi_gpu_device_map_keeps_fitting_blocks_whole(recorded_blocks, monkeypatch):
+    """--device_map 0,1 asks auto-round to split blocks; with dpq on, a block that fits stays whole on home."""
+    rec = recorded_blocks[0]
+    q = rec.quantizer
+    calls = []
+    monkeypatch.setattr(integration, "_auto_split_requested", lambda: True)
+    monkeypatch.setattr(integration, "_ORIGINAL_DISPATCH", lambda self, b, i, o: calls.append("split") or b)
+    block = rec.fresh_block()
+    out = integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)
+    assert out is block and calls == [] and q._loss_device == integration.device_manager.device
+    monkeypatch.setattr(integration, "backend_free", lambda d: 1024)  # does not fit: auto-round's split
+    integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)
+    assert calls == ["split"]

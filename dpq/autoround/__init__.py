@@ -5,5 +5,22 @@ from .compat import check_auto_round_version
 check_auto_round_version()
 
 from .api import ParallelTuneResult, parallel_tune  # noqa: E402
+from .integration import (  # noqa: E402
+    BlockRecord,
+    ParallelLaneError,
+    disable,
+    enable,
+    parallel_quantization,
+    run_summary,
+)
 
-__all__ = ["ParallelTuneResult", "parallel_tune"]
+__all__ = [
+    "BlockRecord",
+    "ParallelLaneError",
+    "ParallelTuneResult",
+    "disable",
+    "enable",
+    "parallel_quantization",
+    "parallel_tune",
+    "run_summary",
+]

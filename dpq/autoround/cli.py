@@ -10,7 +10,10 @@ gets the rest. At the end a per-block summary is printed (world, seconds, exchan
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
 OUR_HELP = """
 dpq (data-parallel tuning) options:
@@ -21,6 +24,9 @@ dpq (data-parallel tuning) options:
                         lane devices, e.g. 0,1,2,3 or cuda:0,cuda:1 or cpu,cpu. Default: the devices of
                         --device_map when it lists several, else every visible device of that type
   --parallel_debug      check after every step that all lanes hold bitwise-identical tuned values
+  --parallel_report PATH
+                        write the per-block records (world, seconds, exchange bytes, per-iteration
+                        losses) as JSON
 """
 
 
@@ -29,6 +35,7 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--parallel_quantization", default="off")
     p.add_argument("--parallel_devices", default=None)
     p.add_argument("--parallel_debug", action="store_true")
+    p.add_argument("--parallel_report", default=None)
     return p.parse_known_args(argv)
 
 
@@ -42,6 +49,12 @@ def format_summary(records) -> str:
     total = sum(r.seconds for r in records)
     lines.append(f"{'total':<28} {'':>5} {total:>8.2f} {sum(r.wire_bytes for r in records) / 1e6:>12.2f}")
     return "\n".join(lines)
+
+
+def write_report(path: str, world, devices, records) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"world": world, "devices": devices, "blocks": [asdict(r) for r in records]}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         run()
     finally:
         integration.disable()
-        summary = format_summary(integration.run_summary())
-        if summary and world != "off":
-            print(summary, flush=True)
+        records = integration.run_summary()
+        if records and world != "off":
+            print(format_summary(records), flush=True)
+        if ours.parallel_report:
+            write_report(ours.parallel_report, world, ours.parallel_devices, records)
     return 0
 
 

@@ -41,6 +41,7 @@ from .tune import BlockData, SignRoundSettings, tune_wrapped_block  # noqa: E402
 __all__ = ["BlockRecord", "ParallelLaneError", "disable", "enable", "parallel_quantization", "run_summary"]
 
 _ORIGINAL = SignRoundQuantizer.quantize_block
+_ORIGINAL_DISPATCH = SignRoundQuantizer.dispatch_block
 
 
 class ParallelLaneError(RuntimeError):
@@ -58,6 +59,8 @@ class BlockRecord:
     reasons: list[str] = field(default_factory=list)
     fell_back: bool = False
     algorithm: str = ""  # the quantizer class that ran (SignRoundQuantizer, SignRoundV2Quantizer, ...)
+    losses: list[float] = field(default_factory=list)  # per iteration (engine runs only)
+    best_iter: int | None = None
 
 
 @dataclass
@@ -86,10 +89,44 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     world = validate_world(parallel_quantization)
     _state = _State(world=world, devices=devices, debug_identical=debug_identical)
     SignRoundQuantizer.quantize_block = _delegated_quantize_block
+    SignRoundQuantizer.dispatch_block = _whole_block_dispatch
 
 
 def disable() -> None:
     SignRoundQuantizer.quantize_block = _ORIGINAL
+    SignRoundQuantizer.dispatch_block = _ORIGINAL_DISPATCH
+
+
+def _auto_split_requested() -> bool:
+    from auto_round.utils import is_auto_device_mapping
+
+    return is_auto_device_mapping(device_manager.device_map) and len(device_manager.device_list) > 1
+
+
+def _whole_block_dispatch(self, block, input_ids, input_others):
+    """``--device_map 0,1,2,3`` asks auto-round to split each block over those GPUs for memory.
+    With dpq on, those GPUs are lanes instead: a block whose mirror fits the home device stays
+    whole there (and runs data-parallel); a block that does not fit keeps auto-round's split
+    placement, and the plan then runs it serially (weights span several devices)."""
+    if _state.world == "off" or not _auto_split_requested() or self.model_context.is_diffusion \
+            or not isinstance(input_ids, list):
+        return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
+    home = torch.device(device_manager.device)
+    per_iter = min(len(input_ids), self.calibration_context.batch_size * self.gradient_accumulate_steps)
+    if price_mirror(block, input_ids, per_iter) > backend_free(home):
+        return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
+    from auto_round.utils.model import move_to_device_preserving_cpu_pinned, place_ngram_embeddings_for_tuning_
+
+    place_ngram_embeddings_for_tuning_(block)
+    block = move_to_device_preserving_cpu_pinned(block, device_manager.device)
+    self._card_0_in_high_risk, self._loss_device = False, device_manager.device
+    return block
+
+
+def backend_free(device: torch.device) -> int:
+    from dpq.streams import backend
+
+    return backend(device).mem_get_info(device)[0]
 
 
 @contextlib.contextmanager
@@ -282,7 +319,8 @@ def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_input
     )
     _state.records.append(BlockRecord(block_ctx.block_name, plan.world, time.perf_counter() - t0,
                                       outcome.wire_bytes, outcome.best_loss, comm.name, [comm_reason],
-                                      algorithm=type(q).__name__))
+                                      algorithm=type(q).__name__, losses=outcome.losses,
+                                      best_iter=outcome.best_iter))
     return outcome.best_params
 
 

@@ -1,66 +1,141 @@
-"""``python -m dpq.demo``: tune every block of the embedded tiny Llama serially and data-parallel.
+"""``python -m dpq.demo``: the embedded default, quantized end to end with ``auto-round-dp``.
 
-Prints, per block, the best loss and wall time at world 1 (the serial loop) and at the
-requested world on CPU lanes (or GPUs when present), and writes the table as JSON.
+Runs the real CLI twice in subprocesses on the model that ships with dpq (``dpq/data``):
+``--parallel_quantization 1`` (the engine at world 1: bitwise plain auto-round, see
+tests/test_integration.py) and ``--parallel_quantization N`` on N lanes (CPU lanes here, GPUs
+when present). Both save in auto-round's format. Then it loads both saved models and prints
+serial vs parallel wall time, per-block best loss, and KL(fp || quantized) on held-out text;
+writes the table as JSON and a PNG of the per-block loss curves.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import torch
 
-from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
+def _run_cli(model_dir: Path, calib: Path, out: Path, world: str, devices: str | None, args) -> tuple[float, dict]:
+    report = out / "dpq_report.json"
+    cmd = [sys.executable, "-m", "dpq.autoround.cli", "--model", str(model_dir), "--dataset", str(calib),
+           "--iters", str(args.iters), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen),
+           "--batch_size", str(args.batch_size), "--device_map", args.device_map, "--disable_torch_compile",
+           "--output_dir", str(out), "--parallel_quantization", world, "--parallel_report", str(report)]
+    if devices:
+        cmd += ["--parallel_devices", devices]
+    print("$ auto-round-dp " + " ".join(cmd[3:]), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=not args.verbose, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.stderr.write((proc.stderr or "")[-4000:])
+        raise SystemExit(f"auto-round-dp failed (exit {proc.returncode}); rerun with --verbose to see its output")
+    return wall, json.loads(report.read_text())
+
+
+def _saved_model_dir(out: Path) -> Path:
+    configs = sorted(out.rglob("quantization_config.json"))
+    if not configs:
+        raise SystemExit(f"no quantized model was saved under {out}")
+    return configs[0].parent
+
+
+def _kl(fp_model, q_dir: Path, samples) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dpq.demo.metrics import kl_fp_quantized
+
+    q_model = AutoModelForCausalLM.from_pretrained(q_dir, device_map="cpu", local_files_only=True).eval()
+    q_model = q_model.to(torch.float32) if all(p.dtype.is_floating_point for p in q_model.parameters()) else q_model
+    return kl_fp_quantized(fp_model, q_model, samples)
+
+
+def _plot(rows: list[dict], serial: dict, parallel: dict, world: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(serial["blocks"])
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3.0), squeeze=False)
+    for ax, s, p in zip(axes[0], serial["blocks"], parallel["blocks"], strict=True):
+        ax.plot(s["losses"], label="serial (world 1)", color="tab:blue")
+        ax.plot(p["losses"], label=f"parallel (world {world})", color="tab:orange", linestyle="--")
+        ax.set_title(s["name"].split(".")[-1] if "." in s["name"] else s["name"], fontsize=9)
+        ax.set_xlabel("iteration", fontsize=8)
+        ax.set_yscale("log")
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("block loss", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("dpq: per-block tuning loss, serial vs data-parallel (embedded model)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dpq.demo", description=__doc__)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--devices", default=None, help="lane devices, e.g. cpu,cpu or 0,1 (default: cpu x world)")
+    ap = argparse.ArgumentParser(prog="python -m dpq.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", default="2", help="lanes for the parallel run (default 2)")
+    ap.add_argument("--devices", default=None, help="lane devices (default: cpu x world on CPU, else visible GPUs)")
+    ap.add_argument("--device_map", default=None, help="auto-round --device_map (default: 0 with a GPU, else cpu)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--batch_size", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--output", default="out/demo_parallel_tune.json")
+    ap.add_argument("--heldout", type=int, default=16, help="held-out samples for KL")
+    ap.add_argument("--out", default="out/demo")
+    ap.add_argument("--verbose", action="store_true", help="show auto-round's own output")
     args = ap.parse_args(argv)
 
-    import dpq
+    import torch
 
-    model = build_tiny_llama(TinyLlamaConfig(num_hidden_layers=args.layers))
-    samples = calibration_samples(args.nsamples, args.seqlen)
-    inputs, others = capture_block_inputs(model, samples)
-    devices = args.devices or ",".join(["cpu"] * args.world)
+    from dpq.demo.embedded import DATA_DIR, calibration_jsonl, heldout_samples, load_embedded_model
+
+    has_gpu = torch.cuda.is_available()
+    args.device_map = args.device_map or ("0" if has_gpu else "cpu")
+    devices = args.devices or (None if has_gpu else ",".join(["cpu"] * int(args.world)))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    calib = calibration_jsonl(out / "calib.jsonl", args.nsamples * 2, args.seqlen)
+
+    t_serial, serial = _run_cli(DATA_DIR, calib, out / "serial", "1", None, args)
+    t_par, parallel = _run_cli(DATA_DIR, calib, out / f"world{args.world}", str(args.world), devices, args)
+
+    fp_model, tok = load_embedded_model(torch.float32)
+    samples = heldout_samples(tok, args.heldout, args.seqlen)
+    kl_s = _kl(fp_model, _saved_model_dir(out / "serial"), samples)
+    kl_p = _kl(fp_model, _saved_model_dir(out / f"world{args.world}"), samples)
+
+    world = max(b["world"] for b in parallel["blocks"])
     rows = []
-    print(f"dpq demo: tiny Llama, {args.layers} blocks, {args.nsamples} samples x {args.seqlen} tokens, "
-          f"{args.iters} iters, batch {args.batch_size}; world {args.world} on {devices}")
-    print(f"{'block':>5} {'serial loss':>12} {'parallel loss':>13} {'rel diff':>9} "
-          f"{'serial s':>9} {'parallel s':>10} {'speedup':>8}")
-    for idx, layer in enumerate(model.model.layers):
-        layer = layer.to(torch.bfloat16)
-        runs = {}
-        for name, world, devs in (("serial", 1, "cpu"), ("parallel", args.world, devices)):
-            block = copy.deepcopy(layer)
-            t0 = time.perf_counter()
-            res = dpq.parallel_tune(
-                block, inputs[idx], input_others=others[idx], world=world, devices=devs,
-                iters=args.iters, batch_size=args.batch_size, seed=42,
-            )
-            runs[name] = (res, time.perf_counter() - t0)
-        (s, ts), (p, tp) = runs["serial"], runs["parallel"]
-        rel = abs(p.best_loss - s.best_loss) / s.best_loss
-        rows.append(dict(block=idx, serial_best_loss=s.best_loss, parallel_best_loss=p.best_loss, rel_diff=rel,
-                         serial_seconds=ts, parallel_seconds=tp, world=p.world, communicator=p.communicator,
-                         wire_bytes=p.wire_bytes, serial_losses=s.losses, parallel_losses=p.losses))
-        print(f"{idx:>5} {s.best_loss:>12.4e} {p.best_loss:>13.4e} {rel:>8.2%} {ts:>9.2f} {tp:>10.2f} {ts / tp:>7.2f}x")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(args=vars(args), blocks=rows), indent=2))
-    print(f"wrote {out}  (CPU lanes share the CPU: expect no speedup on CPU; the point is parity)")
+    for s, p in zip(serial["blocks"], parallel["blocks"], strict=True):
+        rows.append({"block": s["name"], "serial_best_loss": s["best_loss"], "parallel_best_loss": p["best_loss"],
+                     "rel_diff": (p["best_loss"] - s["best_loss"]) / s["best_loss"],
+                     "serial_block_s": s["seconds"], "parallel_block_s": p["seconds"], "world": p["world"]})
+    print()
+    print(f"{'block':<18} {'serial best':>12} {'world ' + str(world) + ' best':>13} {'diff':>7} "
+          f"{'serial s':>9} {'parallel s':>10}")
+    for r in rows:
+        print(f"{r['block']:<18} {r['serial_best_loss']:>12.4e} {r['parallel_best_loss']:>13.4e} "
+              f"{r['rel_diff']:>+7.2%} {r['serial_block_s']:>9.2f} {r['parallel_block_s']:>10.2f}")
+    print(f"{'whole run (wall)':<18} {'':>12} {'':>13} {'':>7} {t_serial:>9.2f} {t_par:>10.2f}")
+    print(f"KL(fp || quantized) on {args.heldout} held-out samples x {args.seqlen} tokens: "
+          f"serial {kl_s:.5f}  world {world} {kl_p:.5f}  ({(kl_p - kl_s) / kl_s:+.2%})")
+    if not has_gpu:
+        print("note: CPU lanes share the same cores, so no speedup is expected on CPU; the point here is parity.")
+    report = {"args": vars(args), "world": world, "wall_seconds": {"serial": t_serial, "parallel": t_par},
+              "kl": {"serial": kl_s, "parallel": kl_p}, "blocks": rows,
+              "curves": {"serial": [b["losses"] for b in serial["blocks"]],
+                         "parallel": [b["losses"] for b in parallel["blocks"]]}}
+    (out / "demo_report.json").write_text(json.dumps(report, indent=1))
+    _plot(rows, serial, parallel, world, out / "demo_losses.png")
+    print(f"wrote {out / 'demo_report.json'}, {out / 'demo_losses.png'}; quantized models under {out}/serial and "
+          f"{out}/world{args.world}")
     return 0
 
 

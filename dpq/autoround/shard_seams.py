@@ -1,0 +1,580 @@
+"""auto-round's no-grad phases, sharded over lanes with :mod:`dpq.shard`.
+
+``install(state)`` patches three auto-round 0.16 functions; ``uninstall()`` puts them back.
+``state`` is any object with ``world`` ('off' | 'auto' | int) and ``devices`` (lane devices
+or None), such as ``dpq.autoround.integration._state``.
+
+1. ``AlgorithmComposer.compress_block``: for the duration of the call the composer's
+   ``block_forward`` (the :class:`BlockForwardRunner` it uses for every collection pass) is
+   replaced by :class:`ShardedRunner`. Those passes are: the preprocessor calibration pass
+   (AWQ activation statistics, step 1), the fp reference-output pass with the quantizer's fp
+   hooks (act-max when the input is not chained, imatrix; step 3), the act-max pass on the
+   quantized-input chain (when ``enable_quanted_input`` and act-max hooks exist) and the
+   quantized-input chain forward that feeds the next block (step 6). Each runs shard by
+   shard: lane k forwards the k-th contiguous range of whole batches (boundaries on the
+   runner's batch size, so every batch is one the serial pass forms and outputs are bitwise
+   serial's) on a short-lived mirror; outputs return in sample order to the runner's cache
+   device; hook statistics are merged into the home block's layers. The quantizer's own
+   forwards (tuning) use their own reference to the runner and are not touched.
+2. ``RTNQuantizer.quantize_block`` (``iters=0``, plain RTN) and
+   ``OptimizedRTNQuantizer._quantize_targets`` (``iters=0`` optimized RTN, auto-round's default
+   at iters 0): each layer's weight search runs once on one lane (a private copy of the layer
+   on that lane; lane 0 is home and works in place), the result is copied into the home layer
+   and installed where serial installs it. Bitwise serial: the same computation on the same
+   inputs. Stacked expert-batch searches (MoE) stay on home.
+
+Hooks and how their statistics merge (anything else makes the pass run on home alone):
+
+============================================================  =====================================
+hook (auto-round 0.16.1)                                      merge
+============================================================  =====================================
+``AlgorithmComposer._register_act_max_hooks`` collect_act_max   ``act_max``: max (bitwise)
+``OptimizedRTNQuantizer._register_imatrix_hooks``               ``imatrix``: sum, ``imatrix_cnt``: count
+``SignRoundV2Quantizer._register_imatrix_hooks``                ``imatrix``: sum
+``AWQTransform._register_awq_hooks`` (activation, parent args)  ordered sink (see below)
+============================================================  =====================================
+
+Not merged, run on home alone: any other forward / pre-forward hook found on the block (for
+example online rotation hooks of layer-wise Hadamard/SpinQuant and SVDQuant's smoothing
+statistics: their state lives outside the hooked module or transforms the activations, and
+dpq has no rule that proves a split pass equals the serial one); blocks whose pool is a dict
+(diffusion), whose weights span several devices, or that carry accelerate hooks; passes with
+``indices`` or with grad enabled; runner batches that select shared per-sample keys.
+AWQ's hooks write into containers owned by the AWQ preprocessor (a running channel sum, the
+list of parent-call arguments, a concatenation of clip features). They cannot be split into
+per-lane partials, but they need not be: lanes run in sample order from one thread and the
+hooks copy to the host as they go, so the containers receive exactly the serial sequence of
+updates (bitwise). On a lane failure they are restored from a snapshot like the module stats.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dpq.plan import MARGIN, PlanRequest, resolve
+from dpq.shard import bring_home, copy_to_lane, map_over_lanes, sharded_collection
+from dpq.streams import make_lanes
+
+from .compat import check_auto_round_version
+
+check_auto_round_version()
+
+from auto_round.algorithms.composer import AlgorithmComposer  # noqa: E402
+from auto_round.algorithms.quantization.base import BaseQuantizer  # noqa: E402
+from auto_round.algorithms.quantization.rtn.quantizer import OptimizedRTNQuantizer, RTNQuantizer  # noqa: E402
+from auto_round.logger import logger  # noqa: E402
+from auto_round.utils import check_to_quantized, set_module  # noqa: E402
+from auto_round.utils.device_manager import device_manager  # noqa: E402
+
+__all__ = ["PhaseRecord", "ShardedRunner", "install", "installed", "phase_seconds", "records", "reset", "uninstall"]
+
+# hook function (__qualname__) -> {attribute on the hooked module: merge kind}
+MODULE_STAT_HOOKS: dict[str, dict[str, str]] = {
+    "AlgorithmComposer._register_act_max_hooks.<locals>.collect_act_max": {"act_max": "max"},
+    "OptimizedRTNQuantizer._register_imatrix_hooks.<locals>.collect_imatrix": {
+        "imatrix": "sum", "imatrix_cnt": "count"},
+    "SignRoundV2Quantizer._register_imatrix_hooks.<locals>.collect_imatrix": {"imatrix": "sum"},
+}
+# hooks that append/accumulate into preprocessor-owned containers in call order
+ORDERED_SINK_HOOKS = {
+    "AWQTransform._register_awq_hooks.<locals>._make_activation_hook.<locals>.hook_fn": "awq_activation:ordered",
+    "AWQTransform._register_awq_hooks.<locals>._make_parent_hook.<locals>.hook_fn": "awq_parent_args:ordered",
+}
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+@dataclass
+class PhaseRecord:
+    """One sharded (or home-alone) phase of one block."""
+
+    block: str
+    phase: str  # "collection" | "search" | "tune"
+    world: int  # lanes used; 0 for a "tune" record (the tuner's own plan decides, see integration)
+    seconds: float
+    detail: str = ""  # the hooks merged / the items per lane
+    reasons: list[str] = field(default_factory=list)  # why home alone, or why fewer lanes
+    fell_back: bool = False
+    nested: bool = False  # a detail inside another record's time (not summed by phase_seconds)
+
+
+@dataclass
+class _Seams:
+    state: object = None
+    originals: dict = field(default_factory=dict)
+    records: list[PhaseRecord] = field(default_factory=list)
+    fail_lane: int | None = None  # test hook: raise on this lane index in the next sharded pass
+    logged: set = field(default_factory=set)
+
+
+_seams = _Seams()
+
+
+# -- install / uninstall -------------------------------------------------------------------------
+
+def install(state) -> None:
+    """Patch auto-round's collection and search seams; they read ``state.world`` / ``state.devices``
+    at every call. Idempotent: a second call only swaps the state."""
+    _seams.state = state
+    if _seams.originals:
+        return
+    _seams.originals = {
+        (AlgorithmComposer, "compress_block"): AlgorithmComposer.__dict__["compress_block"],
+        (RTNQuantizer, "quantize_block"): RTNQuantizer.__dict__["quantize_block"],
+        (OptimizedRTNQuantizer, "_quantize_targets"): OptimizedRTNQuantizer.__dict__["_quantize_targets"],
+    }
+    AlgorithmComposer.compress_block = _compress_block
+    RTNQuantizer.quantize_block = _rtn_quantize_block
+    OptimizedRTNQuantizer._quantize_targets = _opt_rtn_quantize_targets
+
+
+def uninstall() -> None:
+    """Put auto-round's functions back. Safe to call when not installed."""
+    for (cls, name), fn in _seams.originals.items():
+        setattr(cls, name, fn)
+    _seams.originals = {}
+    _seams.state = None
+
+
+def installed() -> bool:
+    return bool(_seams.originals)
+
+
+def records() -> list[PhaseRecord]:
+    return list(_seams.records)
+
+
+def reset() -> None:
+    """Forget the phase records (e.g. between two measured runs)."""
+    _seams.records.clear()
+
+
+def phase_seconds() -> dict[str, float]:
+    """Seconds per phase summed over every block recorded since the last reset()."""
+    out = {"collection": 0.0, "search": 0.0, "tune": 0.0}
+    for r in _seams.records:
+        if not r.nested:
+            out[r.phase] = out.get(r.phase, 0.0) + r.seconds
+    return out
+
+
+def _original(cls, name):
+    return _seams.originals[(cls, name)]
+
+
+# -- the per-block lane decision ------------------------------------------------------------------
+
+def _world() -> int | str:
+    state = _seams.state
+    return getattr(state, "world", "off") if state is not None else "off"
+
+
+def _lane_devices():
+    devices = getattr(_seams.state, "devices", None)
+    if devices is not None:
+        return devices
+    dl = [d for d in (device_manager.device_list or []) if d is not None]
+    return [str(d) for d in dl] if len(dl) > 1 else None
+
+
+def _plan_lanes(units: int, price: int | None, reasons: list[str]):
+    """Lanes for a pass of ``units`` indivisible pieces (batches, layers), or None for home alone.
+
+    The same plan the tuner gets (``dpq.plan.resolve``: world, devices, memory), with the world
+    capped at ``units`` (a pass cannot use more lanes than it has pieces). An explicit world
+    that cannot be served raises :class:`dpq.plan.PlanRefused` here, before the block's work.
+    """
+    world = _world()
+    if world == "off" or world == 1 or units < 2:
+        return None
+    if reasons:
+        return None
+    capped = min(world, units) if isinstance(world, int) else world
+    home = torch.device(device_manager.device)
+    plan = resolve(PlanRequest(world=capped, devices=_lane_devices(), samples_per_iter=units, home=home,
+                               mirror_bytes=price))
+    reasons.extend(plan.reasons)
+    if plan.world < 2:
+        return None
+    return make_lanes(plan.devices)
+
+
+def _block_refusals(block, inputs, runner) -> list[str]:
+    """Why this block's passes must run on home alone (empty: they can be sharded)."""
+    reasons = []
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        reasons.append("a torch.distributed group is active")
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        reasons.append("the pool is not a flat list of tensors (diffusion-style dict pool)")
+    devices = {p.device for p in block.parameters()}
+    if len(devices) > 1:
+        reasons.append(f"the block's weights span {len(devices)} devices (auto-round's split placement)")
+    if any(hasattr(m, "_hf_hook") for m in block.modules()):
+        reasons.append("the block carries accelerate dispatch hooks")
+    return reasons
+
+
+def _hook_name(fn) -> str:
+    fn = getattr(fn, "func", fn)  # functools.partial
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _classify_hooks(block) -> tuple[dict[str, dict[str, str]], set[str], list[str]]:
+    """(stat spec, ordered-sink labels, unmergeable hook names) of the hooks on ``block``."""
+    spec: dict[str, dict[str, str]] = {}
+    sinks: set[str] = set()
+    unknown: list[str] = []
+    for name, module in block.named_modules():
+        for d in _HOOK_DICTS:
+            for fn in getattr(module, d, {}).values():
+                q = _hook_name(fn)
+                if q in MODULE_STAT_HOOKS:
+                    spec.setdefault(name, {}).update(MODULE_STAT_HOOKS[q])
+                elif q in ORDERED_SINK_HOOKS:
+                    sinks.add(ORDERED_SINK_HOOKS[q])
+                else:
+                    unknown.append(f"{name or '<block>'}:{q}")
+        for d in ("_backward_hooks", "_backward_pre_hooks"):
+            if getattr(module, d, None):
+                unknown.extend(f"{name or '<block>'}:{_hook_name(fn)}" for fn in getattr(module, d).values())
+    return spec, sinks, unknown
+
+
+def _collection_price(block, inputs, batch_size: int) -> int:
+    weights = sum(p.numel() * p.element_size() for p in block.parameters())
+    act = inputs[0].numel() * inputs[0].element_size() * 8 * max(1, batch_size) if inputs else 0
+    return int((weights + act) * MARGIN)
+
+
+# -- AWQ's preprocessor-owned containers: snapshot / restore around a sharded pass -------------
+
+def _sink_snapshot(composer) -> list:
+    snaps = []
+    for pre in getattr(composer, "preprocessors", []):
+        if type(pre).__name__ != "AWQTransform":
+            continue
+        snaps.append((pre, {
+            "_activation_stats": {k: [v[0].clone(), v[1]] for k, v in pre._activation_stats.items()},
+            "_parent_args_cache": {k: list(v) for k, v in pre._parent_args_cache.items()},
+            "_clip_input_feat": dict(pre._clip_input_feat),
+        }))
+    return snaps
+
+
+def _sink_restore(snaps) -> None:
+    for pre, saved in snaps:
+        for attr, value in saved.items():
+            container = getattr(pre, attr)
+            container.clear()
+            container.update(value)
+
+
+# -- seam 1: collection forwards ---------------------------------------------------------------------
+
+class ShardedRunner:
+    """Stands in for the composer's :class:`BlockForwardRunner` during one ``compress_block``.
+
+    A call with the whole pool (no ``indices``, grad off) runs sharded when the plan gives
+    lanes and every hook on the block is mergeable; anything else goes to the real runner.
+    Attribute reads fall through to the real runner. Lanes forward through the runner's own
+    ``forward`` with absolute sample ``indices``, so batch selection (per-sample lists, shared
+    cache keys, tensors indexed on the batch dim) is auto-round's own.
+    """
+
+    def __init__(self, runner, composer, block_name: str) -> None:
+        self._runner = runner
+        self._composer = composer
+        self._block_name = block_name
+        self.last_output_dict = None
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def _home(self, block, inputs, input_others, indices, cache_device):
+        out = self._runner.forward(block, inputs, input_others, indices, cache_device)
+        self.last_output_dict = self._runner.last_output_dict
+        return out
+
+    def forward(self, block, inputs, input_others, indices=None, cache_device=None):
+        if indices is not None or torch.is_grad_enabled() or _world() == "off":
+            return self._home(block, inputs, input_others, indices, cache_device)
+        t0 = time.perf_counter()
+        if _world() == 1:
+            out = self._home(block, inputs, input_others, indices, cache_device)
+            self._record(1, t0, "", ["world 1"])
+            return out
+        runner = self._runner
+        reasons = _block_refusals(block, inputs, runner)
+        spec, sinks, unknown = _classify_hooks(block)
+        if unknown:
+            reasons.append(f"hooks without a merge rule run on home alone: {sorted(set(unknown))}")
+        bs = max(1, int(runner.batch_size))
+        n = len(inputs) if isinstance(inputs, list) else 0
+        lanes = None if reasons else _plan_lanes(
+            math.ceil(n / bs), _collection_price(block, inputs, bs), reasons)
+        detail = ", ".join(sorted({f"{a}:{k}" for d in spec.values() for a, k in d.items()} | sinks)) or "no hooks"
+        if lanes is None:
+            out = self._home(block, inputs, input_others, indices, cache_device)
+            self._record(1, t0, detail, reasons)
+            return out
+        try:
+            out = self._sharded(block, inputs, input_others, cache_device, lanes, spec, bs)
+        except Exception as err:
+            if _world() != "auto":
+                from .integration import ParallelLaneError
+
+                raise ParallelLaneError(
+                    f"dpq: a lane failed in a collection pass of {self._block_name} at world {len(lanes)}: "
+                    f"{err!r}. The home block's statistics were restored; nothing already quantized was lost. "
+                    "Fix: rerun with --parallel_quantization auto (falls back to serial per pass) or off"
+                ) from err
+            logger.warning(f"dpq: a lane failed in a collection pass of {self._block_name} ({err!r}); "
+                           "statistics restored, rerunning the pass on home")
+            out = self._home(block, inputs, input_others, indices, cache_device)
+            self._record(1, t0, detail, [f"lane failure: {err!r}"], fell_back=True)
+            return out
+        self._record(len(lanes), t0, detail, reasons)
+        return out
+
+    def _sharded(self, block, inputs, input_others, cache_device, lanes, spec, bs):
+        runner = self._runner
+        out_device = cache_device if cache_device is not None else runner.cache_device
+        low_mem = bool(getattr(getattr(self._composer.block_quantizer, "compress_context", None),
+                               "low_gpu_mem_usage", False))
+        lane_dicts: list[dict | None] = []
+        fail_lane = _seams.fail_lane
+        _seams.fail_lane = None
+
+        def forward_fn(module, lane, start, stop):
+            if fail_lane is not None and lane.index == fail_lane:
+                raise RuntimeError("injected collection lane failure (dpq test hook)")
+            r = copy.copy(runner)
+            if lane.index != 0:
+                r.device = lane.device
+            r.last_output_dict = None
+            # accelerator lanes keep their outputs until every lane is issued (no per-batch host sync)
+            keep = lane.device.type != "cpu" and not low_mem
+            idx = torch.arange(start, stop, dtype=torch.long)
+            out = r.forward(module, inputs, input_others, idx, lane.device if keep else out_device)
+            lane_dicts.append({k: r.split_outputs(v) for k, v in r.last_output_dict.items()}
+                              if r.last_output_dict else None)
+            return r.split_outputs(out)
+
+        sinks = _sink_snapshot(self._composer)
+        try:
+            outputs = sharded_collection(block, lanes, len(inputs), forward_fn, spec, align=bs,
+                                         out_device=out_device)
+        except BaseException:
+            _sink_restore(sinks)
+            raise
+        self.last_output_dict = None
+        if any(d is not None for d in lane_dicts):
+            merged: dict[str, list] = {}
+            for d in lane_dicts:
+                for k, v in (d or {}).items():
+                    merged.setdefault(k, []).extend(t.to(out_device) for t in v)
+            merged["hidden_states"] = outputs
+            self.last_output_dict = merged
+        return outputs
+
+    def _record(self, world, t0, detail, reasons, fell_back=False):
+        _seams.records.append(PhaseRecord(self._block_name, "collection", world, time.perf_counter() - t0,
+                                          detail, list(reasons), fell_back))
+
+
+def _compress_block(self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None,
+                    reference_output=None, **kwargs):
+    original = _original(AlgorithmComposer, "compress_block")
+    if _world() == "off":
+        return original(self, block, fp_inputs, input_others, block_ctx, q_inputs, input_ids, reference_output,
+                        **kwargs)
+    real = self.block_forward
+    name = getattr(block_ctx, "block_name", "") or getattr(block, "global_name", "")
+    q = self.block_quantizer
+    phase = "search" if isinstance(q, RTNQuantizer) else "tune"
+    bound = q.quantize_block
+    shadowed = "quantize_block" in q.__dict__
+
+    def timed_quantize_block(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return bound(*a, **k)
+        finally:
+            _seams.records.append(PhaseRecord(name, phase, 0, time.perf_counter() - t0, type(q).__name__))
+
+    self.block_forward = ShardedRunner(real, self, name)
+    if not shadowed:
+        q.quantize_block = timed_quantize_block
+    try:
+        return original(self, block, fp_inputs, input_others, block_ctx, q_inputs, input_ids, reference_output,
+                        **kwargs)
+    finally:
+        self.block_forward = real
+        if not shadowed:
+            del q.__dict__["quantize_block"]
+
+
+# -- seam 2: iters=0 per-layer weight searches ------------------------------------------------------
+
+class _LaneView:
+    """``self`` for auto-round's ``_quantize_layer_via_rtn`` on a lane: the quantizer, except that
+    ``model`` is a scratch tree holding the lane's copy (so the result is installed there)."""
+
+    def __init__(self, quantizer, root) -> None:
+        object.__setattr__(self, "_q", quantizer)
+        object.__setattr__(self, "model", root)
+
+    def __getattr__(self, name):
+        return getattr(self._q, name)
+
+
+def _scratch_root(name: str, module: torch.nn.Module) -> torch.nn.Module:
+    root = parent = torch.nn.Module()
+    *path, leaf = name.split(".")
+    for part in path:
+        child = torch.nn.Module()
+        parent.add_module(part, child)
+        parent = child
+    parent.add_module(leaf, module)
+    return root
+
+
+def _search_lanes(q, targets: Sequence[torch.nn.Module], reasons: list[str]):
+    if type(q)._quantize_layer_via_rtn is not BaseQuantizer._quantize_layer_via_rtn:
+        reasons.append(f"{type(q).__name__} overrides _quantize_layer_via_rtn")
+    if type(q).quantize_layer_outside_block is not BaseQuantizer.quantize_layer_outside_block:
+        reasons.append(f"{type(q).__name__} overrides quantize_layer_outside_block")
+    if any(not getattr(m, "global_name", None) for m in targets):
+        reasons.append("a target layer has no global_name")
+    if any(p.device.type == "meta" for m in targets for p in m.parameters()):
+        reasons.append("a target layer is on the meta device (disk streaming)")
+    price = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in targets), default=0) * 4
+    return _plan_lanes(len(targets), price or None, reasons)
+
+
+def _map_rtn(q, targets: list, disable_opt_rtn, block_name: str) -> bool:
+    """Run each target's RTN / optimized-RTN search on one lane; False when it must run serially."""
+    t0 = time.perf_counter()
+    reasons: list[str] = []
+    lanes = _search_lanes(q, targets, reasons) if len(targets) > 1 else None
+    if lanes is None:
+        if reasons:
+            _seams.records.append(PhaseRecord(block_name, "search", 1, 0.0, "home alone", reasons, nested=True))
+        return False
+    home_device = torch.device(device_manager.device)
+    via_rtn = BaseQuantizer._quantize_layer_via_rtn
+
+    def run(layer, lane):
+        if lane.index == 0:  # home: in place, exactly the serial call
+            via_rtn(q, layer, disable_opt_rtn=disable_opt_rtn)
+            return None
+        name = layer.global_name
+        lane_copy = copy_to_lane(layer, lanes[0], lane)
+        lane_copy.tuning_device = lane.device
+        root = _scratch_root(name, lane_copy)
+        via_rtn(_LaneView(q, root), lane_copy, disable_opt_rtn=disable_opt_rtn)
+        return lane_copy, root.get_submodule(name)
+
+    def collect(layer, result, lane):
+        if result is None:
+            return None
+        lane_copy, produced = result
+        had, before = "tuning_device" in layer.__dict__, layer.__dict__.get("tuning_device")
+        new = bring_home(produced, lane_copy, layer, lane_device=lane.device, home_device=home_device)
+        for m in {id(x): x for x in (layer, new)}.values():
+            if had:
+                m.tuning_device = before
+            elif "tuning_device" in m.__dict__:
+                del m.__dict__["tuning_device"]
+        set_module(q.model, layer.global_name, new)
+        return None
+
+    def cost(layer):
+        return float(sum(p.numel() for p in layer.parameters()))
+
+    owners_seen: dict[int, int] = {}
+
+    def counting_run(layer, lane):
+        owners_seen[lane.index] = owners_seen.get(lane.index, 0) + 1
+        return run(layer, lane)
+
+    map_over_lanes(targets, lanes, counting_run, cost=cost, collect=collect)
+    per_lane = ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(len(lanes)))
+    _seams.records.append(PhaseRecord(block_name, "search", len(lanes), time.perf_counter() - t0,
+                                      f"{len(targets)} layers ({per_lane})", reasons, nested=True))
+    return True
+
+
+def _block_name_of(targets) -> str:
+    names = [getattr(m, "global_name", "") for m in targets]
+    return names[0].rsplit(".", 2)[0] if names and names[0] else ""
+
+
+@torch.no_grad()
+def _rtn_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids=None,
+                        **kwargs):
+    original = _original(RTNQuantizer, "quantize_block")
+    if _world() in ("off", 1):
+        return original(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
+    targets = [m for _, m in block.named_modules() if check_to_quantized(m)]
+    name = getattr(block_ctx, "block_name", "") or _block_name_of(targets)
+    if not _map_rtn(self, targets, True, name):
+        return original(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
+    return {}
+
+
+def _opt_rtn_quantize_targets(self, targets: list) -> None:
+    original = _original(OptimizedRTNQuantizer, "_quantize_targets")
+    if _world() in ("off", 1) or not targets:
+        return original(self, targets)
+    singles = list(targets)
+    if self._expert_search_active():
+        batches, singles = self._split_expert_batches(targets)
+        if batches:  # stacked expert searches: one call per group, on home
+            original(self, [m for b in batches for m in b])
+    if singles and not _map_rtn(self, singles, None, _block_name_of(singles)):
+        original(self, singles)
+    return None
+
+
+# -- measurement helper -----------------------------------------------------------------------------
+
+def measure_phases(world, devices=None, *, iters: int = 0, nsamples: int = 16, seqlen: int = 64,
+                   batch_size: int = 8, tune_parallel: bool = True, **ar_kwargs) -> dict:
+    """Quantize the embedded tiny Llama once and return the seconds per phase (collection / search /
+    tune), the block records and the wall time. ``world='off'`` measures serial auto-round."""
+    from auto_round import AutoRound
+
+    from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
+
+    from . import integration
+
+    model = build_tiny_llama(TinyLlamaConfig())
+    state = integration._State(world=world, devices=devices)
+    if tune_parallel:
+        integration.enable(world, devices)
+        state = integration._state
+    install(state)
+    reset()
+    t0 = time.perf_counter()
+    try:
+        AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(nsamples, seqlen),
+                  device_map="cpu", enable_torch_compile=False, iters=iters, nsamples=nsamples, seqlen=seqlen,
+                  batch_size=batch_size, seed=42, **ar_kwargs).quantize()
+    finally:
+        wall = time.perf_counter() - t0
+        uninstall()
+        tune_records = integration.run_summary() if tune_parallel else []
+        if tune_parallel:
+            integration.disable()
+    return {"world": world, "wall": wall, "phases": phase_seconds(), "records": records(),
+            "tune_records": tune_records, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
