@@ -225,8 +225,11 @@ class SignExchange(_Exchange):
     counted on the padded length m (exactly ``17*(W-1)*m // (4*W)`` per bucket). DESIGN.md's
     4.125 assumes a binary sign, which is not exact.
 
-    A NaN sum has the nonzero bit and not the negative bit, so it becomes +1 (the loss
-    shows the NaN). World 1: ``grad = sign(grad)`` in place, no wire bytes.
+    The planes reproduce ``torch.sign`` exactly, NaN included: torch.sign(NaN) is 0, so serial
+    SignSGD leaves an element with a NaN gradient alone, and so does this path (a NaN sum gets
+    neither bit). This is real, not theoretical: auto-round's min/max-scale gradients
+    overflow to NaN under sum-reduced losses with gradient accumulation, and mapping NaN to
+    +1 moved parameters serial leaves alone and broke parity. World 1: ``grad = sign(grad)`` in place, no wire bytes.
     """
 
     name = "sign"
@@ -251,7 +254,9 @@ class SignExchange(_Exchange):
         packed, gathered = [], []
         for r, lane in zip(recv, lanes, strict=True):
             with lane.issue():
-                packed.append(torch.cat([_pack_bits(r < 0), _pack_bits(r != 0)]))
+                # (negative, nonzero): 0 and NaN -> (0,0), +1 -> (0,1), -1 -> (1,1), as torch.sign
+                negative = r < 0
+                packed.append(torch.cat([_pack_bits(negative), _pack_bits(negative | (r > 0))]))
                 gathered.append(torch.empty(m // 4, dtype=torch.uint8, device=r.device))
         comm.all_gather(packed, gathered)
         for g, q, lane in zip(grads, gathered, lanes, strict=True):

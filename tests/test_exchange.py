@@ -180,6 +180,29 @@ def test_sign(world, comm_name):
             assert ex.last_wire_bytes == 0
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_sign_matches_torch_sign_on_nan_and_inf(world):
+    """Serial SignSGD applies torch.sign(grad), which maps NaN to 0 and +-inf to +-1: so must the
+    sign path. Overflowing min/max-scale gradients under sum-reduced losses make this real."""
+    assert torch.sign(torch.tensor(float("nan"))) == 0  # the semantics this path reproduces
+    n = 53
+    b = GradBuckets(lane_params(world, [(n,)]))
+    b.attach()
+    grads = fill_grads(b, seed=7 + world)
+    grads[0][5] = float("nan")  # NaN on one lane: the sum is NaN
+    grads[-1][9] = float("inf")
+    grads[0][11] = float("-inf")
+    if world >= 2:
+        grads[0][13], grads[1][13] = float("inf"), float("-inf")  # inf + -inf = NaN
+    for buf, g in zip(b.buffers, grads, strict=True):
+        buf.copy_(g)
+    SignExchange(comm_for(world)).exchange(b)
+    expected = torch.sign(lane_order_sum(grads))
+    assert expected[5] == 0 and expected[9] == 1 and expected[11] == -1
+    assert_same_bits_everywhere(b)
+    assert torch.equal(b.buffers[0], expected)
+
+
 def test_sign_padding():
     assert sign_padded_length(1, 1) == 8
     assert sign_padded_length(16, 2) == 16

@@ -80,9 +80,15 @@ def test_world_n_statistical_parity_model_level(serial_20, world):
 
 @pytest.mark.parametrize(
     "alg,quantizer",
-    [({"enable_alg_ext": True}, "SignRoundV2Quantizer"), ({"enable_adam": True}, "AdamRoundQuantizer")],
+    [
+        ({"enable_alg_ext": True}, "SignRoundV2Quantizer"),
+        ({"enable_adam": True}, "AdamRoundQuantizer"),
+        ({"gradient_accumulate_steps": 2}, "SignRoundQuantizer"),  # accumulation inside each lane, sum loss
+        ({"momentum": 0.9}, "SignRoundQuantizer"),  # stateful: full-value exchange
+        ({"not_use_best_mse": True, "enable_quanted_input": False}, "SignRoundQuantizer"),
+    ],
 )
-def test_signround_v2_and_adamround_go_through_the_lane(alg, quantizer):
+def test_algorithms_and_loop_options_go_through_the_lane(alg, quantizer):
     serial, _, _ = quantize("off", **alg)
     w1, rec1, _ = quantize(1, **alg)
     assert [r.algorithm for r in rec1] == [quantizer] * 2 and [r.world for r in rec1] == [1, 1]

@@ -51,16 +51,17 @@ def format_summary(records) -> str:
     return "\n".join(lines)
 
 
-def write_report(path: str, world, devices, records) -> None:
+def write_report(path: str, world, devices, records, phases: dict) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"world": world, "devices": devices, "blocks": [asdict(r) for r in records]}, indent=1))
+    body = {"world": world, "devices": devices, "phase_seconds": phases, "blocks": [asdict(r) for r in records]}
+    out.write_text(json.dumps(body, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, rest = split_argv(argv)
-    from dpq.autoround import integration
+    from dpq.autoround import integration, shard_seams
     from dpq.plan import validate_world
 
     try:
@@ -80,10 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         integration.disable()
         records = integration.run_summary()
-        if records and world != "off":
+        phases = shard_seams.phase_seconds()
+        if world != "off" and records:
             print(format_summary(records), flush=True)
+        if world != "off" and any(phases.values()):
+            print("dpq phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
         if ours.parallel_report:
-            write_report(ours.parallel_report, world, ours.parallel_devices, records)
+            write_report(ours.parallel_report, world, ours.parallel_devices, records, phases)
     return 0
 
 

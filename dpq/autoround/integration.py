@@ -26,6 +26,7 @@ from dpq.fallback_p2p import select_communicator
 from dpq.plan import Plan, PlanRequest, price_mirror, resolve, validate_world
 from dpq.streams import make_lanes
 
+from . import shard_seams
 from .compat import check_auto_round_version
 
 check_auto_round_version()
@@ -90,9 +91,11 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     _state = _State(world=world, devices=devices, debug_identical=debug_identical)
     SignRoundQuantizer.quantize_block = _delegated_quantize_block
     SignRoundQuantizer.dispatch_block = _whole_block_dispatch
+    shard_seams.install(_state)  # the no-grad phases: collection forwards, iters=0 and init-scale searches
 
 
 def disable() -> None:
+    shard_seams.uninstall()
     SignRoundQuantizer.quantize_block = _ORIGINAL
     SignRoundQuantizer.dispatch_block = _ORIGINAL_DISPATCH
 
