@@ -10,7 +10,7 @@ Three stages, all seeded:
    disjoint by module and by paragraph.
 2. tokenizer: a byte-level BPE (``tokenizers``), vocab 2048, trained on the train corpus, with
    ``<|endoftext|>`` (bos/eos) and ``<|pad|>``.
-3. model: a ``LlamaForCausalLM`` (hidden 256, intermediate 688, 4 layers, 4 heads, 2 kv heads,
+3. model: a ``LlamaForCausalLM`` (hidden 256, intermediate 640, 4 layers, 4 heads, 2 kv heads,
    untied embeddings) trained with AdamW on random 256-token windows of the train stream
    (bf16 autocast on CPU, fp32 master weights), saved in bf16 with safetensors.
 
@@ -43,6 +43,9 @@ DEFAULT_OUT = REPO / "dpq" / "data"
 VOCAB = 2048
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 SEQLEN = 256
+# a multiple of 128: auto-round keeps any linear with a dimension not divisible by 32 in 16 bits
+# (the usual 8/3 * 256 -> 688 would leave every MLP unquantized), and group size 128 divides it
+INTERMEDIATE = 640
 HELDOUT_TARGET_BYTES = 100_000
 HELDOUT_MAX_UNIT_BYTES = 25_000  # keeps the held-out set spread over several modules
 
@@ -96,6 +99,8 @@ def _prose(lines: list[str]) -> str | None:
     if sum(c.isalpha() or c == " " for c in text) / len(text) < 0.8:
         return None
     if len(CODE_LIKE.findall(text)) > len(words) / 8:
+        return None
+    if text.count(",") > len(words) / 3:  # lists of option or attribute names
         return None
     if not (text[0].isalpha() or text[0] in "\"'("):
         return None
@@ -186,13 +191,19 @@ def build_tokenizer(out: Path):
         model_max_length=512, clean_up_tokenization_spaces=False,
     )
     hf_tok.save_pretrained(out)
+    # name the generic fast-tokenizer class (transformers 4.x and 5.x both resolve it); with
+    # model_type "llama" and no class named, AutoTokenizer would build a Llama tokenizer instead
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     print(f"tokenizer: byte-level BPE, vocab {tok.get_vocab_size()}, eos {EOS!r}={tok.token_to_id(EOS)}, "
           f"pad {PAD!r}={tok.token_to_id(PAD)}")
     return hf_tok
 
 
 def encode_file(tok, path: Path) -> torch.Tensor:
-    return torch.tensor(tok(path.read_text(encoding="ascii"), add_special_tokens=False)["input_ids"])
+    return torch.tensor(tok(path.read_text(encoding="ascii"), add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def unigram_baselines(train_ids: torch.Tensor, heldout_ids: torch.Tensor) -> dict:
@@ -215,7 +226,7 @@ def build_model(tok, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=INTERMEDIATE, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=False,
         bos_token_id=tok.convert_tokens_to_ids(EOS), eos_token_id=tok.convert_tokens_to_ids(EOS),
@@ -293,12 +304,12 @@ def train_model(model, train_ids, heldout_rows, train_eval_rows, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight_decay", type=float, default=0.1)
-    ap.add_argument("--eval_every", type=int, default=250)
+    ap.add_argument("--eval_every", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible, robust on a shared CPU)")
     args = ap.parse_args(argv)
@@ -315,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     heldout_rows = windows(heldout_ids, SEQLEN)
     all_train_rows = windows(train_ids, SEQLEN)
     train_eval_rows = all_train_rows[torch.linspace(0, len(all_train_rows) - 1, len(heldout_rows)).long()]
-    print(f"tokens: {len(train_ids):,} train ({len(args.out.joinpath('corpus_train.txt').read_bytes()) / len(train_ids):.2f}"
-          f" B/token), {len(heldout_ids):,} held-out ({len(heldout_rows)} windows of {SEQLEN})")
+    bytes_per_token = corpus["train_bytes"] / len(train_ids)
+    print(f"tokens: {len(train_ids):,} train ({bytes_per_token:.2f} B/token), {len(heldout_ids):,} held-out "
+          f"({len(heldout_rows)} windows of {SEQLEN})")
     print(f"unigram baselines (nats/token): train unigram on held-out {base['unigram_train_ce_on_heldout']:.3f} "
           f"(ppl {math.exp(base['unigram_train_ce_on_heldout']):.1f}), held-out's own entropy "
           f"{base['unigram_heldout_entropy']:.3f} (ppl {math.exp(base['unigram_heldout_entropy']):.1f})")
@@ -330,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     model = model.to(torch.bfloat16).eval()
     model.generation_config.pad_token_id = model.config.pad_token_id
     model.save_pretrained(args.out, safe_serialization=True)
+    (args.out / "model.safetensors").chmod(0o644)  # written 0600; package data must be world-readable
     # the shipped (bf16) weights, evaluated the way load_embedded_model() runs them: in fp32
     from transformers import AutoModelForCausalLM
 
