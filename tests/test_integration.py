@@ -232,26 +232,31 @@ def test_explicit_world_refuses_before_any_work():
     assert not any(hasattr(m, "orig_layer") for m in model.model.layers[0].modules())
 
 
-# -- the real CLI, in a subprocess --
+# -- the real CLI, in a subprocess, on the embedded (trained) model --
 
 def _cli(tmp: Path, out: str, *extra: str) -> dict:
+    import json
+
     from safetensors.torch import load_file
 
-    from dpq.demo.model import save_embedded_model
+    from dpq.demo.embedded import DATA_DIR, calibration_jsonl
 
-    model_dir, calib = save_embedded_model(tmp / "emb") if not (tmp / "emb").exists() else (
-        tmp / "emb" / "model", tmp / "emb" / "calib.jsonl")
-    cmd = [sys.executable, "-m", "dpq.autoround.cli", "--model", str(model_dir), "--dataset", str(calib),
-           "--iters", "4", "--nsamples", "16", "--seqlen", "64", "--batch_size", "8", "--device_map", "cpu",
-           "--disable_torch_compile", "--output_dir", str(tmp / out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    calib = tmp / "calib.jsonl"
+    if not calib.exists():
+        calibration_jsonl(calib, 32, 64)
+    report = tmp / out / "report.json"
+    cmd = [sys.executable, "-m", "dpq.autoround.cli", "--model", str(DATA_DIR), "--dataset", str(calib),
+           "--iters", "50", "--nsamples", "16", "--seqlen", "64", "--batch_size", "8", "--device_map", "cpu",
+           "--disable_torch_compile", "--output_dir", str(tmp / out), "--parallel_report", str(report), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted((tmp / out).rglob("*.safetensors"))
     assert files, f"no saved model under {tmp / out}"
     state = {}
     for f in files:
         state.update(load_file(str(f)))
-    return {"state": state, "stdout": proc.stdout}
+    return {"state": state, "stdout": proc.stdout, "report": json.loads(report.read_text()),
+            "dir": files[0].parent}
 
 
 @pytest.fixture(scope="module")
@@ -259,16 +264,67 @@ def cli_tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("cli")
 
 
-def test_cli_world1_saves_the_same_tensors_as_off(cli_tmp):
-    off = _cli(cli_tmp, "off", "--parallel_quantization", "off")
-    one = _cli(cli_tmp, "one", "--parallel_quantization", "1")
+SEEDS = (42, 43, 44)
+
+
+@pytest.fixture(scope="module")
+def cli_runs(cli_tmp):
+    """CLI runs cached by (world, seed): every comparison below shares the serial ones."""
+    cache: dict = {}
+
+    def get(world: int, seed: int) -> dict:
+        if (world, seed) not in cache:
+            extra = ["--seed", str(seed), "--parallel_quantization", str(world)]
+            if world > 1:
+                extra += ["--parallel_devices", ",".join(["cpu"] * world)]
+            cache[world, seed] = _cli(cli_tmp, f"w{world}s{seed}", *extra)
+        return cache[world, seed]
+
+    return get
+
+
+def test_cli_world1_saves_the_same_tensors_as_off(cli_tmp, cli_runs):
+    off = _cli(cli_tmp, "off", "--seed", "42", "--parallel_quantization", "off")
+    one = cli_runs(1, 42)
+    assert off["report"]["blocks"] == []  # off: auto-round alone, dpq recorded nothing
+    assert [b["world"] for b in one["report"]["blocks"]] == [1, 1, 1, 1]
     assert bitwise_equal(off["state"], one["state"])
 
 
-def test_cli_world2_prints_summary(cli_tmp):
-    two = _cli(cli_tmp, "two", "--parallel_quantization", "2", "--parallel_devices", "cpu,cpu")
-    assert "dpq summary:" in two["stdout"]
-    assert "model.layers.1                   2" in two["stdout"]
+@pytest.mark.parametrize("world", [2, 4])
+def test_cli_world_n_matches_serial_quality(cli_runs, world):
+    """Per-block best losses and the saved models' KL(fp || q) on held-out text within 2% of
+    serial, each averaged over 3 seeds. One seed is not enough: on this model serial's own
+    seed-to-seed spread measured 3.3% (KL, stdev over 5 seeds), and a single seed's per-block
+    best loss moved by up to 3.4% between serial and world 2 (parallel lower) while the 3-seed
+    means agree to about 1%. DESIGN.md's contract 1: statistical parity, not bits."""
+    from transformers import AutoModelForCausalLM
+
+    from dpq.demo.embedded import heldout_samples, load_embedded_model
+    from dpq.demo.metrics import kl_fp_quantized
+
+    fp, tok = load_embedded_model(torch.float32)
+    samples = heldout_samples(tok, 8, 64)
+    kls: dict[int, list[float]] = {1: [], world: []}
+    rel_by_block: dict[str, list[float]] = {}
+    for seed in SEEDS:
+        serial, run = cli_runs(1, seed), cli_runs(world, seed)
+        assert "dpq summary:" in run["stdout"]
+        blocks = run["report"]["blocks"]
+        assert [b["world"] for b in blocks] == [world] * 4
+        for s, p in zip(serial["report"]["blocks"], blocks, strict=True):
+            rel_by_block.setdefault(s["name"], []).append((p["best_loss"] - s["best_loss"]) / s["best_loss"])
+        for w, r in ((1, serial), (world, run)):
+            q = AutoModelForCausalLM.from_pretrained(r["dir"], device_map="cpu", local_files_only=True).eval()
+            kls[w].append(kl_fp_quantized(fp, q, samples))
+    for name, rels in rel_by_block.items():
+        print(f"world {world} {name}: best loss vs serial per seed {[f'{r:+.2%}' for r in rels]}, "
+              f"mean {sum(rels) / len(rels):+.2%}")
+        assert abs(sum(rels) / len(rels)) < 0.02, (name, rels)
+    kl_s, kl_p = sum(kls[1]) / len(SEEDS), sum(kls[world]) / len(SEEDS)
+    print(f"CLI world {world}: mean KL serial {kl_s:.6f} parallel {kl_p:.6f} ({(kl_p - kl_s) / kl_s:+.2%}); "
+          f"per seed serial {kls[1]} parallel {kls[world]}")
+    assert abs(kl_p - kl_s) / kl_s < 0.02
 
 
 def test_cli_rejects_bad_world(cli_tmp):

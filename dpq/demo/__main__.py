@@ -65,7 +65,7 @@ def _plot(rows: list[dict], serial: dict, parallel: dict, world: int, path: Path
     for ax, s, p in zip(axes[0], serial["blocks"], parallel["blocks"], strict=True):
         ax.plot(s["losses"], label="serial (world 1)", color="tab:blue")
         ax.plot(p["losses"], label=f"parallel (world {world})", color="tab:orange", linestyle="--")
-        ax.set_title(s["name"].split(".")[-1] if "." in s["name"] else s["name"], fontsize=9)
+        ax.set_title(s["name"], fontsize=9)
         ax.set_xlabel("iteration", fontsize=8)
         ax.set_yscale("log")
         ax.tick_params(labelsize=7)
