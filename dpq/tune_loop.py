@@ -164,7 +164,8 @@ class TuneEngine:
             torch.autograd.backward(roots)
             step_losses.append(self._sum_on_home(lane_losses))
         before = self._wire_bytes()
-        self.exchange.exchange(self.buckets)
+        if world > 1:  # one lane already holds the full gradient; nothing to exchange
+            self.exchange.exchange(self.buckets)
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
         for lane in self.lanes[1:]:
             lane.current_waits_for_me()
