@@ -390,7 +390,7 @@ def _saved(folder) -> dict:
 def test_iters0_world2_saves_serial_tensors(tmp_path, kw):
     """``iters=0`` on 2 lanes (dpq's tuner and the seams both enabled, as the CLI does): every
     layer's search runs on one lane and is copied home; the saved tensors are bitwise serial's.
-    AWQ: its activation-statistics pass is sharded (ordered sink), its smoothing search on home."""
+    AWQ: its activation-statistics pass is sharded (ordered sink), so are its grid searches."""
     _run(None, save_dir=tmp_path / "serial", **kw)
     _, recs = _run(2, tune_world=2, save_dir=tmp_path / "two", **kw)
     a, b = _saved(tmp_path / "serial"), _saved(tmp_path / "two")
@@ -399,6 +399,7 @@ def test_iters0_world2_saves_serial_tensors(tmp_path, kw):
     assert len(maps) == 2 and all(r.world == 2 and "lane 0: 3, lane 1: 4" in r.detail for r in maps)
     if "alg_configs" in kw:
         assert any(r.world == 2 and "awq_activation:ordered" in r.detail for r in recs)
+        assert any(r.world == 2 and "AWQ grid search" in r.detail for r in recs)
 
 
 def test_signround_v2_init_scale_searches_mapped():
@@ -478,3 +479,100 @@ def test_install_is_idempotent_and_uninstall_restores():
     shard_seams.uninstall()
     after = (AlgorithmComposer.compress_block, RTNQuantizer.quantize_block, OptimizedRTNQuantizer._quantize_targets)
     assert after == before and not shard_seams.installed()
+
+
+@pytest.fixture()
+def awq_recorder(monkeypatch):
+    """Record, in call order, every AWQ grid point's loss (serial: auto-round's _compute_parent_loss;
+    sharded: the seam's) and every applied smoothing scale vector and clip range."""
+    from auto_round.algorithms.transforms.awq.base import AWQTransform
+
+    from dpq.autoround import shard_seams
+
+    calls = []
+
+    def loss_recorder(fn):
+        def recording(self, parent, kwargs_list, fp16_outputs):
+            loss = fn(self, parent, kwargs_list, fp16_outputs)
+            calls.append(("loss", loss))
+            return loss
+
+        return recording
+
+    orig_scales, orig_clip = AWQTransform._apply_scales, AWQTransform._apply_clip
+
+    def scales(self, mapping, s):
+        calls.append(("scales", mapping.smooth_name, s.detach().clone()))
+        return orig_scales(self, mapping, s)
+
+    def clip(self, layer, min_val, max_val):
+        calls.append(("clip", layer.global_name, min_val.detach().clone(), max_val.detach().clone()))
+        return orig_clip(self, layer, min_val, max_val)
+
+    monkeypatch.setattr(AWQTransform, "_compute_parent_loss", loss_recorder(AWQTransform._compute_parent_loss))
+    monkeypatch.setattr(shard_seams, "_awq_compute_parent_loss", loss_recorder(shard_seams._awq_compute_parent_loss))
+    monkeypatch.setattr(AWQTransform, "_apply_scales", scales)
+    monkeypatch.setattr(AWQTransform, "_apply_clip", clip)
+    return calls
+
+
+def _same_calls(a, b) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x[0] != y[0] or (x[0] == "loss" and x[1] != y[1]):
+            return False
+        if x[0] != "loss" and (x[1] != y[1] or not all(bitwise(p, q) for p, q in zip(x[2:], y[2:], strict=True))):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("smooth_batch_size", [None, 4], ids=["whole_calls", "micro_calls"])
+def test_awq_grid_and_clip_searches_world2(tmp_path, awq_recorder, smooth_batch_size):
+    """AWQ with clipping at iters=0 on 2 lanes: each grid search replays the cached parent calls
+    shard by shard (lane k: its contiguous calls) and reduces per-call squared-error sums in
+    serial's order, so every grid point's loss is the same float as serial's, hence the same chosen
+    point and bitwise the same scales; each clip search runs once on one lane. Saved tensors: bitwise.
+    ``smooth_batch_size=4``: each cached call of 8 samples replays as 2 micro calls (references
+    offloaded to the CPU), still one loss term per micro call in serial's order."""
+    from auto_round.algorithms.transforms.awq.config import AWQConfig
+
+    from dpq.autoround import shard_seams
+
+    kw = dict(alg_configs=AWQConfig(apply_clip=True, n_grid=6, clip_n_grid=4, clip_n_sample_token=64,
+                                    smooth_batch_size=smooth_batch_size))
+    _run(None, save_dir=tmp_path / "serial", **kw)
+    serial = list(awq_recorder)
+    awq_recorder.clear()
+    hits = shard_seams._seams.awq_clip_hits
+    _, recs = _run(2, save_dir=tmp_path / "two", **kw)
+    kinds = {k: sum(c[0] == k for c in serial) for k in ("loss", "scales", "clip")}
+    assert kinds["loss"] > 0 and kinds["scales"] > 0 and kinds["clip"] > 0, kinds
+    assert _same_calls(serial, awq_recorder)  # losses equal as floats, scales and clips bitwise
+    a, b = _saved(tmp_path / "serial"), _saved(tmp_path / "two")
+    assert a.keys() == b.keys() and all(bitwise(a[k], b[k]) for k in a)
+    grids = [r for r in recs if r.phase == "search" and "AWQ grid search" in r.detail]
+    clips = [r for r in recs if r.phase == "search" and "AWQ clip searches" in r.detail]
+    assert grids and all(r.world == 2 and "lane 0: 1, lane 1: 1" in r.detail for r in grids)
+    assert len(clips) == 2 and all(r.world == 2 for r in clips)
+    assert shard_seams._seams.awq_clip_hits - hits == kinds["clip"]
+
+
+def test_awq_grid_lane_failure():
+    """A lane failing in an AWQ grid search: under auto the balance weights are restored and the
+    search reruns on home (result bitwise serial's); under an explicit world ParallelLaneError."""
+    from auto_round.algorithms.transforms.awq.config import AWQConfig
+
+    from dpq.autoround import shard_seams
+    from dpq.autoround.integration import ParallelLaneError
+
+    kw = dict(alg_configs=AWQConfig(n_grid=4))
+    serial_state, _ = _run(None, **kw)
+    shard_seams._seams.awq_fail_lane = 1
+    state, recs = _run("auto", **kw)
+    assert [r.fell_back for r in recs if "AWQ grid search" in r.detail].count(True) == 1
+    assert all(bitwise(serial_state[k], state[k]) for k in state)
+    shard_seams._seams.awq_fail_lane = 1
+    with pytest.raises(ParallelLaneError, match=r"AWQ grid search of model\.layers\.0\.input_layernorm"):
+        _run(2, **kw)
+    assert shard_seams._seams.awq_fail_lane is None

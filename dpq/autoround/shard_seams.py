@@ -1,6 +1,6 @@
 """auto-round's no-grad phases, sharded over lanes with :mod:`dpq.shard`.
 
-``install(state)`` patches five auto-round 0.16 functions; ``uninstall()`` puts them back.
+``install(state)`` patches ten auto-round 0.16 functions; ``uninstall()`` puts them back.
 ``state`` is any object with ``world`` ('off' | 'auto' | int) and ``devices`` (lane devices
 or None), such as ``dpq.autoround.integration._state``; it is read at every call, and with
 ``world == 'off'`` every patched function passes straight through to auto-round's own.
@@ -31,6 +31,25 @@ or None), such as ``dpq.autoround.integration._state``; it is read at every call
    module's ``search_optimized_init_scale`` are patched so the wrapper takes the precomputed
    result (checked against shape, dtype, data type, bits, threshold and the weight's version
    counter; anything else searches on home as before). Bitwise serial.
+4. AWQ smoothing grid search, shard and reduce: ``AWQTransform._grid_search_scales`` runs
+   auto-round's own loop on home (candidate scales, QDQ of the balance weights, the ``<``
+   comparison that picks the point); only the replays of the cached parent calls move to lanes
+   (``_run_parent_samples`` for the reference outputs, ``_compute_parent_loss`` per grid point).
+   Lane k holds a mirror of the parent (balance weights private, the rest shared on a shared
+   device), replays the k-th contiguous range of cached calls and returns one squared-error SUM
+   per (micro) call; home adds the terms in serial's call order into a zero fp32 accumulator and
+   divides by the total element count. auto-round's loss is a mean over all elements, the same
+   count for every grid point, computed as exactly that fold and division, so the loss of every
+   point is bitwise serial's and the same point (same scales) is chosen. Per-lane partial sums
+   would reassociate the fp32 sum (about 1 ulp off), which could flip a near-tie between two
+   points: that is why terms are per call, not per lane. Mappings without cached parent calls
+   (weight-only loss), parents with hooks, accelerate hooks, weights on several devices, or a
+   balance layer outside the parent search on home. AWQ clip search, map:
+   ``AWQTransform._clip_block``: every balance layer's ``_compute_best_clip`` (read-only on the
+   layer's weight and the mapping's features) runs once on one lane before auto-round's loop,
+   which then takes the result via the patched ``_compute_best_clip`` (checked against the
+   weight's storage and version and the features' identity; anything else searches on home).
+   A layer that would be clipped twice is searched on home. Bitwise serial.
 
 Hooks and how their statistics merge (anything else makes the pass run on home alone):
 
@@ -56,8 +75,8 @@ and the hooks copy to the host as they go, so the containers receive exactly the
 sequence of updates (bitwise). On a lane failure they are restored from a snapshot, like the
 module statistics.
 
-Not sharded: AWQ's smoothing grid search and clip search (they replay the parent modules on
-the cached parent arguments on home, as in serial).
+Not sharded: the QDQ of each AWQ grid point's candidate weights (on home, once per point;
+its result is copied into each lane's mirror).
 """
 
 
@@ -72,8 +91,9 @@ from types import SimpleNamespace
 
 import torch
 
+from dpq.mirror import ReplicaSet
 from dpq.plan import MARGIN, PlanRequest, resolve
-from dpq.shard import bring_home, copy_to_lane, map_over_lanes, sharded_collection
+from dpq.shard import bring_home, contiguous_ranges, copy_to_lane, map_over_lanes, shard_forward, sharded_collection
 from dpq.streams import make_lanes
 
 from .compat import check_auto_round_version
@@ -84,10 +104,12 @@ from auto_round.algorithms.composer import AlgorithmComposer  # noqa: E402
 from auto_round.algorithms.quantization.base import BaseQuantizer  # noqa: E402
 from auto_round.algorithms.quantization.rtn.quantizer import OptimizedRTNQuantizer, RTNQuantizer  # noqa: E402
 from auto_round.algorithms.quantization.sign_roundv2 import quantizer as _v2  # noqa: E402
+from auto_round.algorithms.transforms.awq.base import AWQTransform  # noqa: E402
 from auto_round.data_type.utils import reshape_imatrix_for_weight  # noqa: E402
 from auto_round.logger import logger  # noqa: E402
 from auto_round.utils import SUPPORTED_LAYER_TYPES, check_to_quantized, set_module  # noqa: E402
 from auto_round.utils.device_manager import device_manager  # noqa: E402
+from auto_round.utils.model import move_to_device  # noqa: E402
 
 __all__ = ["PhaseRecord", "ShardedRunner", "install", "installed", "phase_seconds", "records", "reset", "uninstall"]
 
@@ -131,6 +153,10 @@ class _Seams:
     current_layer: object = None  # the layer whose SignRoundV2 wrapper is being built
     init_scale_hits: int = 0
     block_name: str = ""  # the block whose quantize_block is running (for nested records)
+    awq_grid: object = None  # the _AwqGrid of the AWQ grid search running now (None: serial)
+    awq_clips: dict = field(default_factory=dict)  # id(home layer) -> (key, clip range) precomputed on lanes
+    awq_clip_hits: int = 0
+    awq_fail_lane: int | None = None  # test hook: raise on this lane in the next sharded AWQ grid search
 
 
 _seams = _Seams()
@@ -153,12 +179,22 @@ def install(state) -> None:
         (OptimizedRTNQuantizer, "_quantize_targets"): OptimizedRTNQuantizer.__dict__["_quantize_targets"],
         (_OPT_WRAPPER, "_prepare_init_scale_weight"): _OPT_WRAPPER.__dict__["_prepare_init_scale_weight"],
         (_v2, "search_optimized_init_scale"): _v2.search_optimized_init_scale,
+        (AWQTransform, "_grid_search_scales"): AWQTransform.__dict__["_grid_search_scales"],
+        (AWQTransform, "_run_parent_samples"): AWQTransform.__dict__["_run_parent_samples"],
+        (AWQTransform, "_compute_parent_loss"): AWQTransform.__dict__["_compute_parent_loss"],
+        (AWQTransform, "_clip_block"): AWQTransform.__dict__["_clip_block"],
+        (AWQTransform, "_compute_best_clip"): AWQTransform.__dict__["_compute_best_clip"],
     }
     AlgorithmComposer.compress_block = _compress_block
     RTNQuantizer.quantize_block = _rtn_quantize_block
     OptimizedRTNQuantizer._quantize_targets = _opt_rtn_quantize_targets
     _OPT_WRAPPER._prepare_init_scale_weight = _prepare_init_scale_weight
     _v2.search_optimized_init_scale = _search_optimized_init_scale
+    AWQTransform._grid_search_scales = _awq_grid_search_scales
+    AWQTransform._run_parent_samples = _awq_run_parent_samples
+    AWQTransform._compute_parent_loss = _awq_compute_parent_loss
+    AWQTransform._clip_block = _awq_clip_block
+    AWQTransform._compute_best_clip = _awq_compute_best_clip
 
 
 def uninstall() -> None:
@@ -169,6 +205,8 @@ def uninstall() -> None:
     _seams.state = None
     _seams.init_scales.clear()
     _seams.current_layer = None
+    _seams.awq_grid = None
+    _seams.awq_clips.clear()
 
 
 def installed() -> bool:
@@ -679,6 +717,306 @@ def _search_optimized_init_scale(weight_reshape, data_type, bits, imatrix=None, 
         _seams.records.append(PhaseRecord(_seams.block_name, "search", 1, time.perf_counter() - t0,
                                           "SignRoundV2 init-scale search on home", nested=True))
     return result
+
+
+# -- seam 4: AWQ's smoothing grid search (shard and reduce) and clip search (map) -------------------
+
+@dataclass
+class _AwqGrid:
+    """One AWQ grid search (one mapping) sharded over lanes: lane k replays the cached parent calls
+    ``kwargs_list[ranges[k][0]:ranges[k][1]]`` on ``parents[k]`` (lane 0: the home parent)."""
+
+    parent: torch.nn.Module
+    kwargs_list: list
+    lanes: list
+    replicas: object
+    balance: list  # (home balance layer, [its mirror on lane k, k >= 1])
+    refs: list | None = None  # per cached call: the reference outputs of its (micro) calls, on its lane
+    points: int = 0  # grid points evaluated
+    fail_lane: int | None = None  # test hook: the reference replay raises on this lane
+
+
+def _awq_block_name(pre, mapping) -> str:
+    for name, mappings in getattr(pre, "_block_mappings", {}).items():
+        if any(m is mapping for m in mappings):
+            return name
+    return getattr(mapping, "parent_name", "") or ""
+
+
+def _awq_grid_refusals(mapping, kwargs_list) -> list[str]:
+    """Why this mapping's grid search must replay its samples on home alone."""
+    parent = mapping.parent
+    reasons = []
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        reasons.append("a torch.distributed group is active")
+    devices = {p.device for p in parent.parameters()}
+    if len(devices) != 1:
+        reasons.append(f"the parent's weights span {len(devices)} devices")
+    elif next(iter(devices)).type == "meta":
+        reasons.append("the parent is on the meta device (disk streaming)")
+    if any(hasattr(m, "_hf_hook") for m in parent.modules()):
+        reasons.append("the parent carries accelerate dispatch hooks")
+    for name, m in parent.named_modules():
+        fwd = m.__dict__.get("forward")
+        if fwd is not None and getattr(fwd, "__self__", m) is not m:
+            reasons.append(f"{name or 'the parent'} has its forward replaced by {type(fwd).__name__}")
+            break
+    hooked = [f"{n or '<parent>'}:{_hook_name(fn)}" for n, m in parent.named_modules()
+              for d in (*_HOOK_DICTS, "_backward_hooks", "_backward_pre_hooks") for fn in getattr(m, d, {}).values()]
+    if hooked:  # a replay on a mirror would fire them there, not on home
+        reasons.append(f"hooks on the parent: {sorted(set(hooked))}")
+    inside = {id(m) for m in parent.modules()}
+    if any(id(bl) not in inside for bl in mapping.balance_layers):
+        reasons.append("a balance layer is outside the replayed parent")
+    if not all(isinstance(e, tuple) and len(e) == 2 for e in kwargs_list):
+        reasons.append("the cached parent calls are not (args, kwargs) pairs")
+    return reasons
+
+
+def _awq_grid_price(mapping, kwargs_list) -> int:
+    weights = sum(p.numel() * p.element_size() for p in mapping.parent.parameters())
+    act = 0
+    for entry in kwargs_list[:1]:
+        act = sum(t.numel() * 4 for t in entry[0] if isinstance(t, torch.Tensor))
+    return int((weights + 3 * act * max(1, len(kwargs_list))) * MARGIN)
+
+
+def _awq_grid_search_scales(self, mapping, x_mean):
+    """AWQ's grid search with its sample replays sharded: auto-round's own loop (candidate scales,
+    QDQ of the balance weights, comparison, choice) runs on home unchanged; only the replays of the
+    cached parent calls (the reference pass and each grid point's loss) run lane by lane."""
+    original = _original(AWQTransform, "_grid_search_scales")
+    kwargs_list = self._parent_args_cache.get(mapping.parent, [])
+    if _world() in ("off", 1) or _seams.awq_grid is not None or len(kwargs_list) < 2:
+        return original(self, mapping, x_mean)
+    t0 = time.perf_counter()
+    block = _awq_block_name(self, mapping)
+    reasons = _awq_grid_refusals(mapping, kwargs_list)
+    lanes = None if reasons else _plan_lanes(len(kwargs_list), _awq_grid_price(mapping, kwargs_list), reasons)
+    label = f"AWQ grid search of {mapping.smooth_name}"
+    if lanes is None:
+        out = original(self, mapping, x_mean)
+        if reasons:
+            _seams.records.append(PhaseRecord(block, "search", 1, time.perf_counter() - t0,
+                                              f"{label} on home", list(reasons)))
+        return out
+    names = {id(m): n for n, m in mapping.parent.named_modules()}
+    tuned = [f"{names[id(bl)]}.weight".lstrip(".") for bl in mapping.balance_layers]
+    saved = [bl.weight.data for bl in mapping.balance_layers]  # the loop swaps .data; put these back on failure
+    fail_lane = _seams.awq_fail_lane
+    _seams.awq_fail_lane = None
+    ctx = None
+    try:
+        replicas = ReplicaSet(mapping.parent, lanes, tuned=tuned, share_frozen=True)
+        ctx = _AwqGrid(mapping.parent, kwargs_list, lanes, replicas,
+                       [(bl, [m.get_submodule(names[id(bl)]) for m in replicas.modules[1:]])
+                        for bl in mapping.balance_layers], fail_lane=fail_lane)
+        _seams.awq_grid = ctx
+        out = original(self, mapping, x_mean)
+    except Exception as err:
+        for bl, data in zip(mapping.balance_layers, saved, strict=True):
+            bl.weight.data = data
+        if _world() != "auto":
+            from .integration import ParallelLaneError
+
+            raise ParallelLaneError(
+                f"dpq: a lane failed in the {label} of {block} at world {len(lanes)}: {err!r}. The balance "
+                "weights were restored. Fix: rerun with --parallel_quantization auto (falls back to serial) or off"
+            ) from err
+        logger.warning(f"dpq: a lane failed in the {label} ({err!r}); weights restored, rerunning it on home")
+        _seams.awq_grid = None
+        out = original(self, mapping, x_mean)
+        _seams.records.append(PhaseRecord(block, "search", 1, time.perf_counter() - t0, f"{label} on home",
+                                          [f"lane failure: {err!r}"], fell_back=True))
+        return out
+    finally:
+        _seams.awq_grid = None
+        if ctx is not None:
+            if all(lane.device.type == "cpu" for lane in lanes):
+                del ctx.replicas.modules[1:]
+            else:
+                ctx.replicas.close()
+    per_lane = ", ".join(f"lane {k}: {b - a}" for k, (a, b) in enumerate(contiguous_ranges(len(kwargs_list),
+                                                                                            len(lanes))))
+    _seams.records.append(PhaseRecord(block, "search", len(lanes), time.perf_counter() - t0,
+                                      f"{label}: {ctx.points} grid points, cached calls per lane ({per_lane})",
+                                      reasons))
+    _log_once(("awq_grid", len(lanes)), f"dpq: AWQ grid-search replays of {block} sharded over {len(lanes)} lanes")
+    return out
+
+
+def _awq_ctx_for(parent, kwargs_list):
+    ctx = _seams.awq_grid
+    if ctx is None or parent is not ctx.parent or kwargs_list is not ctx.kwargs_list:
+        return None
+    return ctx
+
+
+def _awq_run_parent_samples(self, parent, kwargs_list, offload_to_cpu=False):
+    """The reference replay, sharded: lane k runs auto-round's own replay on its mirror for its
+    cached calls; the outputs stay on the lane (the losses are computed there)."""
+    original = _original(AWQTransform, "_run_parent_samples")
+    ctx = _awq_ctx_for(parent, kwargs_list)
+    if ctx is None or ctx.refs is not None:
+        return original(self, parent, kwargs_list, offload_to_cpu)
+
+    def fwd(module, lane, start, stop):
+        if ctx.fail_lane == lane.index:
+            raise RuntimeError("injected AWQ grid lane failure (dpq test hook)")
+        return [original(self, module, kwargs_list[j:j + 1], offload_to_cpu) for j in range(start, stop)]
+
+    ctx.refs = shard_forward(ctx.replicas.modules, ctx.lanes, len(kwargs_list), fwd)
+    return [t for per_call in ctx.refs for t in per_call]
+
+
+def _awq_lane_sums(self, module, kwargs_list, refs, start, stop):
+    """Per cached call, per (micro) call: (sum of squared errors as a 0-d fp32 tensor, element count),
+    computed exactly as ``AWQTransform._compute_parent_loss`` computes each term; None on a count
+    mismatch (serial returns inf then)."""
+    param = next(module.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    out = []
+    for j in range(start, stop):
+        stored_args, stored_kwargs = kwargs_list[j]
+        terms = []
+        for i, (micro_args, micro_kwargs) in enumerate(self._iter_parent_calls(stored_args, stored_kwargs)):
+            if i >= len(refs[j]):
+                return None
+            call_args = tuple(move_to_device(a, device) for a in micro_args)
+            call_kwargs = {k: move_to_device(v, device) for k, v in micro_kwargs.items()}
+            o = self._normalize_parent_output(module(*call_args, **call_kwargs))
+            ref = refs[j][i].to(device, non_blocking=False)
+            terms.append((torch.nn.functional.mse_loss(ref.float(), o.float(), reduction="sum"), ref.numel()))
+        if len(terms) != len(refs[j]):
+            return None
+        out.append(terms)
+    return out
+
+
+def _awq_compute_parent_loss(self, parent, kwargs_list, fp16_outputs):
+    """One grid point's loss, shard and reduce. Each lane copies home's candidate balance weights into
+    its mirror and returns the squared-error SUM of every (micro) call of its slice, one fp32 term
+    per call; home folds the terms in serial's call order into a zero fp32 accumulator and divides
+    by the total element count, which is the exact operation sequence of auto-round's serial loss
+    (``loss += sum_c; ...; loss / n``). Each term is the same kernel on the same inputs, so the
+    loss, and with it the comparison that picks the grid point, is bitwise serial's. (Adding
+    per-lane partial sums instead would reassociate the fp32 sum: equal to ~1 ulp, which can flip
+    a near-tie between two grid points.)"""
+    original = _original(AWQTransform, "_compute_parent_loss")
+    ctx = _awq_ctx_for(parent, kwargs_list)
+    if ctx is None or ctx.refs is None:
+        return original(self, parent, kwargs_list, fp16_outputs)
+    ctx.points += 1
+
+    def fwd(module, lane, start, stop):
+        if lane.index != 0:
+            for home_bl, mirrors in ctx.balance:
+                mirrors[lane.index - 1].weight.data.copy_(home_bl.weight.data)
+        return [_awq_lane_sums(self, module, kwargs_list, ctx.refs, start, stop)]
+
+    # one result per lane (each lane's list of per-call terms); shard_forward's ranges are per call
+    parts = _shard_per_lane(ctx, fwd)
+    param = next(parent.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    loss = torch.tensor(0.0, device=device)
+    num_elements = torch.tensor(0, device=device, dtype=torch.long)
+    for part in parts:
+        if part is None:
+            return float("inf")
+        for terms in part:
+            for term, n in terms:
+                loss += term.to(device)
+                num_elements += n
+    if num_elements == 0:
+        return float("inf")
+    return (loss / num_elements).item()
+
+
+def _shard_per_lane(ctx, fwd) -> list:
+    """Run ``fwd(module, lane, start, stop)`` (one result per lane) over the cached-call ranges."""
+    ranges = contiguous_ranges(len(ctx.kwargs_list), len(ctx.lanes))
+    results = []
+    for module, lane, (start, stop) in zip(ctx.replicas.modules, ctx.lanes, ranges, strict=True):
+        if start == stop:
+            continue
+        lane.wait_for_current()
+        with lane.issue():
+            results.append(fwd(module, lane, start, stop)[0])
+    for lane in ctx.lanes:
+        lane.current_waits_for_me()
+    return results
+
+
+_NO_CLIP = object()
+
+
+def _awq_clip_key(layer, feat):
+    w = layer.weight
+    return (w.data_ptr(), w._version, tuple(w.shape), w.dtype, id(feat), feat.data_ptr(), feat._version)
+
+
+def _awq_clip_block(self, block_prefix, block_mappings):
+    """AWQ's clip searches mapped over lanes: before auto-round's ``_clip_block`` runs, every balance
+    layer it will search gets its ``_compute_best_clip`` run once on one lane (read-only: the layer's
+    weight and the mapping's features, as serial would pass them); the result is kept home and
+    ``_clip_block`` takes it instead of searching (same function, same inputs: bitwise)."""
+    original = _original(AWQTransform, "_clip_block")
+    if _world() in ("off", 1):
+        return original(self, block_prefix, block_mappings)
+    t0 = time.perf_counter()
+    items = []
+    for mapping in block_mappings:
+        feat = self._clip_input_feat.get(mapping.smooth_name)
+        if feat is None:
+            continue
+        items.extend((bl, feat) for bl, name in zip(mapping.balance_layers, mapping.balance_names, strict=False)
+                     if not self._should_skip_clip(name))
+    counts: dict[int, int] = {}
+    for bl, _ in items:
+        counts[id(bl)] = counts.get(id(bl), 0) + 1
+    items = [it for it in items if counts[id(it[0])] == 1]  # a layer clipped twice sees its first clip
+    reasons: list[str] = []
+    if any(bl.weight.device.type == "meta" for bl, _ in items):
+        reasons.append("a balance layer is on the meta device (disk streaming)")
+    price = max((bl.weight.numel() * 4 for bl, _ in items), default=0) * 4
+    lanes = _plan_lanes(len(items), price or None, reasons) if len(items) > 1 else None
+    if lanes is None:
+        if reasons:
+            _seams.records.append(PhaseRecord(block_prefix, "search", 1, 0.0, "AWQ clip searches on home", reasons))
+        return original(self, block_prefix, block_mappings)
+    search = _original(AWQTransform, "_compute_best_clip")
+    owners_seen: dict[int, int] = {}
+
+    def run(item, lane):
+        bl, feat = item
+        owners_seen[lane.index] = owners_seen.get(lane.index, 0) + 1
+        layer = bl if lane.device == bl.weight.device else copy_to_lane(bl, lanes[0], lane)
+        return search(self, layer, feat)
+
+    def collect(item, result, lane):
+        bl, feat = item
+        if result is not None:
+            result = tuple(t.to(bl.weight.device) for t in result)
+        _seams.awq_clips[id(bl)] = (_awq_clip_key(bl, feat), result)
+
+    try:
+        map_over_lanes(items, lanes, run, cost=lambda it: float(it[0].weight.numel()), collect=collect)
+        return original(self, block_prefix, block_mappings)
+    finally:
+        _seams.awq_clips.clear()
+        per_lane = ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(len(lanes)))
+        _seams.records.append(PhaseRecord(block_prefix, "search", len(lanes), time.perf_counter() - t0,
+                                          f"{len(items)} AWQ clip searches ({per_lane})", reasons))
+        _log_once(("awq_clip", len(lanes)), f"dpq: AWQ clip searches of {block_prefix} mapped over "
+                  f"{len(lanes)} lanes ({per_lane})")
+
+
+def _awq_compute_best_clip(self, layer, input_feat):
+    entry = _seams.awq_clips.pop(id(layer), _NO_CLIP)
+    if entry is not _NO_CLIP and entry[0] == _awq_clip_key(layer, input_feat):
+        _seams.awq_clip_hits += 1
+        return entry[1]
+    return _original(AWQTransform, "_compute_best_clip")(self, layer, input_feat)
 
 
 # -- measurement helper -----------------------------------------------------------------------------
