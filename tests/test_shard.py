@@ -441,19 +441,22 @@ def _seams_wired() -> bool:
 
 
 @pytest.mark.skipif(not _seams_wired(), reason="integration.enable() does not install dpq.autoround.shard_seams yet")
-def test_cli_iters0_world2_saves_serial_tensors(tmp_path):
-    """``auto-round-dp --iters 0 --parallel_quantization 2`` saves the tensors plain auto-round saves."""
+@pytest.mark.parametrize("extra", [[], ["--alg", "awq", "--awq_n_grid", "4", "--awq_apply_clip"]],
+                         ids=["rtn", "awq"])
+def test_cli_iters0_world2_saves_serial_tensors(tmp_path, extra):
+    """``auto-round-dp --iters 0 --parallel_quantization 2`` (plain and AWQ) on the shipped
+    embedded model saves exactly the tensors plain auto-round saves."""
     import subprocess
     import sys
 
-    from dpq.demo.model import save_embedded_model
+    from dpq.demo.embedded import DATA_DIR, calibration_jsonl
 
-    model_dir, calib = save_embedded_model(tmp_path / "emb", nsamples=16, words=64)
+    calib = calibration_jsonl(tmp_path / "calib.jsonl", 32, 64)
 
-    def cli(out, *extra):
-        cmd = [sys.executable, "-m", "dpq.autoround.cli", "--model", str(model_dir), "--dataset", str(calib),
+    def cli(out, *more):
+        cmd = [sys.executable, "-m", "dpq.autoround.cli", "--model", str(DATA_DIR), "--dataset", str(calib),
                "--iters", "0", "--nsamples", "16", "--seqlen", "64", "--batch_size", "8", "--device_map", "cpu",
-               "--disable_torch_compile", "--output_dir", str(tmp_path / out), *extra]
+               "--disable_torch_compile", "--output_dir", str(tmp_path / out), *extra, *more]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -95,22 +95,3 @@ def capture_block_inputs(model, samples: list[torch.Tensor]) -> tuple[list[list[
             h.remove()
     return inputs, others
 
-
-def calibration_texts(n: int, words: int, vocab_size: int = 512, seed: int = 1) -> list[str]:
-    """The calibration samples as text the word-level tokenizer maps back to the same ids."""
-    return [" ".join(f"w{int(i) - 2}" for i in ids[0]) for ids in calibration_samples(n, words, vocab_size, seed)]
-
-
-def save_embedded_model(folder, cfg: TinyLlamaConfig = TinyLlamaConfig(), nsamples: int = 64, words: int = 128):
-    """Write the tiny Llama, its tokenizer and a calibration .jsonl into ``folder`` (for the CLI)."""
-    import json
-    from pathlib import Path
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    build_tiny_llama(cfg).save_pretrained(folder / "model")
-    build_tokenizer(cfg.vocab_size).save_pretrained(folder / "model")
-    with open(folder / "calib.jsonl", "w") as f:
-        for text in calibration_texts(nsamples, words, cfg.vocab_size):
-            f.write(json.dumps({"text": text}) + "\n")
-    return folder / "model", folder / "calib.jsonl"
