@@ -83,15 +83,7 @@ def fresh_block(rec, device: str | torch.device) -> torch.nn.Module:
 
 def run_serial(rec, block: torch.nn.Module) -> dict:
     """auto-round's own serial ``SignRoundQuantizer.quantize_block``; returns its best params."""
-    return rec.quantizer.quantize_block(
-        block,
-        list(rec.fp_inputs),
-        dict(rec.input_others),
-        list(rec.fp_outputs),
-        rec.q_inputs,
-        rec.block_ctx,
-        rec.input_ids,
-    )
+    return rec.serial_quantize_block(block)
 
 
 def run_dpq(rec, block: torch.nn.Module, devices: Sequence[str | torch.device]):

@@ -34,6 +34,13 @@ class RecordedBlock:
         random.setstate(self.py_state)
         torch.set_rng_state(self.torch_state)
 
+    def serial_quantize_block(self, block: torch.nn.Module) -> dict:
+        """auto-round's own serial ``quantize_block`` on ``block`` with the recorded arguments."""
+        return self.quantizer.quantize_block(
+            block, list(self.fp_inputs), dict(self.input_others), list(self.fp_outputs), self.q_inputs,
+            self.block_ctx, self.input_ids,
+        )
+
 
 def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64, batch_size: int = 8, **ar_kwargs):
     """Run ``AutoRound(...).quantize()`` on the tiny Llama and record every block's call."""

@@ -39,15 +39,7 @@ def serial_run(rec: RecordedBlock, monkeypatch) -> tuple[dict, list[float], list
     monkeypatch.setattr(ar_utils.IndexSampler, "next_batch", next_batch)
     rec.restore_rng()
     block = rec.fresh_block()
-    best = rec.quantizer.quantize_block(
-        block,
-        list(rec.fp_inputs),
-        dict(rec.input_others),
-        list(rec.fp_outputs),
-        rec.q_inputs,
-        rec.block_ctx,
-        rec.input_ids,
-    )
+    best = rec.serial_quantize_block(block)
     monkeypatch.undo()
     return best, losses, drawn
 

@@ -293,16 +293,25 @@ def _block_refusals(block, inputs, runner) -> list[str]:
         reasons.append("a torch.distributed group is active")
     if not isinstance(inputs, list) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         reasons.append("the pool is not a flat list of tensors (diffusion-style dict pool)")
-    devices = {p.device for p in block.parameters()}
+    reasons.extend(_mirror_refusals(block, "block"))
+    return reasons
+
+
+def _mirror_refusals(module: torch.nn.Module, label: str) -> list[str]:
+    """Why ``module`` cannot be mirrored onto lanes (empty: it can)."""
+    reasons = []
+    devices = {p.device for p in module.parameters()}
     if len(devices) > 1:
-        reasons.append(f"the block's weights span {len(devices)} devices (auto-round's split placement)")
-    if any(hasattr(m, "_hf_hook") for m in block.modules()):
-        reasons.append("the block carries accelerate dispatch hooks")
-    for name, m in block.named_modules():
+        reasons.append(f"the {label}'s weights span {len(devices)} devices (auto-round's split placement)")
+    elif devices and next(iter(devices)).type == "meta":
+        reasons.append(f"the {label} is on the meta device (disk streaming)")
+    if any(hasattr(m, "_hf_hook") for m in module.modules()):
+        reasons.append(f"the {label} carries accelerate dispatch hooks")
+    for name, m in module.named_modules():
         fwd = m.__dict__.get("forward")
         if fwd is not None and getattr(fwd, "__self__", m) is not m:
             # a mirror would deep-copy whatever the replacement forward is bound to
-            reasons.append(f"{name or 'the block'} has its forward replaced by {type(fwd).__name__}")
+            reasons.append(f"{name or 'the ' + label} has its forward replaced by {type(fwd).__name__}")
             break
     return reasons
 
@@ -749,18 +758,9 @@ def _awq_grid_refusals(mapping, kwargs_list) -> list[str]:
     reasons = []
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         reasons.append("a torch.distributed group is active")
-    devices = {p.device for p in parent.parameters()}
-    if len(devices) != 1:
-        reasons.append(f"the parent's weights span {len(devices)} devices")
-    elif next(iter(devices)).type == "meta":
-        reasons.append("the parent is on the meta device (disk streaming)")
-    if any(hasattr(m, "_hf_hook") for m in parent.modules()):
-        reasons.append("the parent carries accelerate dispatch hooks")
-    for name, m in parent.named_modules():
-        fwd = m.__dict__.get("forward")
-        if fwd is not None and getattr(fwd, "__self__", m) is not m:
-            reasons.append(f"{name or 'the parent'} has its forward replaced by {type(fwd).__name__}")
-            break
+    if not any(True for _ in parent.parameters()):
+        reasons.append("the parent has no weights")
+    reasons.extend(_mirror_refusals(parent, "parent"))
     hooked = [f"{n or '<parent>'}:{_hook_name(fn)}" for n, m in parent.named_modules()
               for d in (*_HOOK_DICTS, "_backward_hooks", "_backward_pre_hooks") for fn in getattr(m, d, {}).values()]
     if hooked:  # a replay on a mirror would fire them there, not on home
