@@ -152,6 +152,6 @@ def resolve(request: PlanRequest) -> Plan:
     # auto: keep the lanes before the first one that does not fit; serial when a feature forbids it
     if mem:
         n = min(n, mem[0][0])
-    if request.extra_reasons or n <= 1:
+    if request.extra_reasons or home.type not in SUPPORTED_HOME_TYPES or n <= 1:
         return Plan(1, [home], reasons or ["only one lane available"])
     return Plan(n, devices[:n], reasons)

@@ -346,3 +346,10 @@ def test_multi_gpu_device_map_keeps_fitting_blocks_whole(recorded_blocks, monkey
     monkeypatch.setattr(integration, "backend_free", lambda d: 1024)  # does not fit: auto-round's split
     integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)
     assert calls == ["split"]
+
+
+def test_refusal_unsupported_home_device_type():
+    reasons = _refusal(world=2, devices="cpu,cpu", home="mps")
+    assert any("home device type 'mps' is not supported" in r for r in reasons)
+    auto = resolve(PlanRequest(world="auto", devices="cpu,cpu", home="mps"))
+    assert auto.world == 1 and any("'mps' is not supported" in r for r in auto.reasons)
