@@ -54,10 +54,9 @@ def record_block(device: str | torch.device = "cpu", iters: int = 20, index: int
     with ctx:
         recs = record_autoround_blocks(iters=iters, **kw)
     rec = recs[index]
-    q = rec.quantizer
-    # Serial caches the mask on the quantizer during the recorded run; dpq gets it once here,
-    # outside any timed region, so neither side pays for it per run.
-    rec.valid_token_mask = q._compute_valid_token_mask(rec.input_ids) if rec.input_ids else None
+    # Serial caches the mask on the quantizer during the recorded run; dpq's (a cached property)
+    # is computed here, outside any timed region, so neither side pays for it per run.
+    _ = rec.valid_token_mask
     return rec
 
 
@@ -87,27 +86,9 @@ def run_serial(rec, block: torch.nn.Module) -> dict:
 
 
 def run_dpq(rec, block: torch.nn.Module, devices: Sequence[str | torch.device]):
-    """``dpq.parallel_tune`` on ``len(devices)`` lanes with the recorded run's settings."""
-    import dpq
-
-    q = rec.quantizer
-    inputs = rec.q_inputs if (rec.q_inputs is not None and q.enable_quanted_input) else rec.fp_inputs
-    return dpq.parallel_tune(
-        block,
-        list(inputs),
-        outputs=list(rec.fp_outputs),
-        input_others=dict(rec.input_others),
-        world=len(devices),
-        devices=[str(d) for d in devices],
-        iters=q.iters,
-        batch_size=q.calibration_context.batch_size,
-        lr=q.lr,
-        minmax_lr=q.minmax_lr,
-        amp=q.model_context.amp,
-        amp_dtype=q.model_context.amp_dtype,
-        valid_token_mask=rec.valid_token_mask,
-        seed=None,  # the recorded RNG state, restored by fresh_block
-    )
+    """``dpq.parallel_tune`` on ``len(devices)`` lanes with the recorded run's settings (the recorded
+    RNG state, restored by fresh_block)."""
+    return rec.dpq_parallel_tune(block, devices)
 
 
 def synchronize(devices: Sequence[str | torch.device]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import random
 from dataclasses import dataclass
 
@@ -39,6 +40,26 @@ class RecordedBlock:
         return self.quantizer.quantize_block(
             block, list(self.fp_inputs), dict(self.input_others), list(self.fp_outputs), self.q_inputs,
             self.block_ctx, self.input_ids,
+        )
+
+    @functools.cached_property
+    def valid_token_mask(self) -> list | None:
+        """The loss mask auto-round derives from the input ids (computed once: benchmarks time calls)."""
+        return self.quantizer._compute_valid_token_mask(self.input_ids) if self.input_ids else None
+
+    def dpq_parallel_tune(self, block: torch.nn.Module, devices, **kw):
+        """``dpq.parallel_tune`` on ``block`` with the recorded run's inputs and settings, on one
+        lane per entry of ``devices``, drawing from the current RNG state (restore it first)."""
+        import dpq
+
+        q = self.quantizer
+        inputs = self.q_inputs if (self.q_inputs is not None and q.enable_quanted_input) else self.fp_inputs
+        return dpq.parallel_tune(
+            block, list(inputs), outputs=list(self.fp_outputs), input_others=dict(self.input_others),
+            world=len(devices), devices=[str(d) for d in devices], iters=q.iters,
+            batch_size=q.calibration_context.batch_size, lr=q.lr, minmax_lr=q.minmax_lr,
+            amp=q.model_context.amp, amp_dtype=q.model_context.amp_dtype,
+            valid_token_mask=self.valid_token_mask, seed=None, **kw,
         )
 
 

@@ -45,26 +45,8 @@ def serial_run(rec: RecordedBlock, monkeypatch) -> tuple[dict, list[float], list
 
 
 def dp_run(rec: RecordedBlock, world: int, **kw) -> dpq.ParallelTuneResult:
-    q = rec.quantizer
-    inputs = rec.q_inputs if (rec.q_inputs is not None and q.enable_quanted_input) else rec.fp_inputs
     rec.restore_rng()
-    return dpq.parallel_tune(
-        rec.fresh_block(),
-        list(inputs),
-        outputs=list(rec.fp_outputs),
-        input_others=dict(rec.input_others),
-        world=world,
-        devices=["cpu"] * world,
-        iters=q.iters,
-        batch_size=q.calibration_context.batch_size,
-        lr=q.lr,
-        minmax_lr=q.minmax_lr,
-        amp=q.model_context.amp,
-        amp_dtype=q.model_context.amp_dtype,
-        valid_token_mask=q._compute_valid_token_mask(rec.input_ids) if rec.input_ids else None,
-        seed=None,
-        **kw,
-    )
+    return rec.dpq_parallel_tune(rec.fresh_block(), ["cpu"] * world, **kw)
 
 
 def assert_params_bitwise(a: dict, b: dict) -> None:
