@@ -49,10 +49,6 @@ class Plan:
     devices: list[torch.device]
     reasons: list[str] = field(default_factory=list)  # why 'auto' kept fewer lanes, or why serial
 
-    @property
-    def parallel(self) -> bool:
-        return self.world > 1
-
 
 def validate_world(world: object) -> int | str:
     """'off' | 'auto' | int >= 1 (ints may come as strings from a CLI)."""
@@ -126,9 +122,10 @@ def resolve(request: PlanRequest) -> Plan:
     if home.type not in SUPPORTED_HOME_TYPES:
         reasons.append(f"home device type {home.type!r} is not supported (cuda, xpu, hpu, cpu)")
     devices = _candidate_devices(world, home, request.devices)
-    missing = [msg for d in devices if (msg := check_device_exists(d))]
+    problems = {d: check_device_exists(d) for d in set(devices)}
+    missing = [msg for d in devices if (msg := problems[d])]
     reasons += missing
-    devices = [d for d in devices if check_device_exists(d) is None]
+    devices = [d for d in devices if problems[d] is None]
     if world != "auto" and not missing and len(devices) < world:
         reasons.append(f"world {world} needs {world} devices but {len(devices)} were given or found "
                        f"({', '.join(map(str, devices))}). Fix: --parallel_devices with one device per lane "

@@ -291,7 +291,7 @@ def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_input
 
         lanes = make_lanes(plan.devices)
         comm, comm_reason = select_communicator(lanes)
-        progress = _progress_bar(block_ctx.block_name, q.iters, plan.world)
+        progress = _Progress(block_ctx.block_name, q.iters, plan.world)
         fault = _fault_injector(block_ctx.block_index)
         try:
             outcome = tune_wrapped_block(
@@ -299,12 +299,11 @@ def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_input
                 q.block_forward, lr_of,
                 loss_fn=_wrap_fault(fault, lambda pred, ref, idx, mse, dev: q._get_loss(
                     pred, ref, idx, mse, dev, valid_token_mask)),
-                progress=progress.update if progress else None,
+                progress=progress.update,
                 debug_identical=_state.debug_identical,
             )
         finally:
-            if progress:
-                progress.close()
+            progress.close()
     except BaseException:
         _restore_unwrapped(block)
         raise
@@ -347,10 +346,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _progress_bar(name: str, iters: int, world: int) -> _Progress:
-    return _Progress(name, iters, world)
 
 
 def _fault_injector(block_index: int):
