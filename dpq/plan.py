@@ -11,14 +11,16 @@ SignSGD, full sums otherwise).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from dpq.streams import backend, check_device_exists, default_accelerator_type, parse_devices
+from dpq.streams import backend, check_device_exists, default_accelerator_type
 
-__all__ = ["Plan", "PlanRefused", "PlanRequest", "price_mirror", "resolve", "validate_world"]
+__all__ = ["DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments", "device_spec_errors",
+           "parse_device_spec", "price_mirror", "resolve", "validate_world"]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -48,6 +50,7 @@ class Plan:
     world: int
     devices: list[torch.device]
     reasons: list[str] = field(default_factory=list)  # why 'auto' kept fewer lanes, or why serial
+    notes: list[str] = field(default_factory=list)  # said, but no reason to refuse (e.g. devices left unused)
 
 
 def validate_world(world: object) -> int | str:
@@ -56,7 +59,7 @@ def validate_world(world: object) -> int | str:
         w = world.strip().lower()
         if w in ("off", "auto"):
             return w
-        if w.isdigit():
+        if re.fullmatch(r"[0-9]+", w):  # ASCII digits only: '²'.isdigit() is True but int('²') fails
             world = int(w)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(
@@ -66,34 +69,155 @@ def validate_world(world: object) -> int | str:
     return world
 
 
-def price_mirror(block: torch.nn.Module, inputs: Sequence[torch.Tensor], samples_per_iter: int) -> int:
-    """Bytes one more lane needs: block weights + fp32 tuning values (rounding value per weight,
-    two scales per group: bounded by 2x the weight count in fp32) + activations for its slice
-    (a decoder block keeps roughly 16 hidden-sized tensors per token alive for backward)."""
-    weights = sum(p.numel() * p.element_size() for p in block.parameters())
-    tunable = sum(p.numel() for p in block.parameters() if p.dim() == 2) * 4 * 2
-    act = 0
+def price_mirror(
+    block: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    samples_per_iter: int,
+    world: int | None = None,
+    *,
+    bucket_cap_elems: int = 2**22,
+    detail: dict | None = None,
+) -> int:
+    """Bytes one more lane (a mirror) needs, times MARGIN. Each term, for n = the elements of the
+    block's 2-D (linear) weights:
+
+    * ``weights``: the mirror's copy of the block's parameters and buffers, in their dtypes;
+    * ``tuned_values``: fp32 rounding values (n) and min/max scales (bounded by n/8: group >= 16);
+    * ``qdq_saved``: what autograd keeps of the quantize-dequantize of every weight for backward,
+      priced at 4 fp32 weight-sized tensors (2.9 measured on a tiny Llama block);
+    * ``grad_buffer``: the communicator's flat fp32 gradient buffer, one slot per tuned value;
+    * ``exchange``: the exchange temporaries of one bucket (sign path: padded send copy, receive
+      chunk, packed and unpacked planes; bounded by 3 fp32 copies of a bucket);
+    * ``activations``: the lane's own share of each iteration's samples, ceil(samples_per_iter /
+      world), each token keeping an fp32 copy of every linear layer's input and output for
+      backward (0.63x of that measured under bf16 autocast on a tiny Llama block);
+    * ``staging``: the share's inputs and reference outputs staged onto the lane.
+
+    ``world=None`` prices the largest share a mirror ever gets: mirrors exist only at world >= 2,
+    so world 2. Pass the planned world for a tighter price. ``detail``, if given, receives each
+    term (bytes, before the margin). Optimizer state beyond SignSGD (momentum, Adam) is not priced.
+    """
+    world = 2 if world is None else max(1, int(world))
+    two_d = [p for p in block.parameters() if p.dim() == 2]
+    n = sum(p.numel() for p in two_d)
+    tuned = n + n // 8
+    share = -(-max(1, samples_per_iter) // world)
+    parts = {
+        "weights": sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers())),
+        "tuned_values": tuned * 4,
+        "qdq_saved": 4 * n * 4,
+        "grad_buffer": tuned * 4,
+        "exchange": 3 * min(bucket_cap_elems, tuned) * 4,
+        "activations": 0,
+        "staging": 0,
+    }
     if inputs:
-        act = inputs[0].numel() * 4 * 16 * max(1, samples_per_iter)
-    return int((weights + tunable + act) * MARGIN)
+        x = inputs[0]
+        tokens = x.shape[:-1].numel() if x.dim() >= 2 else 1
+        per_token = 4 * sum(p.shape[0] + p.shape[1] for p in two_d) or 4 * 16 * x.shape[-1]
+        parts["activations"] = share * tokens * per_token
+        parts["staging"] = share * 2 * x.numel() * x.element_size()
+    if detail is not None:
+        detail.update(parts, share=share, world=world)
+    return int(sum(parts.values()) * MARGIN)
+
+
+_DEVICE_RE = re.compile(r"(cuda|xpu|hpu|cpu)(?::([0-9]+))?|([0-9]+)")
+_FIX = "Fix: --parallel_devices with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
+
+
+@dataclass
+class DeviceEntry:
+    """One entry of a lane device list as written. ``device`` is None when it is malformed
+    (``error`` says why); ``bare_index`` when it was a bare integer (an accelerator index)."""
+
+    raw: str
+    device: torch.device | None
+    error: str | None = None
+    bare_index: bool = False
+
+
+def parse_device_spec(spec: str | Sequence[str | int | torch.device]) -> list[DeviceEntry]:
+    """Every entry of ``'0,1' / 'cuda:0,cuda:1' / 'cpu,cpu' / [0, 'cpu', torch.device(...)]``,
+    each parsed on its own, so that every malformed one can be named at once. An empty list
+    comes back as one malformed entry. ``cpu:0`` is ``cpu``; accelerator entries without an
+    index are index 0. Bare integers name an index of the first available accelerator type
+    (cuda, xpu, hpu), as auto-round's ``--device_map 0,1`` does; with none, they stay indices
+    with ``device`` on the CPU and ``bare_index`` set, so that :func:`resolve` can say so."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    if not items or (isinstance(spec, str) and not spec.strip()):
+        return [DeviceEntry(str(spec), None, f"the lane device list is empty. {_FIX}")]
+    out = []
+    for item in items:
+        if isinstance(item, torch.device):
+            dev = item
+        elif isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+            dev = torch.device(default_accelerator_type(), item)
+            out.append(DeviceEntry(str(item), dev, bare_index=True))
+            continue
+        elif isinstance(item, str) and (m := _DEVICE_RE.fullmatch(item.strip())):
+            if m.group(3) is not None:
+                out.append(DeviceEntry(item.strip(), torch.device(default_accelerator_type(), int(m.group(3))),
+                                       bare_index=True))
+                continue
+            dev = torch.device(m.group(1), int(m.group(2))) if m.group(2) else torch.device(m.group(1))
+        else:
+            shown = repr(item.strip()) if isinstance(item, str) else repr(item)
+            what = "an empty entry (two commas, or a comma at an end)" if isinstance(item, str) and not item.strip() \
+                else f"{shown} is not a device"
+            out.append(DeviceEntry(str(item), None, f"lane device list {spec!r}: {what}. A lane device is an "
+                                                    f"index (0), a type (cpu) or type:index (cuda:1). {_FIX}"))
+            continue
+        if dev.type == "cpu" and dev.index == 0:
+            dev = torch.device("cpu")
+        elif dev.type != "cpu" and dev.index is None:
+            dev = torch.device(dev.type, 0)
+        out.append(DeviceEntry(str(item), dev))
+    return out
+
+
+def device_spec_errors(spec) -> list[str]:
+    """What is malformed in a lane device list (empty: its syntax is fine). Cheap: for argument parsing."""
+    return [e.error for e in parse_device_spec(spec) if e.error]
 
 
 def _home(request: PlanRequest) -> torch.device:
     home = torch.device(request.home) if request.home is not None else torch.device(default_accelerator_type())
     if home.type != "cpu" and home.index is None:
         home = torch.device(home.type, 0)
+    if home.type == "cpu" and home.index == 0:
+        home = torch.device("cpu")
     return home
 
 
-def _candidate_devices(world: int | str, home: torch.device, given) -> list[torch.device]:
-    if given is not None:
-        return parse_devices(given)
-    if home.type == "cpu":
+def _default_devices(world: int | str, home: torch.device) -> list[torch.device]:
+    if home.type == "cpu" or home.type not in SUPPORTED_HOME_TYPES:
         return [home] * (1 if world == "auto" else int(world))
     be = backend(home)
     devices = [torch.device(home.type, i) for i in range(be.device_count())] or [home]
     devices.sort(key=lambda d: d != home)  # lane 0 is home: the block itself
     return devices if world == "auto" else devices[: int(world)]
+
+
+def _entry_problem(k: int, e: DeviceEntry, home: torch.device, problems: dict) -> str | None:
+    """Why lane ``k`` (entry ``e``) cannot be used, or None."""
+    if e.error:
+        return e.error
+    dev = e.device
+    if e.bare_index and dev.type == "cpu":
+        return (f"lane device {e.raw!r} names accelerator {e.raw}, but this machine has no cuda, xpu or hpu "
+                "device (dpq will not quietly run it on the CPU). Fix: write cpu for a CPU lane, e.g. cpu,cpu")
+    if dev.type == "cpu" and dev.index is not None:
+        return f"lane device {dev}: the CPU is one device (cpu or cpu:0). Fix: write cpu, e.g. cpu,cpu"
+    if dev not in problems:
+        problems[dev] = check_device_exists(dev)
+    if problems[dev]:
+        return f"{problems[dev]}. {_FIX}"
+    if k == 0 and dev != home:
+        return (f"lane 0 is {dev}, but the block is on {home}: lane 0 is the block itself (no copy), so the "
+                f"lane device list must start with the block's device. Fix: list {home} first, e.g. "
+                f"--parallel_devices {home},... (or move the model with --device_map)")
+    return None
 
 
 def _memory_refusals(devices: list[torch.device], price: int | None, home: torch.device) -> list[tuple[int, str]]:
@@ -114,41 +238,77 @@ def _memory_refusals(devices: list[torch.device], price: int | None, home: torch
 
 
 def resolve(request: PlanRequest) -> Plan:
+    """The plan for one block. An explicit world raises :class:`PlanRefused` with every reason
+    found: nothing found stops the search for the next (a missing device does not hide the
+    device count, the device count does not hide the samples per iteration). ``auto`` keeps the
+    lanes that can be served and puts every reason a lane was dropped for in ``Plan.reasons``."""
     world = validate_world(request.world)
     home = _home(request)
     if world == "off":
         return Plan(1, [home], ["parallel quantization is off"])
     reasons = list(request.extra_reasons)
+    notes: list[str] = []
     if home.type not in SUPPORTED_HOME_TYPES:
         reasons.append(f"home device type {home.type!r} is not supported (cuda, xpu, hpu, cpu)")
-    devices = _candidate_devices(world, home, request.devices)
-    problems = {d: check_device_exists(d) for d in set(devices)}
-    missing = [msg for d in devices if (msg := problems[d])]
-    reasons += missing
-    devices = [d for d in devices if problems[d] is None]
-    if world != "auto" and not missing and len(devices) < world:
-        reasons.append(f"world {world} needs {world} devices but {len(devices)} were given or found "
-                       f"({', '.join(map(str, devices))}). Fix: --parallel_devices with one device per lane "
-                       "(e.g. cpu,cpu or 0,1)")
-    n = len(devices) if world == "auto" else min(int(world), len(devices))
+    given = request.devices is not None
+    entries = parse_device_spec(request.devices) if given else \
+        [DeviceEntry(str(d), d) for d in _default_devices(world, home)]
+    if world != "auto" and len(entries) > world and given:
+        unused = ", ".join(e.raw for e in entries[world:])
+        notes.append(f"world {world} runs on the first {world} of the {len(entries)} lane devices given; "
+                     f"{unused} not used. Fix: --parallel_quantization {len(entries)} to use them all")
+    listed = entries if world == "auto" else entries[:world]
+    problems: dict = {}
+    lane_problems = [(k, p) for k, e in enumerate(listed) if (p := _entry_problem(k, e, home, problems))]
+    reasons += [p for _, p in lane_problems]
+    reasons += [e.error for e in entries[len(listed):] if e.error]  # malformed anywhere is said too
+    bad = {k for k, _ in lane_problems}
+    devices = [e.device for k, e in enumerate(listed) if k not in bad]
+    named = [e.raw.strip() for e in entries if e.raw.strip()]
+    if world != "auto" and len(named) < world:
+        reasons.append(f"world {world} needs {world} lane devices but {len(named)} "
+                       f"{'was' if len(named) == 1 else 'were'} {'given' if given else 'found'}"
+                       f"{' (' + ', '.join(named) + ')' if named else ''}. Fix: --parallel_devices with one device "
+                       "per lane (e.g. cpu,cpu or 0,1), or a smaller --parallel_quantization")
+    n = world if world != "auto" else len(devices)
     if n > request.samples_per_iter:
         reasons.append(f"{n} lanes but only {request.samples_per_iter} samples per iteration (batch_size x "
                        "gradient_accumulate_steps): every lane needs at least one sample. Fix: a smaller world "
                        "or a larger --batch_size")
-        n = request.samples_per_iter
+    n = min(n, len(devices), max(1, request.samples_per_iter))
     if home.type == "hpu" and n > 1:
         reasons.append("Gaudi's bridge allows one device per process; multi-lane hpu needs a torch.distributed "
                        "process group (HCCL), which dpq does not run yet. Fix: --parallel_quantization off")
         n = 1
+    lane0_ok = bool(devices) and devices[0] == home
     mem = _memory_refusals(devices[:n], request.mirror_bytes, home)
     reasons += [r for _, r in mem]
+    reasons = list(dict.fromkeys(reasons))  # the same sentence once (e.g. '0,0' on a machine without GPUs)
     if world != "auto":
         if reasons:
             raise PlanRefused(reasons)
-        return Plan(n, devices[:n])
+        return Plan(n, devices[:n], notes=notes)
     # auto: keep the lanes before the first one that does not fit; serial when a feature forbids it
     if mem:
         n = min(n, mem[0][0])
-    if request.extra_reasons or home.type not in SUPPORTED_HOME_TYPES or n <= 1:
-        return Plan(1, [home], reasons or ["only one lane available"])
-    return Plan(n, devices[:n], reasons)
+    if request.extra_reasons or home.type not in SUPPORTED_HOME_TYPES or n <= 1 or not lane0_ok:
+        return Plan(1, [home], reasons or ["only one lane available"], notes)
+    return Plan(n, devices[:n], reasons, notes)
+
+
+def check_arguments(world: object, devices=None) -> list[str]:
+    """Every problem with a (world, lane devices) pair that is visible without a model: the world's
+    syntax, each malformed device entry, devices given while parallel quantization is off. For
+    argument parsing (``enable()``, ``auto-round-dp``): errors here stop a run before the model loads."""
+    problems = []
+    try:
+        w = validate_world(world)
+    except ValueError as e:
+        problems.append(str(e))
+        w = None
+    if devices is not None:
+        problems += device_spec_errors(devices)
+        if w == "off":
+            problems.append("lane devices were given but parallel quantization is off, so they would be ignored. "
+                            "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_devices")
+    return problems

@@ -1,0 +1,95 @@
+"""dpq.plan on its own: every reason at once, lane 0 is home, device lists read as written."""
+
+from __future__ import annotations
+
+import pytest
+
+import dpq.plan as plan_mod
+from dpq.plan import PlanRefused, PlanRequest, check_arguments, resolve, validate_world
+
+NO_SUCH_GPU = "cuda:99"  # cannot exist here, nor on a lent GPU machine
+
+
+def refusal(**kw) -> list[str]:
+    with pytest.raises(PlanRefused) as e:
+        resolve(PlanRequest(**kw))
+    return e.value.reasons
+
+
+def has(reasons: list[str], *needles: str) -> bool:
+    return all(any(n in r for r in reasons) for n in needles)
+
+
+def test_explicit_world_lists_every_reason_at_once():
+    """The issue's example: a missing device used to hide the device count and min(world, devices)
+    hid the samples per iteration: four reasons, one reported."""
+    reasons = refusal(world=4, devices=f"cpu,{NO_SUCH_GPU}", samples_per_iter=1, home="cpu",
+                      extra_reasons=["LFQ loss (--enable_lfq) needs the lm_head on every lane"])
+    assert has(reasons, "LFQ", f"{NO_SUCH_GPU} does not exist", "world 4 needs 4 lane devices but 2 were given",
+               "4 lanes but only 1 samples per iteration"), reasons
+    assert all("Fix" in r for r in reasons[1:]), reasons
+
+
+def test_lane0_must_be_the_blocks_device(monkeypatch):
+    monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)  # pretend cuda:0..1 exist
+    reasons = refusal(world=2, devices="cuda:1,cuda:0", home="cuda:0")
+    assert has(reasons, "lane 0 is cuda:1, but the block is on cuda:0", "list cuda:0 first"), reasons
+    auto = resolve(PlanRequest(world="auto", devices="cuda:1,cuda:0", home="cuda:0"))
+    assert auto.world == 1 and has(auto.reasons, "lane 0 is cuda:1"), auto
+    assert resolve(PlanRequest(world=2, devices="cuda:0,cuda:1", home="cuda")).world == 2
+
+
+def test_cpu_with_an_index_is_refused_not_taken_for_another_device():
+    """'cpu:7,cpu' used to pass the plan and fail after wrapping with a wrong fix."""
+    assert has(refusal(world=2, devices="cpu:7,cpu", home="cpu"), "cpu:7: the CPU is one device", "write cpu")
+    auto = resolve(PlanRequest(world="auto", devices="cpu:7,cpu", home="cpu"))
+    assert auto.world == 1 and has(auto.reasons, "cpu:7: the CPU is one device")
+    assert resolve(PlanRequest(world=2, devices="cpu:0,cpu", home="cpu")).world == 2  # cpu:0 is cpu
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("gpu", "'gpu' is not a device"),
+    ("cuda:x,cpu", "'cuda:x' is not a device"),
+    ("\u00b2", "'\u00b2' is not a device"),
+    ("", "the lane device list is empty"),
+    ("cpu,,cpu", "an empty entry"),
+])
+def test_malformed_device_list_is_a_reason_not_a_crash(spec, needle):
+    """Under auto it used to raise torch's RuntimeError (or int()'s ValueError) from inside the plan."""
+    auto = resolve(PlanRequest(world="auto", devices=spec, home="cpu"))  # keeps the entries that are devices
+    assert auto.world == (2 if spec == "cpu,,cpu" else 1) and has(auto.reasons, needle), auto
+    assert has(refusal(world=2, devices=spec, home="cpu"), needle)
+    assert has(check_arguments("auto", spec), needle)
+
+
+def test_world_accepts_ascii_digits_only():
+    with pytest.raises(ValueError, match="world must be 'off', 'auto' or an integer >= 1"):
+        validate_world("\u00b2")
+    assert validate_world(" 3 ") == 3
+
+
+def test_bare_indices_without_an_accelerator_are_said(monkeypatch):
+    """'0,0' on a machine without GPUs silently became cpu twice."""
+    monkeypatch.setattr(plan_mod, "default_accelerator_type", lambda: "cpu")
+    reasons = refusal(world=2, devices="0,0", home="cpu")
+    assert len(reasons) == 1 and has(reasons, "'0' names accelerator 0", "write cpu"), reasons
+    auto = resolve(PlanRequest(world="auto", devices="0,0", home="cpu"))
+    assert auto.world == 1 and has(auto.reasons, "names accelerator 0")
+
+
+def test_unused_devices_are_noted():
+    """'--parallel_quantization 2' with three devices silently ignored the third."""
+    plan = resolve(PlanRequest(world=2, devices="cpu,cpu,cpu", home="cpu"))
+    assert plan.world == 2 and has(plan.notes, "first 2 of the 3 lane devices", "--parallel_quantization 3")
+
+
+def test_auto_says_why_each_lane_was_dropped():
+    plan = resolve(PlanRequest(world="auto", devices=f"cpu,{NO_SUCH_GPU},cpu,cpu", samples_per_iter=2, home="cpu"))
+    assert plan.world == 2 and has(plan.reasons, f"{NO_SUCH_GPU} does not exist", "3 lanes but only 2 samples")
+
+
+def test_devices_with_parallel_quantization_off_are_an_error():
+    assert has(check_arguments("off", "cpu,cpu"), "parallel quantization is off")
+    assert check_arguments("off", None) == [] and check_arguments("2", "cpu,cpu") == []
+    problems = check_arguments("zero", "gpu,cpu")
+    assert has(problems, "world must be", "'gpu' is not a device"), problems
