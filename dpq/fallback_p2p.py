@@ -30,7 +30,13 @@ import torch
 from torch import Tensor
 
 from dpq import nccl_comm
-from dpq.nccl_comm import Communicator, CommunicatorBase, CupyNcclCommunicator, TorchNcclCommunicator
+from dpq.nccl_comm import (
+    Communicator,
+    CommunicatorBase,
+    CupyNcclCommunicator,
+    TorchNcclCommunicator,
+    close_communicators,
+)
 from dpq.streams import Lane, backend
 
 __all__ = [
@@ -40,6 +46,7 @@ __all__ = [
     "PeerCopyCommunicator",
     "ProcessGroupCommunicator",
     "XpuCopyCommunicator",
+    "close_communicators",
     "select_communicator",
 ]
 
@@ -405,34 +412,51 @@ def _choose(lanes: Sequence[Lane]) -> tuple[str, str]:
         return "xpu-copy", f"{world} xpu lanes: oneCCL has no in-process multi-device API, so device-to-device copies"
     if types == {"cuda"}:
         if len(devices) == world:
-            if nccl_comm.cupy_nccl_available():
+            ids = [index for _, index in (_device_key(lane.device) for lane in lanes)]
+            cupy_ok, torch_ok = nccl_comm.cupy_nccl_available(), nccl_comm.torch_nccl_available()
+            aborted = [s for kind, ok in (("cupy-nccl", cupy_ok), ("torch-nccl", torch_ok))
+                       if ok and (s := nccl_comm.aborted_comm_set(kind, ids)) is not None]
+            if cupy_ok and not any(s.kind == "cupy-nccl" for s in aborted):
                 return "cupy-nccl", f"{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
-            if nccl_comm.torch_nccl_available():
+            if torch_ok and not any(s.kind == "torch-nccl" for s in aborted):
                 return "torch-nccl", f"{world} distinct GPUs, CuPy absent (pip install dpq[cuda12]): torch.cuda.nccl"
-            why = f"{world} distinct GPUs but no NCCL (neither CuPy nor torch.cuda.nccl)"
+            if aborted:
+                why = f"{world} distinct GPUs, but NCCL for them was aborted earlier in this run ({aborted[0].failure})"
+            else:
+                why = f"{world} distinct GPUs but no NCCL (neither CuPy nor torch.cuda.nccl)"
         else:
-            why = f"{world} lanes on {len(devices)} GPUs, some shared (NCCL hangs when ranks share a GPU)"
+            why = f"{world} lanes on {len(devices)} GPUs, some shared (NCCL takes one GPU per rank)"
         if _all_pairs_peer(lanes):
             return "p2p", f"{why}; every GPU pair has peer access: device-to-device copies"
         return "host", f"{why}; not every GPU pair has peer access: sums go through pinned host memory"
     return "host", f"lanes on {len(devices)} distinct {types.pop()} devices: sums go through host memory"
 
 
+def _make(name: str, lanes: list[Lane]) -> Communicator:
+    if name in ("cupy-nccl", "torch-nccl"):
+        # the run's NCCL handles for these devices, made once (close_communicators destroys them)
+        return COMMUNICATORS[name](lanes, shared=True)
+    return COMMUNICATORS[name](lanes)
+
+
 def select_communicator(lanes: Sequence[Lane], prefer: str | None = None) -> tuple[Communicator, str]:
     """The communicator for ``lanes`` and a one-line reason.
 
-    ``prefer`` forces one by name (benchmarks, tests); a forced choice the lanes cannot
-    take fails in that communicator's constructor with its own reason.
+    Cheap to call once per block: the NCCL communicators (``ncclCommInitAll``) are made once
+    per device tuple per run and shared by every call's wrapper, which reads each call's
+    streams from the lanes it was given. :func:`close_communicators` destroys them (dpq's
+    ``disable()`` calls it). ``prefer`` forces one by name (benchmarks, tests); a forced
+    choice the lanes cannot take fails in that communicator's constructor with its own reason.
     """
     lanes = list(lanes)
     if not lanes:
         raise ValueError("dpq: select_communicator needs at least one lane")
     if prefer is None:
         name, reason = _choose(lanes)
-        return COMMUNICATORS[name](lanes), reason
+        return _make(name, lanes), reason
     if prefer not in COMMUNICATORS:
         raise ValueError(f"dpq: unknown communicator {prefer!r}; choose from {', '.join(COMMUNICATORS)}")
     hpus = {_device_key(lane.device) for lane in lanes if lane.device.type == "hpu"}
     if hpus and len({_device_key(lane.device) for lane in lanes}) > 1:
         raise ValueError(f"dpq: {HPU_MULTI_LANE}")
-    return COMMUNICATORS[prefer](lanes), f"{prefer}: forced by prefer={prefer!r}"
+    return _make(prefer, lanes), f"{prefer}: forced by prefer={prefer!r}"
