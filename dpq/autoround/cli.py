@@ -51,24 +51,66 @@ def format_summary(records) -> str:
     return "\n".join(lines)
 
 
-def write_report(path: str, world, devices, records, phases: dict) -> None:
+def report_path_errors(path: str | None) -> list[str]:
+    """Why the report cannot be written to ``path`` (empty: it can). Checked when the arguments are
+    parsed, so that a bad path does not surface after the whole job. Creates missing parent folders
+    (the report goes there anyway) and leaves no file behind."""
+    if path is None:
+        return []
+    fix = "Fix: --parallel_report with a file path in a writable folder, e.g. ./dpq_report.json"
+    if not path.strip():
+        return [f"--parallel_report is empty. {fix}"]
+    out = Path(path)
+    if out.is_dir():
+        return [f"--parallel_report {path} is a directory; the report is one JSON file. "
+                f"Fix: e.g. --parallel_report {out / 'dpq_report.json'}"]
+    existed = out.exists()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a"):
+            pass
+    except OSError as e:
+        return [f"--parallel_report {path} cannot be written ({e.strerror or e}). {fix}"]
+    if not existed:
+        out.unlink(missing_ok=True)
+    return []
+
+
+def argument_errors(ours: argparse.Namespace) -> list[str]:
+    """Every problem with our flags, found before anything loads."""
+    from dpq.plan import check_arguments
+
+    problems = [p.removeprefix("dpq: ") for p in check_arguments(ours.parallel_quantization, ours.parallel_devices)]
+    if ours.parallel_debug and str(ours.parallel_quantization).strip().lower() == "off":
+        problems.append("--parallel_debug has no effect with --parallel_quantization off (the default). "
+                        "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
+    return problems + report_path_errors(ours.parallel_report)
+
+
+def write_report(path: str, world, devices, records, phases: dict, error: str | None = None) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     body = {"world": world, "devices": devices, "phase_seconds": phases, "blocks": [asdict(r) for r in records]}
+    if error is not None:
+        body["error"] = error
     out.write_text(json.dumps(body, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Returns the exit status: 0 when the run finished, 2 for bad dpq arguments (nothing was
+    loaded), 1 when the plan refused or a lane failed (the message is printed, no traceback).
+    Any other failure propagates (with its traceback; non-zero exit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, rest = split_argv(argv)
-    from dpq.autoround import integration, shard_seams
-    from dpq.plan import validate_world
-
-    try:
-        world = validate_world(ours.parallel_quantization)
-    except ValueError as e:
-        print(f"auto-round-dp: error: --parallel_quantization: {e}", file=sys.stderr)
+    problems = argument_errors(ours)
+    if problems:
+        print("auto-round-dp: error:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
+    from dpq.autoround import integration, shard_seams
+    from dpq.autoround.integration import ParallelLaneError
+    from dpq.plan import PlanRefused, validate_world
+
+    world = validate_world(ours.parallel_quantization)
     if any(a in ("-h", "--help") for a in rest):
         print(OUR_HELP)
     from auto_round.__main__ import run
@@ -76,18 +118,34 @@ def main(argv: list[str] | None = None) -> int:
     if world != "off":
         integration.enable(world, ours.parallel_devices, debug_identical=ours.parallel_debug)
     sys.argv = ["auto-round-dp", *rest]
+    failure: Exception | None = None
     try:
         run()
+    except (PlanRefused, ParallelLaneError) as e:
+        failure = e
     finally:
         integration.disable()
-        records = integration.run_summary()
+        records = integration.run_summary() if world != "off" else []
         phases = shard_seams.phase_seconds()
         if world != "off" and records:
             print(format_summary(records), flush=True)
         if world != "off" and any(phases.values()):
             print("dpq phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
         if ours.parallel_report:
-            write_report(ours.parallel_report, world, ours.parallel_devices, records, phases)
+            try:
+                write_report(ours.parallel_report, world, ours.parallel_devices, records, phases,
+                             None if failure is None else str(failure))
+            except OSError as e:  # checked at start; the folder may have gone since
+                print(f"auto-round-dp: error: could not write --parallel_report {ours.parallel_report}: {e}",
+                      file=sys.stderr)
+                failure = failure or e
+    if failure is not None:
+        print(f"auto-round-dp: {failure}", file=sys.stderr)
+        if isinstance(failure, ParallelLaneError):
+            print("auto-round-dp: the run stopped before auto-round saved a model: the blocks quantized so far end "
+                  "with this process and --output_dir holds no complete model. Rerun the command with "
+                  "--parallel_quantization auto or off", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dpq.fallback_p2p import select_communicator
-from dpq.plan import Plan, PlanRequest, price_mirror, resolve, validate_world
+from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
 from dpq.streams import make_lanes
 
 from . import shard_seams
@@ -39,14 +39,25 @@ from auto_round.wrapper import unwrapper_block  # noqa: E402
 
 from .tune import BlockData, SignRoundSettings, tune_wrapped_block  # noqa: E402
 
-__all__ = ["BlockRecord", "ParallelLaneError", "disable", "enable", "parallel_quantization", "run_summary"]
+__all__ = ["BlockRecord", "ParallelLaneError", "disable", "enable", "lane_error", "parallel_quantization",
+           "run_summary"]
 
+# What enable() replaced (the methods in place when it patched; at import: auto-round's own).
+# The serial path and every pass-through call these.
 _ORIGINAL = SignRoundQuantizer.quantize_block
 _ORIGINAL_DISPATCH = SignRoundQuantizer.dispatch_block
 
 
 class ParallelLaneError(RuntimeError):
-    """A lane failed mid-block under an explicit world; the home block was restored first."""
+    """A lane failed mid-block under an explicit world; the home block was restored first.
+
+    ``block``: the block that failed; ``completed``: the blocks quantized before it in this run
+    (in place, in the model object, in this process only)."""
+
+    def __init__(self, message: str, *, block: str = "", completed: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.block = block
+        self.completed = list(completed or [])
 
 
 @dataclass
@@ -75,7 +86,19 @@ class _State:
     cpu_logged: bool = False
 
 
-_state = _State()
+_state = _State()  # the innermost enabled state; once every enable() is undone, the last run's
+_stack: list[_State] = []  # enabled states, innermost last (enable pushes, disable pops)
+_MISSING = object()
+_saved: dict[str, object] = {}  # SignRoundQuantizer.__dict__ entries enable() replaced (_MISSING: inherited)
+_chained: set[str] = set()  # ours, left under someone else's later patch by disable(): they call us
+
+
+def _ours() -> dict:
+    return {"quantize_block": _delegated_quantize_block, "dispatch_block": _whole_block_dispatch}
+
+
+def _active() -> bool:
+    return bool(_stack)
 
 
 def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False) -> None:
@@ -84,20 +107,76 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     ``parallel_quantization``: 'off', 'auto' (use what fits; never refuses) or an int world
     (refuses before the block starts when it cannot be served). ``devices``: lane devices
     (``'0,1,2,3'``, ``'cpu,cpu'``); default: auto-round's device list when it has several,
-    else every visible device of the home device's type.
+    else every visible device of the home device's type. Malformed arguments raise
+    ``ValueError`` naming every problem, before anything is patched.
+
+    Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
+    back the settings of the ``enable()`` before it (or, after the outermost, auto-round's
+    methods as they were when the outermost ``enable()`` patched them).
     """
     global _state
+    problems = check_arguments(parallel_quantization, devices)
+    if problems:
+        raise ValueError("dpq: bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     world = validate_world(parallel_quantization)
-    _state = _State(world=world, devices=devices, debug_identical=debug_identical)
-    SignRoundQuantizer.quantize_block = _delegated_quantize_block
-    SignRoundQuantizer.dispatch_block = _whole_block_dispatch
+    new = _State(world=world, devices=devices, debug_identical=debug_identical)
+    if not _stack:
+        _patch()
+    _stack.append(new)
+    _state = new
     shard_seams.install(_state)  # the no-grad phases: collection forwards, iters=0 and init-scale searches
 
 
 def disable() -> None:
+    """Undo the innermost ``enable()``; a no-op when nothing is enabled."""
+    global _state
+    if not _stack:
+        return
+    _stack.pop()
+    if _stack:
+        _state = _stack[-1]
+        shard_seams.install(_state)
+        return
     shard_seams.uninstall()
-    SignRoundQuantizer.quantize_block = _ORIGINAL
-    SignRoundQuantizer.dispatch_block = _ORIGINAL_DISPATCH
+    _unpatch()
+    _release_run_resources()
+
+
+def _release_run_resources() -> None:
+    """End of the outermost run: free what the run kept across blocks (e.g. cached communicators)."""
+
+
+def _patch() -> None:
+    global _ORIGINAL, _ORIGINAL_DISPATCH
+    for name, fn in _ours().items():
+        if name in _chained:
+            continue  # still called through the patch that was put over ours
+        _saved[name] = SignRoundQuantizer.__dict__.get(name, _MISSING)
+        replaced = getattr(SignRoundQuantizer, name)
+        if name == "quantize_block":
+            _ORIGINAL = replaced
+        else:
+            _ORIGINAL_DISPATCH = replaced
+        setattr(SignRoundQuantizer, name, fn)
+
+
+def _unpatch() -> None:
+    """Put back what _patch replaced, unless someone patched over ours since: their patch stays
+    (ours, under it, passes every call straight through while nothing is enabled)."""
+    for name, fn in _ours().items():
+        if name in _chained and SignRoundQuantizer.__dict__.get(name, _MISSING) is not fn:
+            continue
+        _chained.discard(name)
+        if SignRoundQuantizer.__dict__.get(name, _MISSING) is not fn:
+            _chained.add(name)
+            logger.warning(f"dpq: SignRoundQuantizer.{name} was patched again after dpq.enable(); leaving that "
+                           "patch in place (dpq's, under it, now passes calls through)")
+            continue
+        saved = _saved.pop(name, _MISSING)
+        if saved is _MISSING:
+            delattr(SignRoundQuantizer, name)
+        else:
+            setattr(SignRoundQuantizer, name, saved)
 
 
 def _auto_split_requested() -> bool:
@@ -111,8 +190,16 @@ def _whole_block_dispatch(self, block, input_ids, input_others):
     With dpq on, those GPUs are lanes instead: a block whose mirror fits the home device stays
     whole there (and runs data-parallel); a block that does not fit keeps auto-round's split
     placement, and the plan then runs it serially (weights span several devices)."""
-    if _state.world == "off" or not _auto_split_requested() or self.model_context.is_diffusion \
-            or not isinstance(input_ids, list):
+    if _state.world == "off" or (not _active() and "dispatch_block" in _chained):
+        return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
+    block = _dispatch(self, block, input_ids, input_others)
+    if isinstance(_state.world, int):
+        _preflight(self, block, input_ids)
+    return block
+
+
+def _dispatch(self, block, input_ids, input_others):
+    if not _auto_split_requested() or self.model_context.is_diffusion or not isinstance(input_ids, list):
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     home = torch.device(device_manager.device)
     per_iter = min(len(input_ids), self.calibration_context.batch_size * self.gradient_accumulate_steps)
@@ -146,7 +233,7 @@ def run_summary() -> list[BlockRecord]:
     return list(_state.records)
 
 
-def _feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx) -> list[str]:
+def _feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) -> list[str]:
     """What this quantizer/block uses that the delegated loop cannot split, each with the fix."""
     reasons = []
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -182,6 +269,13 @@ def _loss_scale(q: SignRoundQuantizer) -> float | None:
     return None
 
 
+def _preflight(q, block, inputs) -> None:
+    """An explicit world's plan for this block, resolved before any of the block's work (the
+    collection passes come first): raises :class:`dpq.plan.PlanRefused` with every reason at
+    once, the tuner's feature reasons included."""
+    resolve(_tuner_request(q, block, inputs))
+
+
 def _lane_devices(home: torch.device):
     if _state.devices is not None:
         return _state.devices
@@ -191,26 +285,29 @@ def _lane_devices(home: torch.device):
     return None
 
 
-def _plan_for(q, block, fp_inputs, block_ctx) -> Plan:
+def _tuner_request(q, block, fp_inputs) -> PlanRequest:
     home = torch.device(device_manager.device)
     per_iter = min(len(fp_inputs) if isinstance(fp_inputs, list) else 1,
                    q.calibration_context.batch_size * q.gradient_accumulate_steps)
-    request = PlanRequest(
+    return PlanRequest(
         world=_state.world,
         devices=_lane_devices(home),
         samples_per_iter=per_iter,
         home=home,
-        extra_reasons=_feature_refusals(q, block, fp_inputs, block_ctx),
+        extra_reasons=_feature_refusals(q, block, fp_inputs),
         mirror_bytes=price_mirror(block, fp_inputs, per_iter) if isinstance(fp_inputs, list) else None,
     )
-    plan = resolve(request)
+
+
+def _plan_for(q, block, fp_inputs, block_ctx) -> Plan:
+    plan = resolve(_tuner_request(q, block, fp_inputs))
     key = (type(block).__name__, tuple(p.shape for p in block.parameters()))
     if key not in _state.shapes_logged:
         _state.shapes_logged.add(key)
         lanes = ", ".join(map(str, plan.devices))
         logger.info(f"dpq plan for {block_ctx.block_name} ({type(block).__name__}): world {plan.world} on [{lanes}]"
-                    + ("".join(f"\n  - {r}" for r in plan.reasons) if plan.reasons else ""))
-    if plan.world > 1 and home.type == "cpu" and not _state.cpu_logged:
+                    + "".join(f"\n  - {r}" for r in plan.reasons + plan.notes))
+    if plan.world > 1 and plan.devices[0].type == "cpu" and not _state.cpu_logged:
         _state.cpu_logged = True
         logger.info("dpq: CPU lanes share the CPU: no speedup, but the parallel path and its parity run here")
     return plan
@@ -218,14 +315,16 @@ def _plan_for(q, block, fp_inputs, block_ctx) -> Plan:
 
 def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
                               input_ids=None, **kwargs):
+    if not _active():  # left under someone else's patch after disable(): pass through
+        return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
     t0 = time.perf_counter()
     plan = _plan_for(self, block, fp_inputs, block_ctx)  # PlanRefused propagates: nothing started
     # An explicit world 1 runs the engine (bitwise serial: the CLI test of '1 == off' checks the
     # engine end to end); 'auto' resolving to one lane, and every refusal, run auto-round itself.
     if plan.world == 1 and (_state.world != 1 or plan.reasons):
         out = _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
-        _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0, reasons=plan.reasons,
-                                          algorithm=type(self).__name__))
+        _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0,
+                                          reasons=plan.reasons + plan.notes, algorithm=type(self).__name__))
         return out
     rng = (random.getstate(), torch.get_rng_state())
     try:
@@ -233,11 +332,7 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
                                input_ids, t0)
     except Exception as err:
         if _state.world != "auto":
-            raise ParallelLaneError(
-                f"dpq: a lane failed while tuning {block_ctx.block_name} at world {plan.world}: {err!r}. "
-                "The block was restored and nothing already quantized was lost. Fix: rerun with "
-                "--parallel_quantization auto (falls back to serial per block) or off"
-            ) from err
+            raise lane_error(block_ctx.block_name, plan.world, err, "while tuning") from err
         logger.warning(f"dpq: a lane failed on {block_ctx.block_name} ({err!r}); block restored, rerunning serially")
         random.setstate(rng[0])
         torch.set_rng_state(rng[1])
@@ -246,6 +341,26 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
                                           reasons=[f"lane failure: {err!r}"], fell_back=True,
                                           algorithm=type(self).__name__))
         return out
+
+
+def lane_error(block: str, world: int, err: BaseException, where: str = "while tuning") -> ParallelLaneError:
+    """The error an explicit world raises when a lane fails in ``block``, saying exactly what is
+    kept: ``block`` is back as it was before its work started; the blocks finished before it are
+    quantized in place in the model object (this process only: auto-round saves at the end), and
+    auto-round cannot continue a run from the middle."""
+    done = [r.name for r in _state.records if r.name != block]
+    kept = (f"The {len(done)} block(s) finished before it ({_names(done)}) stay quantized in place in the "
+            "model object, in this process only (auto-round writes a complete model only when the whole run "
+            "ends, and a run cannot resume from the middle).") if done else "No block had been finished before it."
+    return ParallelLaneError(
+        f"dpq: a lane failed {where} {block} at world {world}: {err!r}. {block} is back as it was before its "
+        f"work started. {kept} Fix: rerun the quantization with --parallel_quantization auto (a block whose lane "
+        "fails is redone serially) or off",
+        block=block, completed=done)
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names) if len(names) <= limit else f"{', '.join(names[:2])}, ..., {names[-1]}"
 
 
 def _restore_unwrapped(block) -> None:
@@ -320,7 +435,8 @@ def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_input
         f"[dpq world {plan.world}, {comm.name}]"
     )
     _state.records.append(BlockRecord(block_ctx.block_name, plan.world, time.perf_counter() - t0,
-                                      outcome.wire_bytes, outcome.best_loss, comm.name, [comm_reason],
+                                      outcome.wire_bytes, outcome.best_loss, comm.name,
+                                      [*plan.reasons, *plan.notes, comm_reason],
                                       algorithm=type(q).__name__, losses=outcome.losses,
                                       best_iter=outcome.best_iter))
     return outcome.best_params

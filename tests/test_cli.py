@@ -1,0 +1,101 @@
+"""auto-round-dp: our flags checked before anything loads; refusals and lane failures printed as
+messages with a non-zero exit, never as tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpq.autoround import cli
+
+NO_SUCH_GPU = "cuda:99"  # cannot exist here, nor on a lent GPU machine
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str]:
+    rc = cli.main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def test_every_bad_flag_is_named_at_once_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)  # importing auto-round's CLI would fail
+    rc, err = run_main(capsys, "--model", "does-not-exist", "--parallel_quantization", "\u00b2",
+                       "--parallel_devices", "gpu,,cuda:x", "--parallel_report", str(tmp_path))
+    assert rc == 2, err
+    for needle in ("world must be 'off', 'auto' or an integer", "'gpu' is not a device", "an empty entry",
+                   "'cuda:x' is not a device", "is a directory"):
+        assert needle in err, (needle, err)
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--parallel_quantization", "auto", "--parallel_devices", ""], "the lane device list is empty"),
+    (["--parallel_quantization", "auto", "--parallel_devices", "gpu"], "'gpu' is not a device"),
+    (["--parallel_devices", "cpu,cpu"], "parallel quantization is off"),
+    (["--parallel_debug"], "--parallel_debug has no effect"),
+])
+def test_flag_problems_exit_2(capsys, monkeypatch, argv, needle):
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)
+    rc, err = run_main(capsys, *argv)
+    assert rc == 2 and needle in err, err
+
+
+def test_unwritable_report_path_is_refused_first(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    rc, err = run_main(capsys, "--parallel_quantization", "auto", "--parallel_report", str(blocker / "r.json"))
+    assert rc == 2 and "cannot be written" in err, err
+    assert cli.report_path_errors(str(tmp_path / "new" / "r.json")) == []
+    assert not (tmp_path / "new" / "r.json").exists()  # the check leaves no file behind
+
+
+# -- the real CLI in a subprocess, on the embedded model, stopped early --
+
+def _cli(tmp: Path, *extra: str, prelude: str = "") -> subprocess.CompletedProcess:
+    from dpq.demo.embedded import DATA_DIR, calibration_jsonl
+
+    calib = tmp / "calib.jsonl"
+    if not calib.exists():
+        calibration_jsonl(calib, 16, 64)
+    args = ["--model", str(DATA_DIR), "--dataset", str(calib), "--nsamples", "8", "--seqlen", "64",
+            "--device_map", "cpu", "--disable_torch_compile", "--output_dir", str(tmp / "out"), *extra]
+    code = prelude + "from dpq.autoround.cli import main; raise SystemExit(main())"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_refusal_lists_every_reason_as_a_message(tmp_path):
+    """The issue's example: four reasons (device, device count, samples, LFQ), printed, rc 1."""
+    report = tmp_path / "report.json"
+    proc = _cli(tmp_path, "--iters", "2", "--batch_size", "1", "--enable_lfq", "--parallel_quantization", "4",
+                "--parallel_devices", f"cpu,{NO_SUCH_GPU}", "--parallel_report", str(report))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "Traceback" not in err, err[-3000:]
+    for needle in (f"{NO_SUCH_GPU} does not exist", "world 4 needs 4 lane devices", "4 lanes but only 1 samples",
+                   "LFQ loss"):
+        assert needle in err, (needle, err[-3000:])
+    assert "the requested parallel quantization cannot run" in json.loads(report.read_text())["error"]
+
+
+def test_cli_lane_failure_says_what_was_kept(tmp_path):
+    """A lane fails in block 1 under an explicit world: rc 1, a message (no traceback) naming the block
+    that was restored and the block finished before it, and no claim that nothing was lost."""
+    prelude = ("from dpq.autoround import integration as i; "
+               "i._fault_injector = lambda b: {'calls': 0, 'at': 1} if b == 1 else None; ")
+    report = tmp_path / "report.json"
+    proc = _cli(tmp_path, "--iters", "3", "--batch_size", "4", "--parallel_quantization", "2",
+                "--parallel_devices", "cpu,cpu", "--parallel_report", str(report), prelude=prelude)
+    err = proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "a lane failed while tuning model.layers.1" in err, err[-3000:]
+    assert "model.layers.1 is back as it was before its work started" in err
+    assert "finished before it (model.layers.0) stay quantized in place" in err
+    assert "--output_dir holds no complete model" in err
+    assert "nothing already quantized was lost" not in err
+    body = json.loads(report.read_text())
+    assert [b["name"] for b in body["blocks"]] == ["model.layers.0"] and "model.layers.1" in body["error"]
