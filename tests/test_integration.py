@@ -353,3 +353,41 @@ def test_refusal_unsupported_home_device_type():
     assert any("home device type 'mps' is not supported" in r for r in reasons)
     auto = resolve(PlanRequest(world="auto", devices="cpu,cpu", home="mps"))
     assert auto.world == 1 and any("'mps' is not supported" in r for r in auto.reasons)
+
+
+# -- issue 7: auto's dropped lanes in the records; enable()/disable() nest --
+
+def test_auto_records_every_reason_a_lane_was_dropped():
+    _, records, _ = quantize("auto", "cpu,cpu,cuda:99", iters=2)  # cuda:99 cannot exist anywhere
+    assert [r.world for r in records] == [2, 2]
+    assert all(any("cuda:99 does not exist" in x for x in r.reasons) for r in records), [r.reasons for r in records]
+
+
+def test_enable_nests_and_disable_restores_what_it_replaced():
+    from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer as Q
+
+    from dpq.autoround import shard_seams
+
+    before = {n: Q.__dict__.get(n) for n in ("quantize_block", "dispatch_block")}
+    with integration.parallel_quantization(2, "cpu,cpu") as outer:
+        with integration.parallel_quantization("auto", "cpu,cpu"):
+            assert integration._state.world == "auto"
+        assert Q.quantize_block is integration._delegated_quantize_block and shard_seams.installed()
+        assert integration._state.world == 2 and integration._state.records is outer
+    assert {n: Q.__dict__.get(n) for n in before} == before and not shard_seams.installed()
+
+    integration.enable(2, "cpu,cpu")
+    ours = Q.quantize_block
+
+    def theirs(self, *a, **k):  # someone else's patch, put over dpq's
+        return ours(self, *a, **k)
+
+    Q.quantize_block = theirs
+    try:
+        integration.disable()
+        assert Q.__dict__["quantize_block"] is theirs  # not clobbered with the import-time method
+    finally:
+        Q.quantize_block = before["quantize_block"]
+    with integration.parallel_quantization(2, "cpu,cpu"):  # taken off again: dpq patches afresh
+        assert Q.quantize_block is integration._delegated_quantize_block
+    assert Q.__dict__["quantize_block"] is before["quantize_block"]
