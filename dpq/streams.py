@@ -1,4 +1,4 @@
-"""Device backends and lanes.
+"""Device backends and lanes, and the stream-ordering rules every crossing between them follows.
 
 A :class:`Lane` is one replica's device plus the stream its work is issued on.
 Everything above this module asks the lane (or :func:`backend`) for streams, events,
@@ -9,6 +9,49 @@ lanes may share the CPU device (or one GPU: each lane then has its own stream).
 Backends: cuda, xpu (torch.xpu), hpu (habana_frameworks, imported only when asked for),
 cpu. Invariant kept here: a lane's stream belongs to the lane's device, and work issued
 under :meth:`Lane.issue` runs on that stream, in issue order.
+
+Stream-ordering rules (contract 4 of DESIGN.md). "Current" below is the device's current
+stream where the caller stands, outside every lane's :meth:`Lane.issue` (in practice the
+default stream: where auto-round caches the pool, wraps, snapshots, unwraps and packs).
+
+R0  Lane 0 issues on the current stream. :func:`make_lanes` gives it no private stream:
+    its ``stream`` *is* the current stream of its device when the lanes are made. So lane 0
+    is ordered with everything the caller queues before and after the block (pool caching,
+    ``wrapper_block``, the best-parameter snapshot, ``unwrapper_block``) by stream order,
+    with no wait at all. Lanes 1.. get a fresh stream each.
+R1  Into a lane: a lane reads anything produced outside it (wrapped parameters, the pool,
+    reference outputs, optimizer state built at home) only after
+    :meth:`Lane.wait_for_current`, called *before* the first op that reads it is queued
+    (mirror build, ``copy_to_lane``, every sharded forward and per-item job). Before home
+    writes again what a lane read from it, the current stream waits for that lane (the mirror
+    build does so right after its copies: auto-round's wrappers clamp the home block's
+    min/max scales in place in its forward; the teardown, R5, covers everything else).
+R2  Out of a lane: before anything outside the lane reads, frees, snapshots or packs a
+    lane's tensors, the current stream waits for the lane: :meth:`Lane.current_waits_for_me`
+    for everything the lane queued, or :meth:`Lane.mark` + :meth:`Lane.current_waits` for
+    one point of it (the per-iteration losses: the readback waits for the losses only, not
+    for backward or the exchange).
+R3  Memory that crosses: a tensor allocated on one stream and used on another is either
+    copied after a wait, or recorded on its consumer (:meth:`Lane.record_on_current`,
+    ``record_stream``), so the caching allocator does not hand its block to new work on the
+    owner's stream while the consumer may still read it. :meth:`Lane.hand_home` does both
+    cases: across devices it copies on the lane's stream (torch orders the destination's
+    current stream after the copy); on the same device it waits (R2) and records (R3).
+R4  Between lanes (communicators): a lane reads or writes another lane's buffer only
+    between two joins of the lanes involved (:meth:`Lane.wait_for` both ways); see
+    ``dpq.fallback_p2p``.
+R5  Teardown, also on the failure path (``finally``): the current stream and every lane
+    join both ways (:meth:`ReplicaSet.close <dpq.mirror.ReplicaSet.close>`) before any
+    mirror is dropped or the home block is unwrapped, restored or packed: lane work that
+    read home's tensors is done before home frees them, and home's reads of lane tensors are
+    done before the lanes' allocators reuse them.
+R6  Host syncs: one per iteration, the loss readback (:class:`HostCopy`, queued on the
+    current stream right after the losses and read after the rest of the iteration is
+    issued). Sample selection indexes the pool with host-side ints.
+
+Lane methods whose name says "current" must be called outside every :meth:`Lane.issue`
+context: inside one, the current stream would be that lane's. ``tests/stream_checker.py``
+checks all of this on CPU lanes with logical streams and vector clocks.
 """
 
 from __future__ import annotations
@@ -19,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Backend", "Lane", "backend", "make_lanes", "parse_devices"]
+__all__ = ["Backend", "HostCopy", "Lane", "backend", "make_lanes", "parse_devices"]
 
 
 class Backend:
@@ -44,6 +87,10 @@ class Backend:
         return None
 
     def synchronize(self, device: torch.device) -> None:
+        return None
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Tell the caching allocator that ``stream`` uses ``tensor`` (rule R3); CPU: nothing to tell."""
         return None
 
     def mem_get_info(self, device: torch.device) -> tuple[int, int]:
@@ -89,6 +136,10 @@ class _TorchAcceleratorBackend(Backend):
 
     def synchronize(self, device: torch.device) -> None:
         self.mod.synchronize(device)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        if tensor.device.type == self.type:  # host tensors (results already moved home) have no stream
+            tensor.record_stream(stream)
 
     def mem_get_info(self, device: torch.device) -> tuple[int, int]:
         return self.mod.mem_get_info(device)
@@ -143,7 +194,11 @@ def backend(device: torch.device | str) -> Backend:
 
 @dataclass(eq=False)
 class Lane:
-    """One replica's device and stream. Lane 0 is home (the caller's module, no copy)."""
+    """One replica's device and stream. Lane 0 is home (the caller's module, no copy) and
+    issues on the current stream (rule R0); ``stream`` is None where streams are no-ops (CPU).
+
+    Every cross-stream step of dpq goes through the methods below (module docstring, R0-R6).
+    """
 
     index: int
     device: torch.device
@@ -162,26 +217,123 @@ class Lane:
         """Context under which work is queued on this lane's stream."""
         return self.backend.stream_context(self.stream)
 
-    def wait_for_current(self) -> None:
-        """Make this lane's stream wait for work already queued on the device's current stream.
+    def _current(self):
+        """The device's current stream, or None when it is this lane's own (nothing to order)."""
+        if self.stream is None:
+            return None
+        current = self.backend.current_stream(self.device)
+        return None if current is None or current == self.stream else current
 
-        Needed before a lane reads data produced outside it (staged inputs, the home block's
-        initial state); a no-op on CPU.
+    def wait_for_current(self) -> None:
+        """R1: this lane's later work runs after everything already queued on the device's current stream.
+
+        Call before the lane reads data produced outside it (the pool, the home block's state,
+        optimizer state built at home). No-op for lane 0 (it is the current stream) and on CPU.
         """
-        if self.stream is not None:
-            self.stream.wait_stream(self.backend.current_stream(self.device))
+        current = self._current()
+        if current is not None:
+            self.stream.wait_stream(current)
 
     def current_waits_for_me(self) -> None:
-        """Make the device's current stream wait for this lane (before handing results back)."""
-        if self.stream is not None:
-            self.backend.current_stream(self.device).wait_stream(self.stream)
+        """R2: the device's current stream's later work runs after everything this lane queued so far."""
+        current = self._current()
+        if current is not None:
+            current.wait_stream(self.stream)
+
+    def wait_for(self, other: Lane) -> None:
+        """R4: this lane's later work runs after everything ``other`` queued so far."""
+        if self.stream is not None and other.stream is not None and self.stream != other.stream:
+            self.stream.wait_stream(other.stream)
+
+    def mark(self):
+        """An event recorded now on this lane's stream (None where there is nothing to order)."""
+        return self.stream.record_event() if self.stream is not None else None
+
+    def current_waits(self, mark) -> None:
+        """R2 for one point of the lane: the current stream waits for ``mark`` (from :meth:`mark`) only."""
+        current = self._current()
+        if current is not None and mark is not None:
+            current.wait_event(mark)
+
+    def record_on_current(self, tensor: torch.Tensor) -> None:
+        """R3: ``tensor`` (allocated for this lane's stream) is used, and may be freed, on the current stream.
+
+        The caching allocator then does not reuse its memory for this lane's later work until
+        the current stream's uses queued before the free have run.
+        """
+        current = self._current()
+        if current is not None:
+            self.backend.record_stream(tensor, current)
+
+    def hand_home(self, value, device: torch.device | str | None = None, *, mark=None):
+        """R2 + R3: ``value`` (a tensor, or lists/tuples/dicts of them, produced on this lane)
+        made safe to use, and free, on ``device``'s current stream (default: this lane's device).
+
+        Same device: the current stream waits (for ``mark`` when given, else for everything the
+        lane queued) and every tensor is recorded on it; the tensors themselves are returned.
+        Another device: each tensor is copied on this lane's stream; torch makes the destination's
+        current stream wait for the copy, and the source is only read on its own stream.
+        Call outside every ``issue()`` context.
+        """
+        dest = torch.device(device) if device is not None else None
+        if dest is not None and _device_key(dest) != _device_key(self.device):
+            with self.issue():
+                return _map_tensors(value, lambda t: t.to(dest, non_blocking=True))
+        if mark is not None:
+            self.current_waits(mark)
+        else:
+            self.current_waits_for_me()
+
+        def record(t: torch.Tensor) -> torch.Tensor:
+            self.record_on_current(t)
+            return t
+
+        return _map_tensors(value, record)
 
     def synchronize(self) -> None:
+        """Host waits for this lane's queued work (the host-staged communicator's one sync)."""
         if self.stream is not None:
             self.stream.synchronize()
 
     def free_memory(self) -> int:
         return self.backend.mem_get_info(self.device)[0]
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    return device.type, 0 if device.index is None else device.index
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+class HostCopy:
+    """R6: a small tensor's values copied to host memory on the current stream, read later.
+
+    Queue it right after the values are produced; :meth:`tolist` then waits for that copy
+    only (an event), not for the work issued after it (backward, exchange, step).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        device = tensor.device
+        stream = backend(device).current_stream(device)
+        if device.type == "cpu":
+            self._host = tensor
+        else:  # pinned: the copy runs async; torch's host allocator keeps the buffer alive until it ran
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+        self._event = stream.record_event() if stream is not None else None
+
+    def tolist(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()  # the one host sync of an iteration
+        return self._host.tolist()
 
 
 def parse_devices(spec: str | Sequence[str | int | torch.device]) -> list[torch.device]:
@@ -225,12 +377,17 @@ def check_device_exists(device: torch.device) -> str | None:
 
 
 def make_lanes(devices: Sequence[torch.device | str]) -> list[Lane]:
-    """One lane per entry; accelerator lanes get a fresh stream each (also when they share a device)."""
+    """One lane per entry. Lane 0 issues on its device's current stream (rule R0: ordered with
+    the caller's work before and after the block without a wait); every other lane gets a
+    fresh stream (also when it shares a device). Make the lanes where they are used: lane 0
+    holds the stream that is current at this call."""
     lanes = []
     for i, dev in enumerate(devices):
         dev = torch.device(dev)
         if dev.type != "cpu" and dev.index is None:
             dev = torch.device(dev.type, 0)
-        lanes.append(Lane(index=i, device=dev, stream=backend(dev).new_stream(dev)))
+        be = backend(dev)
+        stream = be.current_stream(dev) if i == 0 else be.new_stream(dev)
+        lanes.append(Lane(index=i, device=dev, stream=stream))
     return lanes
 
