@@ -19,6 +19,12 @@ builds one mirror per extra lane. Invariants kept here:
   bitwise equal (``check_identical`` verifies it; the engine calls it in debug mode).
 * **Teardown.** ``close()`` drops every mirror and the references this object holds, so
   the memory returns to the pre-block baseline; the home module is never modified here.
+* **Stream order** (rules in ``dpq.streams``). A lane's stream waits for the current stream
+  before its mirror is copied from home, and the current stream waits for the copies before
+  home may write what they read (R1); the identical-state check and ``close()`` make
+  the current stream wait for every lane first (R2), and ``close()`` also makes every lane
+  wait for the current stream (R5), so the failure path (``close()`` in a ``finally``) is
+  ordered like the normal one.
 """
 
 from __future__ import annotations
@@ -103,11 +109,19 @@ class ReplicaSet:
         tuned_ids = {id(named[n]) for n in tuned}
         self.modules: list[torch.nn.Module] = [module]
         for lane in self.lanes[1:]:
+            # R1 before the copy is queued: home's tensors may still be in production on the
+            # current stream (auto-round's caching forward, wrapper_block). Frozen tensors
+            # shared with a same-device mirror are read by the lane from here on, which is
+            # why close() makes the current stream wait before home may free them.
+            lane.wait_for_current()
             with lane.issue():
                 self.modules.append(_mirror(module, lane.device, tuned_ids, share_frozen))
-        self._tuned = [self._lookup(m) for m in self.modules]
         for lane in self.lanes[1:]:
-            lane.wait_for_current()
+            # R1, write-after-read: home writes its tuned tensors in place from its first
+            # forward on (auto-round's wrappers clamp the min/max scales in the forward), so
+            # the current stream waits until the copies have read them (found by the checker).
+            lane.current_waits_for_me()
+        self._tuned = [self._lookup(m) for m in self.modules]
 
     def _lookup(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
         named = dict(module.named_parameters(remove_duplicate=False))
@@ -127,6 +141,8 @@ class ReplicaSet:
 
     def check_identical(self) -> None:
         """Raise ReplicaMismatchError unless every lane's tuned parameters equal home's bit for bit."""
+        for lane in self.lanes[1:]:
+            lane.current_waits_for_me()  # R2: the lanes' steps may still be queued
         for k in range(1, self.world):
             for name, ref, p in zip(self.tuned_names, self._tuned[0], self._tuned[k], strict=True):
                 other = p.detach().to(ref.device)
@@ -138,12 +154,28 @@ class ReplicaSet:
                 if not same:
                     raise ReplicaMismatchError(f"dpq: lane {k} diverged from home on tuned parameter {name!r}")
 
-    def close(self) -> None:
-        """Drop the mirrors; home is untouched. Safe to call twice."""
+    def join_lanes(self) -> None:
+        """R5: the current stream and every lane wait for each other (no host sync).
+
+        Afterwards home may read, free, snapshot or pack anything a lane touched, and what
+        home read of a lane's tensors is done before that lane's allocator reuses them.
+        """
+        for lane in self.lanes[1:]:
+            lane.current_waits_for_me()
+        for lane in self.lanes[1:]:
+            lane.wait_for_current()
+
+    def close(self, *, collect: bool = True) -> None:
+        """Join the lanes with the current stream (R5), then drop the mirrors; home is untouched.
+
+        Safe to call twice. ``collect=False`` skips the cycle collection (CPU passes that
+        have no device allocator to hand memory back to).
+        """
+        self.join_lanes()
         had_mirrors = len(self.modules) > 1
         del self.modules[1:]
         del self._tuned[1:]
-        if had_mirrors:
+        if had_mirrors and collect:
             # Wrapped modules hold reference cycles (bound methods kept as attributes), so a
             # mirror is only freed by the cycle collector; collect now so the memory is back
             # before the next block. Skipped at world 1: a full collection costs ~0.2 s.
@@ -155,7 +187,11 @@ class ReplicaSet:
 
 
 def stage(lane: Lane, tensor: torch.Tensor) -> torch.Tensor:
-    """Copy a pool tensor onto the lane, queued on the lane's stream (async where the source is pinned)."""
+    """Copy a pool tensor onto the lane, queued on the lane's stream (async where the source is pinned).
+
+    The lane must already wait for the current stream where the pool was produced (R1:
+    ``ReplicaSet`` does so when it is built).
+    """
     if tensor.device == lane.device:
         return tensor
     with lane.issue():

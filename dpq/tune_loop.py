@@ -23,6 +23,13 @@ world 1 every weight is exactly 1 and no multiplication is inserted, so the auto
 the gradients and the losses are bitwise the serial ones.
 
 No Python worker threads; no host sync inside an iteration except the one readback.
+
+Stream order (rules R0-R6 in ``dpq.streams``): lane 0 is the current stream; each lane's
+optimizer state is built under the lane's stream (it is read and written there only); each
+lane's loss is handed to the current stream at an event recorded right after it (R2 for that
+point only, R3 for its memory), summed there, and copied to the host before backward and the
+exchange are queued, so the readback waits for the losses only. The exchange's communicators
+join the lanes they touch (R4). The caller's teardown joins everything (``ReplicaSet.close``).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 
 from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
-from dpq.streams import Lane
+from dpq.streams import HostCopy, Lane
 
 __all__ = ["LaneLoss", "OptimizerFactory", "TuneEngine", "contiguous_slices"]
 
@@ -117,8 +124,11 @@ class TuneEngine:
         self.sample_numel = sample_numel or (lambda i: 1)
         self.debug_identical = debug_identical
         self.optimizers, self.schedulers = [], []
-        for module in replicas.modules:
-            opt, sched = make_optimizer(module)
+        for lane, module in zip(replicas.lanes, replicas.modules, strict=True):
+            # Built on the lane's stream (lr tensors, scheduler state): every later use is a
+            # step queued there, so no crossing is created.
+            with lane.issue():
+                opt, sched = make_optimizer(module)
             self.optimizers.append(opt)
             self.schedulers.append(sched)
         self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)], lanes=replicas.lanes)
@@ -144,7 +154,8 @@ class TuneEngine:
         per_lane = [_chunks(s, self.micro_batch) for s in slices]
         steps = max(len(c) for c in per_lane)
         self.buckets.attach()
-        step_losses = []
+        step_losses: list[torch.Tensor] = []
+        readback = None
         for m in range(steps):
             # Mean reduction: a lane's chunk weighs its share of the elements of the serial
             # micro-batch (the whole iteration batch; see __init__).
@@ -159,23 +170,29 @@ class TuneEngine:
                     w = self._weight(chunk, ref_numel) if world > 1 else 1.0
                     if w != 1.0:
                         loss = loss * w
-                    lane_losses.append(loss)
                     roots.append(loss * self.loss_scale)
-            torch.autograd.backward(roots)
+                    done = lane.mark()  # the loss is final here; backward and the exchange come later
+                lane_losses.append((lane, loss.detach(), done))
             step_losses.append(self._sum_on_home(lane_losses))
+            if m == steps - 1:
+                # R6: queued now, before backward and the exchange, so the readback waits for the
+                # losses only. (Earlier micro-steps' backwards precede it on lane 0's stream.)
+                readback = HostCopy(torch.stack(step_losses))
+            torch.autograd.backward(roots)
         before = self._wire_bytes()
         if world > 1:  # one lane already holds the full gradient; nothing to exchange
             self.exchange.exchange(self.buckets)
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
-        for lane in self.lanes[1:]:
-            lane.current_waits_for_me()
-        return torch.stack(step_losses).tolist()  # the one host sync of the iteration
+        return readback.tolist()  # the one host sync of the iteration
 
-    def _sum_on_home(self, lane_losses: list[torch.Tensor]) -> torch.Tensor:
-        if len(lane_losses) == 1:
-            return lane_losses[0].detach()
+    def _sum_on_home(self, lane_losses: list[tuple[Lane, torch.Tensor, object]]) -> torch.Tensor:
+        """The micro-step's loss on the current stream: each lane's loss handed over at its
+        event (R2 for that point, R3 for its memory; across devices, copied on the lane)."""
         home = self.lanes[0].device
-        return torch.stack([x.detach().to(home, non_blocking=True) for x in lane_losses]).sum()
+        losses = [lane.hand_home(loss, home, mark=done) for lane, loss, done in lane_losses]
+        if len(losses) == 1:
+            return losses[0]
+        return torch.stack(losses).sum()
 
     def _wire_bytes(self) -> int:
         comm = getattr(self.exchange, "comm", None)

@@ -110,9 +110,64 @@ def _mse(pred: torch.Tensor, ref: torch.Tensor, mse, indices, device, amp, amp_d
         return mse(pred.to(torch.float32), ref.to(torch.float32))
 
 
+def _index_tensor(batch: list[int], device: torch.device) -> torch.Tensor:
+    """``batch`` as an index tensor on ``device`` without a host sync (pinned, async copy)."""
+    index = torch.tensor(batch, dtype=torch.long)
+    if device.type == "cpu":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+def _select_others(runner, input_others: dict, batch: list[int]) -> dict:
+    """auto-round 0.16 ``BlockForwardRunner._select_batch`` for ``input_others``, with host-side indices."""
+    shared = runner.shared_cache_keys
+    selected = {"positional_inputs": input_others.get("positional_inputs")}
+    for key, val in input_others.items():
+        if "positional_inputs" in key:
+            continue
+        if key in shared:
+            if isinstance(val, list) and len(val) == 1:
+                selected[key] = val[0]
+            elif isinstance(val, list) and len(val) > 1:
+                idx = batch[0] if len(batch) == 1 else 0
+                selected[key] = val[idx] if idx < len(val) else val[0]
+            else:
+                selected[key] = val
+        elif isinstance(val, list):
+            vals = [val[i] for i in batch]
+            selected[key] = vals[0] if len(vals) == 1 else torch.cat(vals, dim=runner.batch_dim)
+        elif isinstance(val, torch.Tensor):
+            selected[key] = torch.index_select(val, runner.batch_dim, _index_tensor(batch, val.device))
+        else:
+            selected[key] = val
+    return selected
+
+
+def lane_forward(runner, module: torch.nn.Module, inputs: list, input_others: dict, indices: list[int]):
+    """auto-round 0.16 ``BlockForwardRunner.forward(block, inputs, others, indices)`` for a list
+    pool, op for op (same batches, same ``block_forward`` call, same concatenation), except:
+
+    * samples are picked with host-side ints: the runner turns ``indices`` into a device tensor
+      and reads every sample's index back with ``.item()``, a host sync per sample (item 8);
+    * the output stays on the runner's device (the lane's) instead of going through
+      ``cache_device`` and back (item 7).
+    """
+    outputs = []
+    for start in range(0, len(indices), runner.batch_size):
+        batch = indices[start : start + runner.batch_size]
+        batch_inputs = torch.cat([inputs[i] for i in batch], dim=runner.batch_dim)
+        batch_others = _select_others(runner, input_others, batch)
+        raw = runner.block_forward(module, batch_inputs, batch_others, runner.amp, runner.amp_dtype,
+                                   runner.device, None)
+        outputs.append(runner._normalize_output(raw, module))
+    return torch.cat(outputs, dim=runner.batch_dim)
+
+
 def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reduction: str, loss_fn=None):
     """A LaneLoss closing over the pool: one BlockForwardRunner per lane device.
 
+    Everything a lane computes (forward output, reference slice, loss and so its backward)
+    lives on the lane's device; nothing goes through the runner's ``cache_device``.
     ``loss_fn(pred, ref, indices, mse, device)`` overrides the loss (the integration passes the
     quantizer's own ``_get_loss``); the default reproduces it.
     """
@@ -122,6 +177,7 @@ def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reducti
         if device not in runners:
             r = copy.copy(runner)
             r.device = device
+            r.cache_device = device  # anything that still asks the runner keeps lane data on the lane
             runners[device] = r
         return runners[device]
 
@@ -130,9 +186,8 @@ def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reducti
     def lane_loss(lane: Lane, module: torch.nn.Module, indices: list[int]) -> torch.Tensor:
         dev = lane.device
         mse = mses.setdefault(dev, torch.nn.MSELoss(reduction=reduction).to(dev))
-        fwd_cache = dev if settings.low_gpu_mem_usage and dev.type != "cpu" else None
         ref = torch.cat([data.outputs[i] for i in indices], dim=0).to(dev)
-        pred = runner_for(dev).forward(module, data.inputs, data.input_others, indices, fwd_cache).to(dev)
+        pred = lane_forward(runner_for(dev), module, data.inputs, data.input_others, indices)
         if loss_fn is not None:
             return loss_fn(pred, ref, indices, mse, dev)
         return _mse(pred, ref, mse, indices, dev, settings.amp, settings.amp_dtype, data.valid_token_mask)
@@ -177,7 +232,7 @@ def tune_wrapped_block(
             sched = copy.deepcopy(settings.lr_scheduler)
         return opt, sched
 
-    replicas = ReplicaSet(block, lanes, tuned_names)
+    replicas = ReplicaSet(block, lanes, tuned_names)  # lanes wait for the current stream first (R1)
     try:
         # Pure SignSGD (no momentum; serial always passes weight_decay=0) only needs the sign
         # of the summed gradient; anything with state needs the full sums.
@@ -196,6 +251,8 @@ def tune_wrapped_block(
         )
         return _signround_loop(engine, replicas, data, settings, nsamples, progress, t0)
     finally:
+        # R5, on success and on failure alike: the current stream and every lane join before
+        # the mirrors go and before the caller unwraps (or restores) the home block.
         replicas.close()
 
 
@@ -207,6 +264,9 @@ def _signround_loop(engine, replicas, data, settings, nsamples, progress, t0) ->
     if settings.gradient_accumulate_steps != 1 and not data.valid_token_mask:
         num_elm = sum(data.inputs[i].numel() for i in range(global_batch_size))
     index_sampler = IndexSampler(nsamples, global_batch_size)
+    # Serial counts each iteration's unmasked tokens with count_nonzero(...).item() per sample;
+    # counted once here (the same ints) so an iteration holds no host sync but the readback.
+    mask_counts = [int(torch.count_nonzero(m)) for m in data.valid_token_mask] if data.valid_token_mask else None
     best_loss = torch.finfo(torch.float).max
     best_params: dict = {}
     last_best_iter, init_loss, total_loss = 0, None, 0
@@ -218,8 +278,8 @@ def _signround_loop(engine, replicas, data, settings, nsamples, progress, t0) ->
                     m.cur_iter = i
         global_indices = index_sampler.next_batch()
         drawn.append(list(global_indices))
-        if data.valid_token_mask:
-            num_elm = sum(torch.count_nonzero(data.valid_token_mask[j]).item() for j in global_indices)
+        if mask_counts is not None:
+            num_elm = sum(mask_counts[j] for j in global_indices)
         num_elm = 1 if num_elm <= 0 else num_elm
         total_loss = 0
         for step_loss in engine.backward(global_indices):
@@ -232,6 +292,8 @@ def _signround_loop(engine, replicas, data, settings, nsamples, progress, t0) ->
             progress(i, total_loss)
         if total_loss < best_loss:
             best_loss = total_loss
+            # The snapshot reads home (lane 0) on the current stream, which is lane 0's stream
+            # (R0): lane 0's step below is queued after it, so it cannot overwrite what is read.
             if not settings.not_use_best_mse:
                 best_params = collect_best_params(block, settings.cache_device)
                 last_best_iter = i
