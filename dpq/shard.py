@@ -23,7 +23,11 @@ auto-round; ``dpq.autoround.shard_seams`` plugs them into auto-round's calibrati
   :func:`copy_to_lane` and :func:`bring_home` move a module to a lane and its result back.
 
 Invariants: one thread issues everything, lane by lane in sample order (contract 4), so a
-hook that appends into a shared container sees the serial order; nothing here modifies the
+hook that appends into a shared container sees the serial order; stream order follows the
+rules in ``dpq.streams``: every lane waits for the current stream before it reads home's
+state (R1: mirrors, copies, forwards, per-item jobs), everything a lane produced is handed
+home through :meth:`Lane.hand_home <dpq.streams.Lane.hand_home>` (R2 + R3: outputs, merged
+statistics, per-item results) and the mirrors are dropped through ``ReplicaSet.close`` (R5); nothing here modifies the
 home module except the merge of statistics and what a map's ``collect`` writes; on an
 exception inside a sharded collection the home statistics are restored to what they were
 before the pass, so the caller can rerun it serially without double counting.
@@ -133,8 +137,9 @@ def shard_forward(
         parts.append(result)
     out: list[Any] = []
     for lane, part in zip(lanes, parts, strict=True):
-        lane.current_waits_for_me()
-        out.extend(_move(r, dest) for r in part)
+        # R2 + R3: the results are read (and later freed) by home; across devices they are
+        # copied on the lane's stream, on the same device recorded on the current stream.
+        out.extend(lane.hand_home(part, dest))
     return out
 
 
@@ -236,10 +241,18 @@ def restore_module_stats(module: torch.nn.Module, spec: StatSpec, snapshot: Mapp
             setattr(sub, a, v)
 
 
-def merge_module_stats(home: torch.nn.Module, others: Sequence[torch.nn.Module], spec: StatSpec) -> None:
-    """Fold each mirror's statistics into the home module's attributes, mirrors in lane order."""
+def merge_module_stats(
+    home: torch.nn.Module, others: Sequence[torch.nn.Module], spec: StatSpec, lanes: Sequence[Lane] | None = None
+) -> None:
+    """Fold each mirror's statistics into the home module's attributes, mirrors in lane order.
+
+    ``lanes[k]`` is the lane of ``others[k]``: its statistics are handed home first (R2 + R3), as
+    a mirror's tensor can become home's own (a statistic home did not have yet).
+    """
     home_stats = read_module_stats(home, spec)
     lane_stats = [read_module_stats(m, spec) for m in others]
+    if lanes is not None:
+        lane_stats = [lane.hand_home(s) for lane, s in zip(lanes, lane_stats, strict=True)]
     for name, kinds in spec.items():
         sub = home.get_submodule(name)
         device = next((p.device for p in sub.parameters()), None)
@@ -275,19 +288,16 @@ def sharded_collection(
         for mirror in replicas.modules[1:]:
             clear_module_stats(mirror, spec)
         outputs = shard_forward(replicas.modules, lanes, n_samples, forward_fn, align=align, out_device=out_device)
-        merge_module_stats(module, replicas.modules[1:], spec)
+        merge_module_stats(module, replicas.modules[1:], spec, lanes=list(lanes[1:]))
         return outputs
     except BaseException:
         restore_module_stats(module, spec, before)
         raise
     finally:
         if replicas is not None:
-            if all(lane.device.type == "cpu" for lane in lanes):
-                # nothing to hand back to a device allocator: drop the mirrors without
-                # ReplicaSet.close()'s full gc.collect() (~0.2 s a pass with torch loaded)
-                del replicas.modules[1:]
-            else:
-                replicas.close()
+            # R5 either way. CPU lanes have nothing to hand back to a device allocator: no
+            # full gc.collect() (~0.2 s a pass with torch loaded).
+            replicas.close(collect=not all(lane.device.type == "cpu" for lane in lanes))
 
 
 # -- per-item maps -------------------------------------------------------------------------------
@@ -321,10 +331,13 @@ def map_over_lanes(
 ) -> list[Any]:
     """Run ``fn(item, lane)`` once per item, each on one lane; results in item order.
 
-    Items are issued in item order from this thread, each under its lane's stream; after all
-    are issued, each lane's work is made visible to the current stream and ``collect(item,
-    result, lane)`` (when given) brings each result home, again in item order; its return
-    values are the results. ``owners`` overrides :func:`assign_items`.
+    Items are issued in item order from this thread, each under its lane's stream (after the
+    lane waits for the current stream, R1); after all are issued, each result is handed home
+    (R2 + R3: tensors, and the tensors of modules, recorded on the current stream, so home
+    may keep or drop them) and ``collect(item, result, lane)`` (when given) brings each
+    result home, again in item order; its return values are the results. Finally every lane
+    waits for the current stream, so what home did with a lane's tensors precedes that
+    lane's later work. ``owners`` overrides :func:`assign_items`.
     """
     if owners is None:
         owners = assign_items(len(items), len(lanes), [cost(i) for i in items] if cost else None)
@@ -336,11 +349,26 @@ def map_over_lanes(
         lane.wait_for_current()
         with lane.issue():
             results.append(fn(item, lane))
+    results = [_hand_home_deep(lanes[o], r) for r, o in zip(results, owners, strict=True)]
+    if collect is not None:
+        results = [collect(item, r, lanes[o]) for item, r, o in zip(items, results, owners, strict=True)]
     for lane in lanes:
-        lane.current_waits_for_me()
-    if collect is None:
-        return results
-    return [collect(item, r, lanes[o]) for item, r, o in zip(items, results, owners, strict=True)]
+        lane.wait_for_current()  # R5 for the lanes' copies that die with the results
+    return results
+
+
+def _hand_home_deep(lane: Lane, result: Any) -> Any:
+    """:meth:`Lane.hand_home` on the lane's device, reaching into modules too (a search's lane copy)."""
+    lane.hand_home([t for m in _modules_in(result) for t in _module_tensors(m)])
+    return lane.hand_home(result)
+
+
+def _modules_in(value: Any, depth: int = 0) -> Iterator[torch.nn.Module]:
+    if isinstance(value, torch.nn.Module):
+        yield value
+    elif depth < 2 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _modules_in(v, depth + 1)
 
 
 def _module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
@@ -356,7 +384,8 @@ def _module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
 
 def copy_to_lane(module: torch.nn.Module, home_lane: Lane, lane: Lane) -> torch.nn.Module:
     """A private copy of ``module`` on ``lane``'s device that shares no storage with home
-    (a search may write the weight in place); aliasing inside the module is kept."""
+    (a search may write the weight in place); aliasing inside the module is kept. The copy is
+    queued on the lane's stream after it waits for the current stream (R1, in ``ReplicaSet``)."""
     return ReplicaSet(module, [home_lane, lane], tuned=(), share_frozen=False).modules[1]
 
 

@@ -461,8 +461,8 @@ class ShardedRunner:
             keep = lane.device.type != "cpu" and not low_mem
             idx = torch.arange(start, stop, dtype=torch.long)
             out = r.forward(module, inputs, input_others, idx, lane.device if keep else out_device)
-            lane_dicts.append({k: r.split_outputs(v) for k, v in r.last_output_dict.items()}
-                              if r.last_output_dict else None)
+            lane_dicts.append((lane, {k: r.split_outputs(v) for k, v in r.last_output_dict.items()}
+                                     if r.last_output_dict else None))
             return r.split_outputs(out)
 
         sinks = _sink_snapshot(self._composer)
@@ -473,11 +473,11 @@ class ShardedRunner:
             _sink_restore(sinks)
             raise
         self.last_output_dict = None
-        if any(d is not None for d in lane_dicts):
+        if any(d is not None for _, d in lane_dicts):
             merged: dict[str, list] = {}
-            for d in lane_dicts:
+            for lane, d in lane_dicts:
                 for k, v in (d or {}).items():
-                    merged.setdefault(k, []).extend(t.to(out_device) for t in v)
+                    merged.setdefault(k, []).extend(lane.hand_home(v, out_device))  # R2 + R3
             merged["hidden_states"] = outputs
             self.last_output_dict = merged
         return outputs
@@ -832,10 +832,7 @@ def _awq_grid_search_scales(self, mapping, x_mean):
     finally:
         _seams.awq_grid = None
         if ctx is not None:
-            if all(lane.device.type == "cpu" for lane in lanes):
-                del ctx.replicas.modules[1:]
-            else:
-                ctx.replicas.close()
+            ctx.replicas.close(collect=not all(lane.device.type == "cpu" for lane in lanes))  # R5
     per_lane = ", ".join(f"lane {k}: {b - a}" for k, (a, b) in enumerate(contiguous_ranges(len(kwargs_list),
                                                                                             len(lanes))))
     _seams.records.append(PhaseRecord(block, "search", len(lanes), time.perf_counter() - t0,
@@ -941,10 +938,8 @@ def _shard_per_lane(ctx, fwd) -> list:
             continue
         lane.wait_for_current()
         with lane.issue():
-            results.append(fwd(module, lane, start, stop)[0])
-    for lane in ctx.lanes:
-        lane.current_waits_for_me()
-    return results
+            results.append((lane, fwd(module, lane, start, stop)[0]))
+    return [lane.hand_home(r) for lane, r in results]  # R2 + R3: home folds the terms, then drops them
 
 
 _NO_CLIP = object()
