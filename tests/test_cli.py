@@ -99,3 +99,18 @@ def test_cli_lane_failure_says_what_was_kept(tmp_path):
     assert "nothing already quantized was lost" not in err
     body = json.loads(report.read_text())
     assert [b["name"] for b in body["blocks"]] == ["model.layers.0"] and "model.layers.1" in body["error"]
+
+
+def test_requires_python_is_auto_rounds():
+    """pyproject said >= 3.10, but auto-round (a dependency) requires >= 3.11."""
+    import tomllib
+    from importlib.metadata import metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    ours, theirs = project["project"]["requires-python"], metadata("auto-round")["Requires-Python"]
+    for minor in range(8, 16):
+        v = f"3.{minor}"
+        assert (v in SpecifierSet(ours)) <= (v in SpecifierSet(theirs)), (v, ours, theirs)
+    assert project["tool"]["ruff"]["target-version"] == "py" + ours.removeprefix(">=").replace(".", "")
