@@ -10,6 +10,11 @@ identical reduced gradient:
   (momentum, Adam, weight decay: anything that needs values).
 * :class:`SignExchange` - pure SignSGD needs only ``sign(sum)``: reduce-scatter in fp32,
   each lane signs its own chunk, an all-gather of 2 bits per element.
+
+Stream order (rules in ``dpq.streams``): a lane's buffer and every temporary of a lane are
+allocated, zeroed, filled and read under that lane's ``issue()``, so they belong to its
+stream; the only cross-lane uses are inside a communicator's collective, which joins the
+lanes it touches before and after (R4), so the last join also precedes the temporaries' free.
 """
 
 from __future__ import annotations
