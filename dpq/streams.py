@@ -277,8 +277,11 @@ class Lane:
         """
         dest = torch.device(device) if device is not None else None
         if dest is not None and _device_key(dest) != _device_key(self.device):
+            # To the host: a blocking copy (the host may read the result at once; an async copy
+            # into pageable memory gives no event to wait for). Device to device: async.
+            blocking = dest.type == "cpu"
             with self.issue():
-                return _map_tensors(value, lambda t: t.to(dest, non_blocking=True))
+                return _map_tensors(value, lambda t: t.to(dest, non_blocking=not blocking))
         if mark is not None:
             self.current_waits(mark)
         else:
