@@ -148,9 +148,12 @@ def _release_run_resources() -> None:
 
 def _patch() -> None:
     global _ORIGINAL, _ORIGINAL_DISPATCH
+    replaced_now = {"quantize_block": _ORIGINAL, "dispatch_block": _ORIGINAL_DISPATCH}
     for name, fn in _ours().items():
         if name in _chained:
-            continue  # still called through the patch that was put over ours
+            if getattr(SignRoundQuantizer, name) is not replaced_now[name]:
+                continue  # ours is still called through the patch that was put over it
+            _chained.discard(name)  # that patch was taken off again: patch afresh
         _saved[name] = SignRoundQuantizer.__dict__.get(name, _MISSING)
         replaced = getattr(SignRoundQuantizer, name)
         if name == "quantize_block":
