@@ -323,3 +323,17 @@ def test_mirror_price_against_autograd_and_auto_round_estimate(recorded_blocks):
     real = measured[per_iter] + parts[1]["weights"] + 2 * 4 * tuned  # saved + weights + values + grads
     unpriced = price[1] / MARGIN
     assert real <= unpriced <= 3 * real
+
+
+def test_disable_destroys_the_runs_communicators(fake):
+    """The outermost ``disable()`` ends the run: the cached NCCL handles are destroyed once."""
+    from dpq.autoround import disable, enable
+
+    enable(2, "cpu,cpu")
+    comm, _ = select_communicator(cuda_lanes(0, 1))
+    comm.all_reduce(bufs(2))
+    enable(2, "cpu,cpu")  # nested: the inner disable keeps the run (and its communicators) alive
+    disable()
+    assert ("destroy", 0) not in fake.calls
+    disable()
+    assert sorted(c for c in fake.calls if c[0] == "destroy") == [("destroy", 0), ("destroy", 1)]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpq.fallback_p2p import select_communicator
+from dpq.fallback_p2p import close_communicators, select_communicator
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
 from dpq.streams import make_lanes
 
@@ -143,7 +143,9 @@ def disable() -> None:
 
 
 def _release_run_resources() -> None:
-    """End of the outermost run: free what the run kept across blocks (e.g. cached communicators)."""
+    """End of the outermost run: free what the run kept across blocks. NCCL communicators are
+    created once per device tuple per run (ncclCommInitAll costs seconds) and destroyed here."""
+    close_communicators()
 
 
 def _patch() -> None:
