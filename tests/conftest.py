@@ -110,6 +110,66 @@ def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64
     return recorded
 
 
+@dataclass
+class GlobalState:
+    """The process-global state a test can change and a later test's numbers depend on."""
+
+    threads: int  # intra-op threads: they change CPU reduction order, so results
+    torch_rng: torch.Tensor
+    cuda_rng: list | None
+    py_rng: object
+    grad: bool
+    default_dtype: torch.dtype
+    autocast: dict  # device type -> (enabled, dtype)
+    autocast_cache: bool
+
+    @classmethod
+    def capture(cls) -> GlobalState:
+        cuda = torch.cuda.is_available()
+        amp_types = ["cpu"] + (["cuda"] if cuda else [])
+        return cls(
+            threads=torch.get_num_threads(),
+            torch_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if cuda else None,
+            py_rng=random.getstate(),
+            grad=torch.is_grad_enabled(),
+            default_dtype=torch.get_default_dtype(),
+            autocast={d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in amp_types},
+            autocast_cache=torch.is_autocast_cache_enabled(),
+        )
+
+    def apply(self) -> None:
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_rng)
+        torch.set_grad_enabled(self.grad)
+        torch.set_default_dtype(self.default_dtype)
+        for d, (enabled, amp_dtype) in self.autocast.items():
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, amp_dtype)
+        torch.set_autocast_cache_enabled(self.autocast_cache)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _baseline_state() -> GlobalState:
+    """Captured before any other session or module fixture runs (autouse, session scope)."""
+    return GlobalState.capture()
+
+
+@pytest.fixture(autouse=True)
+def same_global_state_for_every_test(_baseline_state):
+    """No result may depend on which tests ran before: every test starts from the session's
+    baseline global state (threads, torch/python RNG, grad mode, default dtype, autocast), and
+    whatever it or a module/session fixture set up for it changed is put back afterwards. A test
+    (or a function-scoped fixture) sets what it needs itself."""
+    _baseline_state.apply()
+    yield
+    _baseline_state.apply()
+
+
 @pytest.fixture(scope="session")
 def recorded_blocks():
     return record_autoround_blocks()
