@@ -63,8 +63,7 @@ def _device_key(device: torch.device) -> tuple[str, int]:
 
 
 def _wait(waiter: Lane, producer: Lane) -> None:
-    if waiter.stream is not None and producer.stream is not None and waiter.stream is not producer.stream:
-        waiter.stream.wait_stream(producer.stream)
+    waiter.wait_for(producer)  # R4 of dpq.streams: every crossing goes through Lane
 
 
 def _join(lanes: Sequence[Lane]) -> None:
