@@ -1,14 +1,32 @@
-"""parallel_tune's argument checks: every bad input raises before any work, naming the fix."""
+"""parallel_tune's argument checks (every bad input raises before any work, naming the fix) and
+its failure path (whatever fails, the caller's block comes back exactly as it was passed in)."""
 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
 import dpq
+import dpq.autoround.api as api
+import dpq.autoround.tune as tune
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread for these tiny blocks (several times faster on a busy 2-core machine),
+    set per test (tests start from the session's baseline) and restored afterwards. Bitwise
+    comparisons here are between runs under this same setting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -18,17 +36,74 @@ def tiny_block():
     return model.model.layers[0], inputs[0], others[0]
 
 
-def _call(tiny_block, **kw):
-    block, inputs, others = tiny_block
-    block = copy.deepcopy(block)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (NaN-safe bitwise comparison); a meta tensor has none (empty)."""
+    if t.device.type == "meta":
+        return torch.empty(0, dtype=torch.uint8)
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def _ident(v):
+    """What 'unchanged' means for one attribute: the same object; containers: the same contents."""
+    if isinstance(v, dict):
+        return ("dict", id(v), tuple((k, id(x)) for k, x in v.items()))
+    if isinstance(v, set):
+        return ("set", id(v), tuple(sorted(map(repr, v))))
+    if isinstance(v, list):
+        return ("list", id(v), tuple(map(id, v)))
+    return id(v)
+
+
+def _fingerprint(block: torch.nn.Module):
+    modules = {n: (m, {k: _ident(v) for k, v in m.__dict__.items()}) for n, m in block.named_modules()}
+    tensors = {k: (v, v.requires_grad, v.grad, _bits(v), v.dtype, tuple(v.shape), v.device)
+               for k, v in block.state_dict(keep_vars=True).items()}
+    return modules, tensors
+
+
+def _assert_exactly_as_before(block: torch.nn.Module, before) -> None:
+    """Same module objects, no attribute added, removed or replaced, every tensor bitwise equal."""
+    modules, tensors = _fingerprint(block)
+    assert modules.keys() == before[0].keys(), "the module tree changed"
+    for n, (m, attrs) in modules.items():
+        m0, attrs0 = before[0][n]
+        assert m is m0, f"module {n!r} was replaced"
+        assert attrs.keys() == attrs0.keys(), (
+            f"module {n!r}: attributes added {sorted(attrs.keys() - attrs0.keys())}, "
+            f"removed {sorted(attrs0.keys() - attrs.keys())}")
+        changed = sorted(k for k in attrs if attrs[k] != attrs0[k])
+        assert not changed, f"module {n!r}: attributes changed {changed}"
+    assert tensors.keys() == before[1].keys()
+    for k, (t, rg, grad, bits, dtype, shape, device) in tensors.items():
+        t0, rg0, grad0, bits0, dtype0, shape0, device0 = before[1][k]
+        assert t is t0 and rg == rg0 and grad is grad0, f"{k}: tensor object or its grad flags changed"
+        assert (dtype, shape, device) == (dtype0, shape0, device0), k
+        assert torch.equal(bits, bits0), f"{k} changed"
+
+
+def _quantized_state(block: torch.nn.Module) -> dict:
+    """Weights, plus the tensors auto-round's unwrap leaves on each layer (scale, zp), as bytes."""
+    out = {k: _bits(v) for k, v in block.state_dict().items()}
+    for n, m in block.named_modules():
+        for k, v in m.__dict__.items():
+            if isinstance(v, torch.Tensor):
+                out[f"{n}:{k}"] = _bits(v)
+    return out
+
+
+def _call(tiny_block, block=None, **kw):
+    fp_block, inputs, others = tiny_block
+    block = copy.deepcopy(fp_block) if block is None else block
     args = dict(input_others=others, iters=2, batch_size=4)
     args.update(kw)
     inputs = args.pop("inputs", inputs)
+    before = _fingerprint(block)
     try:
         return dpq.parallel_tune(block, inputs, **args)
-    finally:
-        # every refusal happens before the block is wrapped
-        assert not any(hasattr(m, "orig_layer") for m in block.modules())
+    except ValueError:
+        # every refusal happens before the block is touched
+        _assert_exactly_as_before(block, before)
+        raise
 
 
 @pytest.mark.parametrize("world", [0, -1, "two", 1.5])
@@ -51,12 +126,14 @@ def test_mismatched_input_shapes(tiny_block):
 
 
 def test_device_that_does_not_exist(tiny_block):
-    with pytest.raises(ValueError, match=r"cuda:0 does not exist"):
-        _call(tiny_block, world=2, devices=["cpu", "cuda:0"])
+    # an index no machine has, so the refusal holds on GPU machines too (not >= 128: torch keeps
+    # device indices in an int8, and torch.device("cuda:4096") is cuda:0)
+    with pytest.raises(ValueError, match=r"cuda:99 does not exist"):
+        _call(tiny_block, world=2, devices=["cpu", "cuda:99"])
 
 
 def test_too_few_devices_for_world(tiny_block):
-    with pytest.raises(ValueError, match="world 3 needs 3 devices"):
+    with pytest.raises(ValueError, match=r"world 3 needs 3 (lane )?devices"):
         _call(tiny_block, world=3, devices="cpu,cpu")
 
 
@@ -77,3 +154,272 @@ def test_world2_reports_lanes_and_bytes(tiny_block):
                             world=2, devices="cpu,cpu")
     assert res.world == 2 and res.devices == ["cpu", "cpu"]
     assert res.wire_bytes > 0 and res.communicator == "local"
+
+
+# --- bad inputs: refused before work, every problem at once, each with its fix -----------------
+
+
+def _refused(tiny_block, match: str, **kw) -> str:
+    with pytest.raises(ValueError, match=match) as info:
+        _call(tiny_block, **kw)
+    msg = str(info.value)
+    assert msg.startswith("dpq.parallel_tune: ") and "Fix:" in msg, msg
+    return msg
+
+
+def test_integer_inputs(tiny_block):
+    _, inputs, _ = tiny_block
+    ids = [torch.randint(0, 100, t.shape) for t in inputs]
+    _refused(tiny_block, r"inputs are torch.int64.*hidden states", inputs=ids)
+
+
+def test_float64_inputs(tiny_block):
+    _, inputs, _ = tiny_block
+    _refused(tiny_block, r"inputs are torch.float64.*Fix: cast", inputs=[t.double() for t in inputs])
+
+
+def test_meta_inputs(tiny_block):
+    _, inputs, _ = tiny_block
+    _refused(tiny_block, r"inputs are on the meta device", inputs=[t.to("meta") for t in inputs])
+
+
+def test_nonfinite_inputs_and_outputs(tiny_block):
+    _, inputs, _ = tiny_block
+    bad = [t.clone() for t in inputs]
+    bad[2][0, 3, 7] = float("nan")
+    bad[5][0, 0, 0] = float("inf")
+    outputs = [t.clone() for t in inputs]
+    outputs[1][0, 1, 1] = float("-inf")
+    msg = _refused(tiny_block, r"inputs \[2, 5\] contain NaN or inf", inputs=bad, outputs=outputs)
+    assert "outputs [1] contain NaN or inf" in msg
+
+
+def test_block_without_parameters(tiny_block):
+    _refused(tiny_block, r"the block has no parameters", block=torch.nn.Sequential(torch.nn.ReLU()))
+
+
+def test_block_without_linear(tiny_block):
+    _refused(tiny_block, r"the block has no Linear layer to quantize",
+             block=torch.nn.Sequential(torch.nn.LayerNorm(256)))
+
+
+def test_block_on_meta(tiny_block):
+    block = copy.deepcopy(tiny_block[0]).to("meta")
+    _refused(tiny_block, r"the block's weights are on the meta device", block=block)
+
+
+def test_already_wrapped_block(tiny_block):
+    from auto_round.wrapper import wrapper_block
+
+    block = copy.deepcopy(tiny_block[0])
+    api._mark_for_quantization(block, "W4A16", None, None, None)
+    wrapper_block(block, True, False, enable_torch_compile=False, device="cpu")
+    _refused(tiny_block, r"already wrapped for tuning \(self_attn.q_proj, ", block=block)
+
+
+def test_already_quantized_block(tiny_block):
+    block = copy.deepcopy(tiny_block[0])
+    dpq.parallel_tune(block, tiny_block[1], input_others=tiny_block[2], iters=1, batch_size=4, world=1)
+    _refused(tiny_block, r"already quantized \(self_attn.q_proj, .*scale", block=block)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device type")
+def test_inputs_on_another_device(tiny_block):
+    _, inputs, _ = tiny_block
+    _refused(tiny_block, r"inputs are on cuda:0 but the block is on cpu", inputs=[t.cuda() for t in inputs])
+    # the runner moves input_others along only when the inputs move: a CPU mask with GPU inputs breaks
+    _refused(tiny_block, r"input_others\['position_ids'\] is on cpu but the inputs are on cuda:0",
+             block=copy.deepcopy(tiny_block[0]).cuda(), inputs=[t.cuda() for t in inputs])
+
+
+def test_every_problem_at_once(tiny_block):
+    _, inputs, _ = tiny_block
+    bad = [t.double() for t in inputs]
+    bad[1] = bad[1][:, :16]
+    bad[4][0, 0, 0] = float("nan")
+    msg = _refused(tiny_block, r"problems", inputs=bad, iters=0, world=3, devices="cpu,cpu",
+                   block=torch.nn.Sequential(torch.nn.LayerNorm(256)))
+    for part in ("mismatched shapes", "float64", "[4] contain NaN or inf", "iters must be >= 1",
+                 "world 3 needs 3", "no Linear layer"):
+        assert part in msg, (part, msg)
+
+
+# --- failures: the block comes back exactly as passed in, and a retry tunes the fp block ---------
+
+
+WORLD_DEVICES = {1: "cpu", 2: "cpu,cpu"}
+_clean: dict[int, tuple] = {}
+
+
+def _tune(tiny_block, block, world):
+    _, inputs, others = tiny_block
+    return dpq.parallel_tune(block, inputs, input_others=others, iters=3, batch_size=4, world=world,
+                             devices=WORLD_DEVICES[world])
+
+
+def _clean_run(tiny_block, world):
+    """A run that never failed (same process: the retry must match it bit for bit)."""
+    if world not in _clean:
+        block = copy.deepcopy(tiny_block[0])
+        res = _tune(tiny_block, block, world)
+        _clean[world] = (_quantized_state(block), res.losses, res.best_params)
+    return _clean[world]
+
+
+def _fail_lane_loss(monkeypatch, lane: int, after: int, exc: type[BaseException] = RuntimeError) -> None:
+    """Lane ``lane``'s loss raises on its call number ``after + 1`` (mid-tune)."""
+    real = tune.make_lane_loss
+
+    def make(*a, **k):
+        loss = real(*a, **k)
+        calls = [0]
+
+        def lane_loss(on, module, indices):
+            if on.index == lane:
+                calls[0] += 1
+                if calls[0] > after:
+                    raise exc("injected lane failure")
+            return loss(on, module, indices)
+
+        return lane_loss
+
+    monkeypatch.setattr(tune, "make_lane_loss", make)
+
+
+def _inject(monkeypatch, where: str, world: int) -> type[BaseException]:
+    from auto_round.algorithms.block_runner import BlockForwardRunner
+    from auto_round.wrapper import WrapperLinear
+
+    if where == "reference outputs":
+        def forward(self, *a, **k):
+            raise RuntimeError("injected reference-output failure")
+
+        monkeypatch.setattr(BlockForwardRunner, "forward", forward)
+    elif where == "wrapping":
+        real_wrap = api.wrapper_block
+
+        def wrap(block, *a, **k):
+            real_wrap(block, *a, **k)
+            raise RuntimeError("injected failure after wrapping")
+
+        monkeypatch.setattr(api, "wrapper_block", wrap)
+    elif where == "mirrors":
+        def replicas(*a, **k):
+            raise RuntimeError("injected mirror failure")
+
+        monkeypatch.setattr(tune, "ReplicaSet", replicas)
+    elif where == "last lane, iteration 1":
+        _fail_lane_loss(monkeypatch, lane=world - 1, after=1)
+    elif where == "home lane, iteration 2":
+        _fail_lane_loss(monkeypatch, lane=0, after=2)
+    elif where == "interrupt":
+        _fail_lane_loss(monkeypatch, lane=world - 1, after=1, exc=KeyboardInterrupt)
+        return KeyboardInterrupt
+    elif where == "final unwrap":
+        real_unwrap = WrapperLinear.unwrapper
+        calls = [0]
+
+        def unwrapper(self, best):
+            calls[0] += 1
+            if calls[0] == 4:  # three layers already unwrapped with their tuned values
+                raise RuntimeError("injected unwrap failure")
+            return real_unwrap(self, best)
+
+        monkeypatch.setattr(WrapperLinear, "unwrapper", unwrapper)
+    return RuntimeError
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("where", ["reference outputs", "wrapping", "mirrors", "last lane, iteration 1",
+                                   "home lane, iteration 2", "interrupt", "final unwrap"])
+def test_failure_leaves_block_exactly_as_passed_and_retry_tunes_it(tiny_block, monkeypatch, where, world):
+    clean_state, clean_losses, clean_best = _clean_run(tiny_block, world)
+    block = copy.deepcopy(tiny_block[0])
+    before = _fingerprint(block)
+    exc = _inject(monkeypatch, where, world)
+    with pytest.raises(exc, match="injected"):
+        _tune(tiny_block, block, world)
+    monkeypatch.undo()
+    _assert_exactly_as_before(block, before)
+
+    res = _tune(tiny_block, block, world)  # the retry tunes the fp block: the run that never failed
+    assert res.losses == clean_losses
+    state = _quantized_state(block)
+    assert state.keys() == clean_state.keys()
+    assert all(torch.equal(state[k], clean_state[k]) for k in state)
+    assert res.best_params.keys() == clean_best.keys()
+
+
+# --- a failed run's error does not keep the run's memory alive -------------------------------
+
+
+class _ForwardFault:
+    """A forward pre-hook that raises from its call ``after + 1`` on: a lane running out of memory
+    in its block forward (torch then calls the block through a closure holding the block)."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.calls = after, 0
+
+    def __call__(self, module, args):
+        self.calls += 1
+        if self.calls > self.after:
+            raise RuntimeError("injected lane failure")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("how", ["lane loss", "lane forward"])
+def test_error_does_not_keep_mirrors_wrappers_or_optimizers_alive(tiny_block, monkeypatch, world, how):
+    refs: list[weakref.ref] = []
+
+    class RecordingReplicas(tune.ReplicaSet):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            refs.append(weakref.ref(self))
+            refs.extend(weakref.ref(m) for m in self.modules[1:])
+            refs.extend(weakref.ref(p) for k in range(self.world) for p in self.tuned_params(k))
+            if how == "lane forward":
+                self.modules[-1].register_forward_pre_hook(_ForwardFault(after=2))
+
+    class RecordingEngine(tune.TuneEngine):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            refs.append(weakref.ref(self))
+            refs.extend(weakref.ref(o) for o in self.optimizers)
+
+    real_wrap = api.wrapper_block
+
+    def recording_wrap(block, *a, **k):
+        out = real_wrap(block, *a, **k)
+        refs.extend(weakref.ref(m) for m in block.modules() if hasattr(m, "orig_layer"))
+        return out
+
+    monkeypatch.setattr(tune, "ReplicaSet", RecordingReplicas)
+    monkeypatch.setattr(tune, "TuneEngine", RecordingEngine)
+    monkeypatch.setattr(api, "wrapper_block", recording_wrap)
+    if how == "lane loss":
+        _fail_lane_loss(monkeypatch, lane=world - 1, after=2)
+    block = copy.deepcopy(tiny_block[0])
+    before = _fingerprint(block)
+    with pytest.raises(RuntimeError, match="injected") as info:
+        _tune(tiny_block, block, world)
+    assert len(refs) > 7 + 2 * world
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    err = info.value  # the error is still alive ...
+    assert not alive, f"{len(alive)} objects of the failed run still alive: {[type(o).__name__ for o in alive][:8]}"
+    # ... and still says where it failed
+    where = "\n".join(err.__notes__)
+    assert "where it failed" in where and ("lane_loss" in where if how == "lane loss" else "__call__" in where)
+    _assert_exactly_as_before(block, before)
+
+
+def test_the_callers_own_error_is_left_alone(tiny_block, monkeypatch):
+    """Called while the caller handles an error: that error (the new one's context) keeps its traceback."""
+    _inject(monkeypatch, "mirrors", 2)
+    try:
+        raise KeyError("the caller's")
+    except KeyError as caller:
+        with pytest.raises(RuntimeError, match="injected") as info:
+            _tune(tiny_block, copy.deepcopy(tiny_block[0]), 2)
+        assert info.value.__context__ is caller
+        assert caller.__traceback__ is not None and not getattr(caller, "__notes__", None)
