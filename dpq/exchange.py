@@ -15,11 +15,43 @@ Stream order (rules in ``dpq.streams``): a lane's buffer and every temporary of 
 allocated, zeroed, filled and read under that lane's ``issue()``, so they belong to its
 stream; the only cross-lane uses are inside a communicator's collective, which joins the
 lanes it touches before and after (R4), so the last join also precedes the temporaries' free.
+
+Overlap (:meth:`_Exchange.during_backward`): instead of exchanging every bucket after the
+backward, a post-accumulate-grad hook on every tuned parameter of every lane counts, per
+bucket, the gradients that are final; the hook that completes bucket i (its last parameter on
+the last lane to get there) issues bucket i's collective for all lanes, while autograd goes on
+with the rest of the backward. Buckets no hook completed (parameters that got no gradient) are
+exchanged when the backward returns, in buffer order. Each bucket is exchanged exactly as
+:meth:`_Exchange.exchange` would (the same collectives on the same bytes; buckets are
+independent), so the result is bitwise the non-overlapped one, whatever order the buckets
+complete in (tested: both policies, W = 2..4, several bucket caps).
+
+Which thread issues what:
+
+* Every lane on the CPU (default: overlap on). Autograd runs CPU backward on the thread that
+  called ``backward``, so the hooks, and with them every collective, run on the one issuing
+  thread (checked at each hook: a hook on another thread raises). dpq's "one thread issues"
+  contract holds. Verified here (tests, ``benchmarks/overlap.py``). Note: on CPU the lanes'
+  backwards run one after another on that thread (autograd orders ready nodes by sequence
+  number, so the last lane's graph runs first and lane 0's last); a bucket completes during
+  lane 0's backward, so only that part of the backward can hide the exchange.
+* Accelerator lanes (default: overlap off; ``overlap=True`` opts in). Autograd runs each
+  device's backward on its own worker thread, so the hooks run there, several at once. With
+  overlap on, the counting and the issuing of a collective happen under one lock: a bucket's
+  collective is issued whole (every rank's call inside one NCCL group) by the single thread
+  that completed it, no two threads issue at the same time, and every rank sees the buckets'
+  collectives in the same order (each group covers all ranks). The hook first makes its lane's
+  stream wait for the stream the gradient was accumulated on (``Lane.wait_for_current``,
+  R1). The collectives are queued on the lanes' own streams, so a lane's backward kernels
+  queued after a collective wait for it (streams run in order): real GPU overlap would need a
+  communication stream per lane, which is not built. None of the accelerator path has run on
+  hardware; it is off by default so the calling thread alone issues there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +60,7 @@ from torch import Tensor
 from dpq.nccl_comm import Communicator
 from dpq.streams import Lane
 
-__all__ = ["FullSumExchange", "GradBuckets", "SignExchange", "sign_padded_length"]
+__all__ = ["BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange", "sign_padded_length"]
 
 
 class GradBuckets:
@@ -73,6 +105,10 @@ class GradBuckets:
         self.numel = sum(sizes)
         self.bucket_params = _bucket_params(sizes, bucket_cap_elems)
         self.bucket_ranges = [_range_of(ids, self.offsets, sizes) for ids in self.bucket_params]
+        self.bucket_of = [0] * len(sizes)  # parameter index -> its bucket
+        for b, ids in enumerate(self.bucket_params):
+            for i in ids:
+                self.bucket_of[i] = b
         self.buffers = []
         for k, dev in enumerate(devices):
             with self._issue(k):  # allocated for the lane's stream, where all its uses are queued
@@ -168,31 +204,131 @@ def _range_of(ids: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) 
 
 
 class _Exchange:
-    """Runs a policy bucket by bucket and counts the communicator's wire bytes."""
+    """Runs a policy bucket by bucket and counts the communicator's wire bytes.
+
+    ``overlap``: exchange buckets during the backward (:meth:`during_backward`). None (default):
+    on when every lane is on the CPU (verified), off on accelerators (module docstring).
+    """
 
     name = "exchange"
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, *, overlap: bool | None = None) -> None:
         self.comm = comm
+        self.overlap = all(lane.device.type == "cpu" for lane in comm.lanes) if overlap is None else bool(overlap)
         self.last_wire_bytes = 0  # bytes of the last exchange() call
         self.total_wire_bytes = 0  # bytes of every bucket ever exchanged
 
     def exchange(self, buckets: GradBuckets) -> None:
         """Every bucket, in buffer order; afterwards every lane's grads hold the identical result."""
-        if buckets.world != len(self.comm.lanes):
-            raise ValueError(f"dpq: {buckets.world} gradient buffers for {len(self.comm.lanes)} lanes")
+        self._check(buckets)
         before = self.total_wire_bytes
         for i in range(len(buckets.bucket_ranges)):
             self.exchange_bucket(buckets, i)
         self.last_wire_bytes = self.total_wire_bytes - before
+        self.wait()
+
+    def during_backward(self, buckets: GradBuckets, lanes: Sequence[int] | None = None) -> BackwardExchange:
+        """A context for the iteration's last ``backward``: buckets are exchanged as they fill
+        (when ``overlap`` is on), the rest when the context exits; afterwards every lane's grads
+        hold exactly what :meth:`exchange` gives. ``lanes``: the lanes this backward reaches
+        (default all); the others' gradients are final already (gradient accumulation: a lane
+        with fewer micro-steps)."""
+        self._check(buckets)
+        return BackwardExchange(self, buckets, lanes)
 
     def exchange_bucket(self, buckets: GradBuckets, i: int) -> None:
         before = self.comm.wire_bytes
         self._exchange(buckets.bucket(i))
         self.total_wire_bytes += self.comm.wire_bytes - before
 
+    def wait(self) -> None:
+        """The lanes' next use of the grads waits for the last collective. Real communicators
+        queue their collectives on the lanes' streams, which orders the step after them: nothing
+        to do. A communicator that completes later (``dpq.simulated_link``) has ``wait()``."""
+        wait = getattr(self.comm, "wait", None)
+        if wait is not None:
+            wait()
+
+    def _check(self, buckets: GradBuckets) -> None:
+        if buckets.world != len(self.comm.lanes):
+            raise ValueError(f"dpq: {buckets.world} gradient buffers for {len(self.comm.lanes)} lanes")
+
     def _exchange(self, grads: list[Tensor]) -> None:
         raise NotImplementedError
+
+
+class BackwardExchange:
+    """Buckets exchanged during one backward (module docstring: overlap, and which thread issues).
+
+    ``with policy.during_backward(buckets): torch.autograd.backward(roots)``. On entry (overlap
+    on) a post-accumulate-grad hook goes on every tuned parameter of every lane the backward
+    reaches; each counts its bucket down; the hook that brings a bucket to zero issues its
+    collective. On a clean exit the hooks come off, every bucket no hook issued is exchanged in
+    buffer order, and the lanes wait for the last collective (``policy.wait``). On an exception
+    the hooks come off and nothing more is issued (the caller tears the lanes down).
+    """
+
+    def __init__(self, policy: _Exchange, buckets: GradBuckets, lanes: Sequence[int] | None = None) -> None:
+        self.policy, self.buckets = policy, buckets
+        self.active = list(range(buckets.world)) if lanes is None else sorted(set(lanes))
+        self.remaining = [len(ids) * len(self.active) for ids in buckets.bucket_params]
+        self.issued = [False] * len(buckets.bucket_params)
+        self.issued_in_backward = 0  # buckets a hook issued (for tests and benchmarks)
+        self._fired: set[tuple[int, int]] = set()
+        self._handles: list = []
+        self._lock = threading.Lock()
+        self._thread = threading.get_ident()
+        self._before = policy.total_wire_bytes
+
+    def __enter__(self) -> BackwardExchange:
+        if self.policy.overlap and self.policy.comm.world > 1:
+            lanes = self.policy.comm.lanes
+            for k in self.active:
+                for j, p in enumerate(self.buckets.params[k]):
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook(lanes[k], k, j)))
+        return self
+
+    def _hook(self, lane: Lane, k: int, j: int):
+        b = self.buckets.bucket_of[j]
+        on_cpu = lane.device.type == "cpu"
+
+        def ready(_param: Tensor) -> None:
+            # CPU: autograd calls this on the thread that called backward (the issuing thread).
+            # Accelerators: on autograd's worker thread for the lane's device (module docstring).
+            if on_cpu and threading.get_ident() != self._thread:
+                raise RuntimeError("dpq: a CPU lane's gradient hook ran off the issuing thread; overlap assumes "
+                                   "autograd runs CPU backward on the calling thread")
+            lane.wait_for_current()  # R1: the collective comes after this gradient's accumulation
+            with self._lock:  # one issuer at a time: a bucket's collective is issued whole, by one thread
+                if (k, j) in self._fired:
+                    raise RuntimeError(f"dpq: tuned parameter {j} of lane {k} accumulated a gradient twice in one "
+                                       "backward after its bucket could have been exchanged")
+                self._fired.add((k, j))
+                self.remaining[b] -= 1
+                if self.remaining[b] == 0:
+                    self._issue(b)
+                    self.issued_in_backward += 1
+
+        return ready
+
+    def _issue(self, b: int) -> None:
+        self.issued[b] = True
+        self.policy.exchange_bucket(self.buckets, b)
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._remove_hooks()
+        if exc_type is not None:
+            return
+        for b, done in enumerate(self.issued):  # parameters that got no gradient: their buckets now
+            if not done:
+                self._issue(b)
+        self.policy.last_wire_bytes = self.policy.total_wire_bytes - self._before
+        self.policy.wait()
 
 
 class FullSumExchange(_Exchange):

@@ -1,0 +1,241 @@
+"""Buckets exchanged during backward (overlap) and the simulated link."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
+from dpq.fallback_p2p import LocalCommunicator
+from dpq.simulated_link import SimulatedLink
+from dpq.streams import make_lanes
+
+SIZES = [(12, 8), (12,), (16, 12), (16,), (6, 16), (5, 6), (5,)]  # 96..5 elements per parameter
+
+
+class Net(torch.nn.Module):
+    """Uses its parameters in list order, so backward completes them last to first."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, generator=g) * 0.3) for s in SIZES])
+        self.unused = torch.nn.Parameter(torch.ones(3))  # gets no gradient: its bucket goes after backward
+
+    def forward(self, x):
+        w0, b0, w1, b1, w2, w3, b3 = self.ps
+        h = torch.tanh(x @ w0.T + b0)
+        h = torch.tanh(h @ w1.T + b1)
+        h = torch.sin(h @ w2.T)
+        return (h @ w3.T + b3).square().mean()
+
+    def tuned(self):
+        return [*self.ps, self.unused]
+
+
+def lanes_nets(world):
+    nets = [Net() for _ in range(world)]  # identical replicas
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 + k)) for k in range(world)]
+    return nets, xs
+
+
+def run(world, policy, cap, overlap):
+    """(buffers after the exchange, buckets issued during backward) for one lane-parallel backward."""
+    nets, xs = lanes_nets(world)
+    lanes = make_lanes(["cpu"] * world)
+    ex = policy(LocalCommunicator(lanes), overlap=overlap)
+    buckets = GradBuckets([n.tuned() for n in nets], bucket_cap_elems=cap, lanes=lanes)
+    buckets.attach()
+    losses = [n(x) for n, x in zip(nets, xs, strict=True)]
+    if overlap is None:  # the plain path: exchange after backward
+        torch.autograd.backward(losses)
+        ex.exchange(buckets)
+        return [b.clone() for b in buckets.buffers], 0, buckets
+    with ex.during_backward(buckets) as during:
+        torch.autograd.backward(losses)
+    return [b.clone() for b in buckets.buffers], during.issued_in_backward, buckets
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("policy", [FullSumExchange, SignExchange])
+@pytest.mark.parametrize("cap", [7, 100, 250, 2**22])  # < one param (one bucket each), a few params, one bucket
+def test_overlap_is_bitwise_the_plain_exchange(world, policy, cap):
+    plain, _, _ = run(world, policy, cap, overlap=None)
+    over, issued, buckets = run(world, policy, cap, overlap=True)
+    for a, b in zip(plain, over, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for b in over[1:]:
+        assert torch.equal(b.view(torch.int32), over[0].view(torch.int32))
+    nb = len(buckets.bucket_ranges)
+    # every bucket but the one holding the unused parameter can fill during backward
+    assert issued == nb - 1
+    if cap == 7:
+        assert nb == len(SIZES) + 1  # one bucket per parameter
+
+
+@pytest.mark.parametrize("policy", [FullSumExchange, SignExchange])
+def test_overlap_off_issues_nothing_in_backward(policy):
+    plain, _, _ = run(2, policy, 100, overlap=None)
+    off, issued, _ = run(2, policy, 100, overlap=False)
+    assert issued == 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, off, strict=True))
+
+
+def test_overlap_default_on_cpu_off_on_accelerators():
+    from dpq.streams import Lane
+
+    assert FullSumExchange(LocalCommunicator(make_lanes(["cpu"] * 2))).overlap
+
+    class _Comm:
+        def __init__(self):
+            self.lanes = [Lane(0, torch.device("cuda", 0)), Lane(1, torch.device("cuda", 1))]
+
+    assert not SignExchange(_Comm()).overlap
+    assert SignExchange(_Comm(), overlap=True).overlap
+
+
+def test_lanes_outside_the_last_backward_count_as_ready():
+    """Gradient accumulation: a lane without a chunk in the last micro-step is complete already."""
+    world = 3
+    nets, xs = lanes_nets(world)
+    lanes = make_lanes(["cpu"] * world)
+    ex = FullSumExchange(LocalCommunicator(lanes))
+    buckets = GradBuckets([n.tuned() for n in nets], bucket_cap_elems=100, lanes=lanes)
+    buckets.attach()
+    torch.autograd.backward([nets[2](xs[2])])  # an earlier micro-step of lane 2
+    with ex.during_backward(buckets, lanes=[0, 1]) as during:
+        torch.autograd.backward([nets[0](xs[0]), nets[1](xs[1])])
+    assert during.issued_in_backward == len(buckets.bucket_ranges) - 1
+    nets2, _ = lanes_nets(world)
+    b2 = GradBuckets([n.tuned() for n in nets2], bucket_cap_elems=100, lanes=lanes)
+    b2.attach()
+    torch.autograd.backward([n(x) for n, x in zip(nets2, xs, strict=True)])
+    FullSumExchange(LocalCommunicator(lanes)).exchange(b2)
+    ref = b2.buffers
+    assert all(torch.equal(a, b) for a, b in zip(ref, buckets.buffers, strict=True))
+
+
+def test_hooks_come_off_and_nothing_is_issued_after_an_error():
+    nets, xs = lanes_nets(2)
+    lanes = make_lanes(["cpu"] * 2)
+    comm = LocalCommunicator(lanes)
+    buckets = GradBuckets([n.tuned() for n in nets], bucket_cap_elems=100, lanes=lanes)
+    buckets.attach()
+    with pytest.raises(RuntimeError, match="boom"), FullSumExchange(comm).during_backward(buckets):
+        raise RuntimeError("boom")
+    assert comm.wire_bytes == 0
+    torch.autograd.backward([n(x) for n, x in zip(nets, xs, strict=True)])  # no hook left to fire
+    assert comm.wire_bytes == 0
+
+
+# -- the simulated link ---------------------------------------------------------------------
+
+
+def _bufs(world, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for _ in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_simulated_link_results_are_the_inner_communicators(world):
+    lanes = make_lanes(["cpu"] * world)
+    plain, link = LocalCommunicator(lanes), SimulatedLink(LocalCommunicator(lanes), bandwidth_GBps=100.0)
+    try:
+        for policy in (FullSumExchange, SignExchange):
+            data = _bufs(world, 1000)
+            ba, bb = (GradBuckets([[torch.nn.Parameter(torch.zeros(1000))] for _ in range(world)],
+                                  bucket_cap_elems=300) for _ in range(2))
+            for buf, x in zip(ba.buffers + bb.buffers, data + data, strict=True):
+                buf.copy_(x)
+            policy(plain).exchange(ba)
+            policy(link).exchange(bb)
+            assert all(torch.equal(x.view(torch.int32), y.view(torch.int32))
+                       for x, y in zip(ba.buffers, bb.buffers, strict=True))
+        assert link.wire_bytes == plain.wire_bytes
+        x = _bufs(world, 64, 1)
+        y = [t.clone() for t in x]
+        plain.broadcast(x, 1)
+        link.broadcast(y, 1)
+        assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True))
+    finally:
+        link.close()
+
+
+def test_simulated_link_timing():
+    world, n = 2, 250_000  # all_reduce: 2 * (W-1)/W * 4 bytes * n = 1 MB on the wire
+    link = SimulatedLink(LocalCommunicator(make_lanes(["cpu"] * world)), bandwidth_GBps=0.02, latency_s=0.01)
+    try:
+        bufs = _bufs(world, n)
+        expected = 0.01 + 1e6 / 0.02e9  # 60 ms
+        t0 = time.perf_counter()
+        link.all_reduce(bufs)
+        issued = time.perf_counter() - t0
+        assert not link.last.done()
+        link.wait()
+        waited = time.perf_counter() - t0
+        assert issued < expected / 2  # the issuing thread does not wait for the link
+        assert expected - 1e-3 <= waited < expected + 0.25  # a loose upper bound: shared machines
+        # two back to back: one link, one at a time -> the second completes one link time later
+        t0 = time.perf_counter()
+        link.all_reduce(bufs)
+        first = link.last
+        link.all_reduce(bufs)
+        assert link.last.done_at - first.done_at == pytest.approx(expected, abs=1e-6)
+        link.wait()
+        assert time.perf_counter() - t0 >= 2 * expected - 1e-3
+        assert link.busy_s == pytest.approx(3 * expected)
+    finally:
+        link.close()
+
+
+def test_simulated_link_wait_releases_the_gil():
+    link = SimulatedLink(LocalCommunicator(make_lanes(["cpu"] * 2)), bandwidth_GBps=0.001)
+    count, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+
+    t = threading.Thread(target=spin)
+    try:
+        link.all_reduce(_bufs(2, 12_500))  # 50 ms
+        t.start()
+        before = count[0]
+        link.wait()
+        assert count[0] - before > 1000  # the spinning thread ran while this one waited
+    finally:
+        stop.set()
+        t.join()
+        link.close()
+
+
+def test_simulated_link_world_one_completes_at_once():
+    link = SimulatedLink(LocalCommunicator(make_lanes(["cpu"])), bandwidth_GBps=1e-6, latency_s=10.0)
+    try:
+        link.all_reduce(_bufs(1, 10))
+        assert link.last is None and link.collectives == 0
+        link.wait()
+    finally:
+        link.close()
+
+
+def test_overlap_over_the_simulated_link_is_bitwise_and_issues_during_backward():
+    world = 3
+    nets, xs = lanes_nets(world)
+    lanes = make_lanes(["cpu"] * world)
+    link = SimulatedLink(LocalCommunicator(lanes), bandwidth_GBps=1.0, latency_s=1e-4)
+    try:
+        ex = SignExchange(link)
+        buckets = GradBuckets([n.tuned() for n in nets], bucket_cap_elems=100, lanes=lanes)
+        buckets.attach()
+        with ex.during_backward(buckets) as during:
+            torch.autograd.backward([n(x) for n, x in zip(nets, xs, strict=True)])
+        assert link.last.done()  # the exit waited for the last collective
+        plain, _, _ = run(world, SignExchange, 100, overlap=None)
+        assert all(torch.equal(a, b) for a, b in zip(plain, buckets.buffers, strict=True))
+        assert during.issued_in_backward == len(buckets.bucket_ranges) - 1
+    finally:
+        link.close()
