@@ -11,7 +11,16 @@ from dpq.exchange import FullSumExchange, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
 from dpq.streams import make_lanes
-from dpq.tune_loop import TuneEngine, contiguous_slices
+from dpq.tune_loop import TuneEngine
+
+try:
+    from dpq.tune_loop import contiguous_slices
+except ImportError:  # the split is given as (start, stop) ranges
+
+    def contiguous_slices(indices, world):
+        from dpq.tune_loop import contiguous_ranges
+
+        return [list(indices[a:b]) for a, b in contiguous_ranges(len(indices), world)]
 
 
 @pytest.mark.parametrize("n,world", [(8, 1), (8, 2), (8, 3), (7, 4), (4, 4), (13, 3)])
@@ -205,6 +214,9 @@ def test_gradient_bound_catches_mutants(monkeypatch, mutant):
     elif mutant.startswith("lane 1 grad"):
         real_ex = FullSumExchange.exchange
         monkeypatch.setattr(FullSumExchange, "exchange", lambda self, b: (b.buffers[1].zero_(), real_ex(self, b))[1])
+    elif hasattr(tl, "contiguous_ranges"):  # lane 1 gets lane 0's (equal-sized) range
+        real_cr = tl.contiguous_ranges
+        monkeypatch.setattr(tl, "contiguous_ranges", lambda n, w, *a: [r := real_cr(n, w, *a), [r[0], r[0]]][1])
     else:
         real_cs = tl.contiguous_slices
         monkeypatch.setattr(tl, "contiguous_slices", lambda idx, w: [s := real_cs(idx, w), [s[0], s[0]]][1])
