@@ -1,0 +1,345 @@
+"""How much of the exchange the backward hides: CPU lanes, a tiny-Llama-shaped block, a simulated link.
+
+    .venv/bin/python -m benchmarks.overlap                 # worlds 2 and 4, sign exchange
+    .venv/bin/python -m benchmarks.overlap --policy full --worlds 2
+
+For each world W: W CPU lanes (``dpq.streams.make_lanes``), one replica of a tiny Llama decoder
+layer per lane (``dpq.mirror.ReplicaSet``), dpq's engine (``dpq.tune_loop.TuneEngine``) doing
+whole iterations (forward on every lane, one backward, exchange, step). The tuned values are
+the layer's seven Linear weights in fp32 (the shapes of auto-round's rounding values), the
+loss the MSE against the layer's fp32 outputs under bf16 autocast, as auto-round's.
+
+The exchange goes over :class:`dpq.simulated_link.SimulatedLink` around the local
+communicator: the real sums, then each collective completes after ``latency + bytes /
+bandwidth``. The bandwidth is set so that one iteration's exchange takes about one lane's
+backward time (``--exchange-vs-backward``, default 1.0). One lane's backward is measured as
+the engine's backward time over W: on CPU the lanes' backwards run one after another on the
+calling thread (on GPUs each lane's backward runs on its own device, at the same time as the
+others), and a bucket is complete only once lane 0, whose graph autograd runs last, has
+produced it. So on CPU the exchange can hide under lane 0's backward only, the part that
+corresponds to a GPU lane's whole backward.
+
+Three timings per world, interleaved over ``--rounds`` rounds, median seconds per iteration:
+
+- ``T_none``: no exchange at all (lanes diverge; timing only);
+- ``T_after``: every bucket exchanged after the backward (``overlap=False``);
+- ``T_overlap``: buckets exchanged as the backward fills them (``overlap=True``).
+
+hidden fraction = 1 - (T_overlap - T_none) / (T_after - T_none). The last line printed is
+``hidden_fraction=<x> world=<w> link_GBps=<b>`` for the world with the smallest x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from dpq.exchange import FullSumExchange, GradBuckets, SignExchange  # noqa: E402
+from dpq.fallback_p2p import LocalCommunicator  # noqa: E402
+from dpq.mirror import ReplicaSet  # noqa: E402
+from dpq.simulated_link import SimulatedLink  # noqa: E402
+from dpq.streams import make_lanes  # noqa: E402
+from dpq.tune_loop import TuneEngine  # noqa: E402
+
+TUNED = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+
+
+@dataclass
+class Case:
+    """A tiny Llama decoder layer, its cached inputs / kwargs and fp32 reference outputs."""
+
+    layer: torch.nn.Module
+    inputs: list[torch.Tensor]
+    others: dict
+    outputs: list[torch.Tensor]
+
+    @property
+    def tuned_numel(self) -> int:
+        params = dict(self.layer.named_parameters())
+        return sum(params[n].numel() for n in TUNED)
+
+
+def make_case(hidden: int = 256, intermediate: int = 512, nsamples: int = 8, seqlen: int = 128,
+              heads: int = 4, kv_heads: int = 2) -> Case:
+    from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
+
+    cfg = TinyLlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=max(512, seqlen))
+    model = build_tiny_llama(cfg)
+    inputs, others = capture_block_inputs(model, calibration_samples(nsamples, seqlen))
+    layer = model.model.layers[0]
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    params = dict(layer.named_parameters())
+    for n in TUNED:
+        params[n].requires_grad_(True)
+    case = Case(layer, inputs[0], others[0], [])
+    with torch.no_grad():
+        case.outputs = [_out(layer(x, **_kwargs(case.others, [i]))) for i, x in enumerate(case.inputs)]
+    return case
+
+
+def _out(y):
+    return y[0] if isinstance(y, tuple) else y
+
+
+def _kwargs(others: dict, indices: list[int]) -> dict:
+    kw = {}
+    for k, v in others.items():
+        if k == "cache":
+            continue
+        if isinstance(v, list):
+            items = [v[i] for i in indices]
+            kw[k] = tuple(torch.cat(parts) for parts in zip(*items, strict=True)) if isinstance(items[0], tuple) \
+                else torch.cat(items)
+        else:
+            kw[k] = v
+    return kw
+
+
+def lane_loss_for(case: Case):
+    def lane_loss(lane, module, indices):
+        x = torch.cat([case.inputs[i] for i in indices])
+        y = torch.cat([case.outputs[i] for i in indices])
+        with torch.autocast(device_type=lane.device.type, dtype=torch.bfloat16):
+            out = _out(module(x, **_kwargs(case.others, indices)))
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+    return lane_loss
+
+
+def make_optimizer(module: torch.nn.Module):
+    params = dict(module.named_parameters())
+    return torch.optim.SGD([params[n] for n in TUNED], lr=1e-4), None
+
+
+class NoExchange:
+    """T_none: nothing exchanged (the lanes drift apart; for timing only)."""
+
+    name = "none"
+    overlap = False
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+
+    def exchange(self, buckets) -> None:
+        return None
+
+    def during_backward(self, buckets, lanes=None):
+        return contextlib.nullcontext()
+
+
+def make_engine(case: Case, world: int, exchange_factory, bucket_cap: int | None = None):
+    """(engine, lanes, comm) for ``world`` CPU lanes; ``exchange_factory(lanes) -> exchange``."""
+    lanes = make_lanes(["cpu"] * world)
+    exchange = exchange_factory(lanes)
+    replicas = ReplicaSet(case.layer, lanes, TUNED)
+    numel = case.outputs[0].numel()
+    engine = TuneEngine(replicas, lane_loss_for(case), make_optimizer, exchange, reduction="mean",
+                        sample_numel=lambda i: numel)
+    if bucket_cap is not None:
+        engine.buckets = GradBuckets([replicas.tuned_params(k) for k in range(world)],
+                                     bucket_cap_elems=bucket_cap, lanes=lanes)
+    return engine, replicas
+
+
+def engine_overlaps_natively() -> bool:
+    """True once ``TuneEngine.backward`` issues the exchange during its backward."""
+    return "during_backward" in inspect.getsource(TuneEngine.backward)
+
+
+@contextlib.contextmanager
+def overlap_shim(engine: TuneEngine):
+    """For an engine that exchanges only after backward: run its (single) backward inside
+    ``exchange.during_backward`` and skip its later ``exchange`` call. Same work, same order."""
+    if engine_overlaps_natively() or not getattr(engine.exchange, "overlap", False):
+        yield
+        return
+    real_backward, ex = torch.autograd.backward, engine.exchange
+    real_exchange = ex.exchange
+    state = {"done": False}
+
+    def backward(roots, *a, **k):
+        with ex.during_backward(engine.buckets):
+            real_backward(roots, *a, **k)
+        state["done"] = True
+
+    def exchange(buckets):
+        if state["done"]:
+            state["done"] = False
+            return
+        real_exchange(buckets)
+
+    torch.autograd.backward, ex.exchange = backward, exchange
+    try:
+        yield
+    finally:
+        torch.autograd.backward = real_backward
+        del ex.exchange
+
+
+def iterate(engine: TuneEngine, batches: list[list[int]], times: list[float] | None = None) -> None:
+    with overlap_shim(engine):
+        for idx in batches:
+            t0 = time.perf_counter()
+            engine.backward(idx)
+            engine.step()
+            if times is not None:
+                times.append(time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def timed_backward(into: list[float]):
+    real = torch.autograd.backward
+
+    def backward(*a, **k):
+        t0 = time.perf_counter()
+        real(*a, **k)
+        into.append(time.perf_counter() - t0)
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = real
+
+
+def policy_class(name: str):
+    return {"sign": SignExchange, "full": FullSumExchange}[name]
+
+
+def measure_world(case: Case, world: int, args) -> dict:
+    policy = policy_class(args.policy)
+    nb = max(1, args.buckets)
+    cap = -(-case.tuned_numel // nb)
+    batches = [list(range(len(case.inputs)))] * args.iters
+
+    # 1. one lane's backward time, with no exchange
+    bw_times: list[float] = []
+    engine, replicas = make_engine(case, world, lambda lanes: NoExchange(LocalCommunicator(lanes)), cap)
+    iterate(engine, batches[:2])
+    with timed_backward(bw_times):
+        iterate(engine, batches)
+    replicas.close()
+    backward_lane = statistics.median(bw_times) / world
+
+    # 2. wire bytes and collectives of one iteration's exchange (an infinitely fast link)
+    probe_link = SimulatedLink(LocalCommunicator(make_lanes(["cpu"] * world)), bandwidth_GBps=1e9)
+    engine, replicas = make_engine(case, world, lambda lanes: policy(probe_link, overlap=False), cap)
+    iterate(engine, batches[:1])
+    wire, collectives = probe_link.wire_bytes, probe_link.collectives
+    replicas.close()
+    probe_link.close()
+    latency = args.latency_us * 1e-6
+    target = args.exchange_vs_backward * backward_lane
+    bandwidth = wire / max(target - collectives * latency, 1e-6) / 1e9
+
+    # 3. the three modes, interleaved
+    links = []
+
+    def link_factory(overlap):
+        def make(lanes):
+            link = SimulatedLink(LocalCommunicator(lanes), bandwidth_GBps=bandwidth, latency_s=latency)
+            links.append(link)
+            return policy(link, overlap=overlap)
+        return make
+
+    modes = {
+        "none": make_engine(case, world, lambda lanes: NoExchange(LocalCommunicator(lanes)), cap),
+        "after": make_engine(case, world, link_factory(False), cap),
+        "overlap": make_engine(case, world, link_factory(True), cap),
+    }
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for engine, _ in modes.values():  # warm-up
+        iterate(engine, batches[:2])
+    for _ in range(args.rounds):
+        for m, (engine, _) in modes.items():
+            iterate(engine, batches, times[m])
+    for _, replicas in modes.values():
+        replicas.close()
+    for link in links:
+        link.close()
+    t = {m: statistics.median(v) for m, v in times.items()}
+    exposed_after, exposed_overlap = t["after"] - t["none"], t["overlap"] - t["none"]
+    return {
+        "world": world,
+        "buckets": len(modes["after"][0].buckets.bucket_ranges),
+        "tuned_numel": case.tuned_numel,
+        "wire_bytes_per_iter": wire,
+        "collectives_per_iter": collectives,
+        "backward_lane_s": backward_lane,
+        "link_s_per_iter": collectives * latency + wire / (bandwidth * 1e9),
+        "link_GBps": bandwidth,
+        "latency_s": latency,
+        "T_none": t["none"],
+        "T_after": t["after"],
+        "T_overlap": t["overlap"],
+        "hidden_fraction": 1.0 - exposed_overlap / exposed_after if exposed_after > 0 else float("nan"),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--policy", choices=["sign", "full"], default="sign")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--nsamples", type=int, default=8, help="samples per iteration (the global batch)")
+    p.add_argument("--seqlen", type=int, default=128)
+    p.add_argument("--buckets", type=int, default=8, help="bucket cap = tuned values / this (default 8)")
+    p.add_argument("--iters", type=int, default=6, help="iterations per mode per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--latency-us", type=float, default=20.0, help="per-collective link latency (default 20 us)")
+    p.add_argument("--exchange-vs-backward", type=float, default=1.0,
+                   help="link time of one iteration's exchange / one lane's backward time (default 1.0)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    case = make_case(args.hidden, args.intermediate, args.nsamples, args.seqlen)
+    from benchmarks.report import _busy_cpu_seconds, _cpu_model
+
+    wall0, mine0, busy0 = time.perf_counter(), time.process_time(), _busy_cpu_seconds()
+    rows = [measure_world(case, int(w), args) for w in args.worlds.split(",")]
+    busy1 = _busy_cpu_seconds()
+    others = None
+    if busy0 is not None and busy1 is not None:
+        others = max(0.0, (busy1 - busy0) - (time.process_time() - mine0)) / \
+            ((time.perf_counter() - wall0) * (os.cpu_count() or 1))
+    print(f"{_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} intra-op thread(s); "
+          f"tiny Llama layer hidden {args.hidden}, intermediate {args.intermediate}, {args.nsamples} x "
+          f"{args.seqlen} tokens; {args.policy} exchange; engine overlap "
+          f"{'native' if engine_overlaps_natively() else 'via benchmarks.overlap.overlap_shim'}")
+    print()
+    print("| world | buckets | wire MB/iter | collectives | one lane's backward ms | link ms/iter | link GB/s "
+          "| T_none ms | T_after ms | T_overlap ms | hidden |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['world']} | {r['buckets']} | {r['wire_bytes_per_iter'] / 1e6:.3f} | {r['collectives_per_iter']} "
+              f"| {r['backward_lane_s'] * 1e3:.1f} | {r['link_s_per_iter'] * 1e3:.1f} | {r['link_GBps']:.4f} "
+              f"| {r['T_none'] * 1e3:.1f} | {r['T_after'] * 1e3:.1f} | {r['T_overlap'] * 1e3:.1f} "
+              f"| {r['hidden_fraction']:.2f} |")
+    if others is not None:
+        print(f"\nother processes used {others:.0%} of the machine's CPU during this run")
+    worst = min(rows, key=lambda r: r["hidden_fraction"])
+    print(f"hidden_fraction={worst['hidden_fraction']:.2f} world={worst['world']} link_GBps={worst['link_GBps']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
