@@ -300,7 +300,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--nsamples", type=int, default=8, help="samples per iteration (the global batch)")
-    p.add_argument("--seqlen", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per sample (default 512)")
     p.add_argument("--buckets", type=int, default=8, help="bucket cap = tuned values / this (default 8)")
     p.add_argument("--iters", type=int, default=6, help="iterations per mode per round")
     p.add_argument("--rounds", type=int, default=5)

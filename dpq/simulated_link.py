@@ -55,8 +55,11 @@ class Completion:
         self.op, self.nbytes, self.done_at = op, nbytes, done_at
         self.event = threading.Event()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.event.wait(timeout)
+    def wait(self) -> None:
+        """Block until ``done_at``. The waiter sleeps until then itself (one wake-up, not the timer
+        thread's and then this one's: on a loaded machine each wake-up can come late)."""
+        while (left := self.done_at - time.perf_counter()) > 0:
+            self.event.wait(left)
 
     def done(self) -> bool:
         return self.event.is_set()

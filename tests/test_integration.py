@@ -283,6 +283,7 @@ def cli_runs(cli_tmp):
     return get
 
 
+@pytest.mark.parity_subset
 def test_cli_world1_saves_the_same_tensors_as_off(cli_tmp, cli_runs):
     off = _cli(cli_tmp, "off", "--seed", "42", "--parallel_quantization", "off")
     one = cli_runs(1, 42)
@@ -291,7 +292,7 @@ def test_cli_world1_saves_the_same_tensors_as_off(cli_tmp, cli_runs):
     assert bitwise_equal(off["state"], one["state"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.parity_subset), 4])
 def test_cli_world_n_matches_serial_quality(cli_runs, world):
     """Per-block best losses and the saved models' KL(fp || q) on held-out text within 2% of
     serial, each averaged over 3 seeds. One seed is not enough: on this model serial's own

@@ -228,7 +228,7 @@ def test_copy_to_lane_and_bring_home():
 
 # -- auto-round: collection seams ----------------------------------------------------------------------
 
-def _run(world=None, *, tune_world=None, record=None, save_dir=None, fail_lane=None, **kw):
+def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None, **kw):
     """Quantize the tiny Llama with auto-round; ``world`` installs the shard seams (None: plain
     auto-round), ``tune_world`` also enables dpq's tuner. Returns (state_dict, seam records)."""
     from auto_round import AutoRound
@@ -242,9 +242,7 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, fail_lane=N
     if tune_world is not None:
         integration.enable(tune_world, "cpu,cpu")
     if world is not None:
-        shard_seams.install(SimpleNamespace(world=world, devices="cpu,cpu"))
-        shard_seams.reset()
-        shard_seams._seams.fail_lane = fail_lane
+        shard_seams.install(SimpleNamespace(world=world, devices="cpu,cpu", faults=faults))
     try:
         dataset = calibration_samples(args["nsamples"], args["seqlen"])
         ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=dataset, device_map="cpu",
@@ -410,9 +408,8 @@ def test_signround_v2_init_scale_searches_mapped():
 
     kw = dict(iters=2, enable_alg_ext=True)
     serial_state, _ = _run(None, **kw)
-    hits = shard_seams._seams.init_scale_hits
     state, recs = _run(2, **kw)
-    assert shard_seams._seams.init_scale_hits - hits == 14  # 7 layers x 2 blocks, none searched again
+    assert shard_seams.last_run().init_scale_hits == 14  # 7 layers x 2 blocks, none searched again
     maps = [r for r in recs if r.nested and "init-scale" in r.detail]
     assert len(maps) == 2 and all(r.world == 2 for r in maps)
     assert all(bitwise(serial_state[k], state[k]) for k in state)
@@ -424,11 +421,11 @@ def test_collection_lane_failure(recorder):
     from dpq.autoround.integration import ParallelLaneError
 
     serial_state, _ = _run(None, **STATIC_ACT)
-    state, recs = _run("auto", fail_lane=1, **STATIC_ACT)
+    state, recs = _run("auto", faults={"collection": 1}, **STATIC_ACT)
     assert any(r.fell_back for r in recs)
     assert all(bitwise(serial_state[k], state[k]) for k in state)
     with pytest.raises(ParallelLaneError, match=r"lane failed in a collection pass of model\.layers\.0"):
-        _run(2, fail_lane=1, **STATIC_ACT)
+        _run(2, faults={"collection": 1}, **STATIC_ACT)
 
 
 def _seams_wired() -> bool:
@@ -441,6 +438,7 @@ def _seams_wired() -> bool:
         integration.disable()
 
 
+@pytest.mark.parity_subset
 @pytest.mark.skipif(not _seams_wired(), reason="integration.enable() does not install dpq.autoround.shard_seams yet")
 @pytest.mark.parametrize("extra", [[], ["--alg", "awq", "--awq_n_grid", "4", "--awq_apply_clip"]],
                          ids=["rtn", "awq"])
@@ -491,7 +489,7 @@ def awq_recorder(monkeypatch):
     sharded: the seam's) and every applied smoothing scale vector and clip range."""
     from auto_round.algorithms.transforms.awq.base import AWQTransform
 
-    from dpq.autoround import shard_seams
+    from dpq.autoround import seams_awq
 
     calls = []
 
@@ -514,7 +512,7 @@ def awq_recorder(monkeypatch):
         return orig_clip(self, layer, min_val, max_val)
 
     monkeypatch.setattr(AWQTransform, "_compute_parent_loss", loss_recorder(AWQTransform._compute_parent_loss))
-    monkeypatch.setattr(shard_seams, "_awq_compute_parent_loss", loss_recorder(shard_seams._awq_compute_parent_loss))
+    monkeypatch.setattr(seams_awq, "compute_parent_loss", loss_recorder(seams_awq.compute_parent_loss))
     monkeypatch.setattr(AWQTransform, "_apply_scales", scales)
     monkeypatch.setattr(AWQTransform, "_apply_clip", clip)
     return calls
@@ -548,8 +546,8 @@ def test_awq_grid_and_clip_searches_world2(tmp_path, awq_recorder, smooth_batch_
     _run(None, save_dir=tmp_path / "serial", **kw)
     serial = list(awq_recorder)
     awq_recorder.clear()
-    hits = shard_seams._seams.awq_clip_hits
     _, recs = _run(2, save_dir=tmp_path / "two", **kw)
+    hits = shard_seams.last_run().awq_clip_hits
     kinds = {k: sum(c[0] == k for c in serial) for k in ("loss", "scales", "clip")}
     assert kinds["loss"] > 0 and kinds["scales"] > 0 and kinds["clip"] > 0, kinds
     assert _same_calls(serial, awq_recorder)  # losses equal as floats, scales and clips bitwise
@@ -559,7 +557,7 @@ def test_awq_grid_and_clip_searches_world2(tmp_path, awq_recorder, smooth_batch_
     clips = [r for r in recs if r.phase == "search" and "AWQ clip searches" in r.detail]
     assert grids and all(r.world == 2 and "lane 0: 1, lane 1: 1" in r.detail for r in grids)
     assert len(clips) == 2 and all(r.world == 2 for r in clips)
-    assert shard_seams._seams.awq_clip_hits - hits == kinds["clip"]
+    assert hits == kinds["clip"]
 
 
 def test_awq_grid_lane_failure():
@@ -567,16 +565,16 @@ def test_awq_grid_lane_failure():
     search reruns on home (result bitwise serial's); under an explicit world ParallelLaneError."""
     from auto_round.algorithms.transforms.awq.config import AWQConfig
 
-    from dpq.autoround import shard_seams
     from dpq.autoround.integration import ParallelLaneError
 
     kw = dict(alg_configs=AWQConfig(n_grid=4))
     serial_state, _ = _run(None, **kw)
-    shard_seams._seams.awq_fail_lane = 1
-    state, recs = _run("auto", **kw)
+    faults = {"awq_grid": 1}
+    state, recs = _run("auto", faults=faults, **kw)
     assert [r.fell_back for r in recs if "AWQ grid search" in r.detail].count(True) == 1
     assert all(bitwise(serial_state[k], state[k]) for k in state)
-    shard_seams._seams.awq_fail_lane = 1
+    assert faults == {}  # fired once
+    faults = {"awq_grid": 1}
     with pytest.raises(ParallelLaneError, match=r"AWQ grid search of model\.layers\.0\.input_layernorm"):
-        _run(2, **kw)
-    assert shard_seams._seams.awq_fail_lane is None
+        _run(2, faults=faults, **kw)
+    assert faults == {}

@@ -3,8 +3,11 @@
   --parallel_quantization {off,auto,N}   tune each block data-parallel (default off)
   --parallel_devices LIST                lane devices, e.g. 0,1,2,3 or cpu,cpu
 
-Our two flags are taken out of argv, ``enable()`` is called, and auto-round's own ``run()``
-gets the rest. At the end a per-block summary is printed (world, seconds, exchange bytes).
+Our flags are taken out of argv, ``enable()`` is called, and auto-round's own runner gets the
+rest. At the end a per-block summary is printed (world, seconds, exchange bytes).
+
+Recipes: ``auto-round-dp-best``, ``-light``, ``-rtn``, ``-opt-rtn``, ``-mllm`` run auto-round's
+``auto-round-best`` etc. (:data:`RECIPES`) with the same flags.
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ dpq (data-parallel tuning) options:
                         write the per-block records (world, seconds, exchange bytes, per-iteration
                         losses) as JSON
 """
+
+
+# recipe -> auto-round's runner for it (auto_round.__main__, the targets of its console scripts)
+RECIPES: dict[str | None, str] = {None: "run", "best": "run_best", "light": "run_light", "rtn": "run_rtn",
+                                  "opt-rtn": "run_opt_rtn", "mllm": "run_mllm"}
+
+
+def runner_for(recipe: str | None):
+    """auto-round's CLI runner for ``recipe`` (None: plain ``auto-round``)."""
+    import auto_round.__main__ as ar_main
+
+    return getattr(ar_main, RECIPES[recipe])
 
 
 def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -96,7 +111,7 @@ def write_report(path: str, world, devices, records, phases: dict, error: str | 
     out.write_text(json.dumps(body, indent=1))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     """Returns the exit status: 0 when the run finished, 2 for bad dpq arguments (nothing was
     loaded), 1 when the plan refused or a lane failed (the message is printed, no traceback).
     Any other failure propagates (with its traceback; non-zero exit)."""
@@ -108,16 +123,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from dpq.autoround import integration, shard_seams
     from dpq.autoround.integration import ParallelLaneError
+    from dpq.autoround.patches import PatchMismatch
     from dpq.plan import PlanRefused, validate_world
 
     world = validate_world(ours.parallel_quantization)
     if any(a in ("-h", "--help") for a in rest):
         print(OUR_HELP)
-    from auto_round.__main__ import run
+    run = runner_for(recipe)
 
     if world != "off":
-        integration.enable(world, ours.parallel_devices, debug_identical=ours.parallel_debug)
-    sys.argv = ["auto-round-dp", *rest]
+        try:
+            integration.enable(world, ours.parallel_devices, debug_identical=ours.parallel_debug)
+        except PatchMismatch as e:
+            print(f"auto-round-dp: {e}", file=sys.stderr)
+            return 1
+    sys.argv = ["auto-round-dp" + (f"-{recipe}" if recipe else ""), *rest]
     failure: Exception | None = None
     try:
         run()
@@ -147,6 +167,26 @@ def main(argv: list[str] | None = None) -> int:
                   "--parallel_quantization auto or off", file=sys.stderr)
         return 1
     return 0
+
+
+def main_best() -> int:
+    return main(recipe="best")
+
+
+def main_light() -> int:
+    return main(recipe="light")
+
+
+def main_rtn() -> int:
+    return main(recipe="rtn")
+
+
+def main_opt_rtn() -> int:
+    return main(recipe="opt-rtn")
+
+
+def main_mllm() -> int:
+    return main(recipe="mllm")
 
 
 if __name__ == "__main__":

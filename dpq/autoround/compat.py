@@ -1,20 +1,46 @@
-"""The auto-round version dpq is written against, checked once on first use."""
+"""The auto-round versions dpq is written against, checked once on first use."""
 
 from __future__ import annotations
 
-SUPPORTED = "0.16"
+SUPPORTED = ("0.16", "0.17")  # the series the patch table (dpq.autoround.patches) covers
+PIP_BOUND = "auto-round>=0.16.1,<0.18"
 
 
 def check_auto_round_version() -> str:
-    """Return auto-round's version, or raise with what to install when it is not 0.16.x."""
+    """Return auto-round's version, or raise with what to install when its series is not covered."""
     try:
         from auto_round.version import __version__
     except ImportError as e:  # pragma: no cover - auto-round is a hard dependency
-        raise ImportError("dpq.autoround needs auto-round 0.16.x: pip install 'auto-round>=0.16.1,<0.17'") from e
-    if not __version__.startswith(SUPPORTED + "."):
+        raise ImportError(f"dpq.autoround needs auto-round 0.16.x or 0.17.x: pip install '{PIP_BOUND}'") from e
+    if ".".join(__version__.split(".")[:2]) not in SUPPORTED:
         raise RuntimeError(
-            f"dpq.autoround is pinned to auto-round {SUPPORTED}.x (it delegates auto-round's internal "
-            f"SignRound loop), but auto-round {__version__} is installed. "
-            f"Fix: pip install 'auto-round>={SUPPORTED}.1,<0.17', or run plain auto-round without dpq."
+            f"dpq.autoround supports auto-round {' and '.join(s + '.x' for s in SUPPORTED)} (it replaces auto-round "
+            f"internals listed in dpq.autoround.patches), but auto-round {__version__} is installed. "
+            f"Fix: pip install '{PIP_BOUND}', or run plain auto-round without dpq."
         )
     return __version__
+
+
+def series() -> str:
+    """The installed auto-round's series, e.g. "0.16"."""
+    return ".".join(check_auto_round_version().split(".")[:2])
+
+
+def tuner_refusals(*pools) -> list[str]:
+    """What the installed auto-round does to a block's pools that dpq's lanes cannot follow yet,
+    each with the fix (empty on 0.16). 0.17: ``--calibration_data_device`` may spread a pool over
+    several devices; lanes stage their slices from one pool device only."""
+    from .seams_common import pool_device_refusals
+
+    return pool_device_refusals(*pools)
+
+
+def prepare_block_for_tuning(q, block, active_inputs, batch_size: int) -> None:
+    """What the installed auto-round does to a wrapped block before its tune loop and dpq's lanes
+    must do too (call after ``wrapper_block``, before mirroring). 0.17: the MoE experts
+    implementation switch (``maybe_adapt_moe_implementation``; a no-op for blocks without grouped
+    expert stacks). Its ``pull_tuning_pool`` is a placement choice only (values unchanged); lanes
+    stage their own slices, so it is not repeated."""
+    adapt = getattr(q, "maybe_adapt_moe_implementation", None)
+    if adapt is not None:
+        adapt(block, active_inputs, batch_size)

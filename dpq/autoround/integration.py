@@ -26,8 +26,9 @@ from dpq.fallback_p2p import close_communicators, select_communicator
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
 from dpq.streams import make_lanes
 
-from . import shard_seams
-from .compat import check_auto_round_version
+from . import patches
+from .compat import check_auto_round_version, tuner_refusals
+from .seams_common import ParallelLaneError
 
 check_auto_round_version()
 
@@ -42,22 +43,15 @@ from .tune import BlockData, SignRoundSettings, tune_wrapped_block  # noqa: E402
 __all__ = ["BlockRecord", "ParallelLaneError", "disable", "enable", "lane_error", "parallel_quantization",
            "run_summary"]
 
-# What enable() replaced (the methods in place when it patched; at import: auto-round's own).
-# The serial path and every pass-through call these.
-_ORIGINAL = SignRoundQuantizer.quantize_block
-_ORIGINAL_DISPATCH = SignRoundQuantizer.dispatch_block
+
+def _ORIGINAL(self, *args, **kwargs):
+    """What dpq's quantize_block replaced, as the patch table recorded it (before any install: what
+    is there now). The serial path and every pass-through call it."""
+    return patches.original(SignRoundQuantizer, "quantize_block")(self, *args, **kwargs)
 
 
-class ParallelLaneError(RuntimeError):
-    """A lane failed mid-block under an explicit world; the home block was restored first.
-
-    ``block``: the block that failed; ``completed``: the blocks quantized before it in this run
-    (in place, in the model object, in this process only)."""
-
-    def __init__(self, message: str, *, block: str = "", completed: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.block = block
-        self.completed = list(completed or [])
+def _ORIGINAL_DISPATCH(self, *args, **kwargs):
+    return patches.original(SignRoundQuantizer, "dispatch_block")(self, *args, **kwargs)
 
 
 @dataclass
@@ -87,18 +81,17 @@ class _State:
 
 
 _state = _State()  # the innermost enabled state; once every enable() is undone, the last run's
-_stack: list[_State] = []  # enabled states, innermost last (enable pushes, disable pops)
-_MISSING = object()
-_saved: dict[str, object] = {}  # SignRoundQuantizer.__dict__ entries enable() replaced (_MISSING: inherited)
-_chained: set[str] = set()  # ours, left under someone else's later patch by disable(): they call us
+# The enabled states themselves are the patch table's stack (dpq.autoround.patches): enable() pushes,
+# disable() pops; _state mirrors its innermost _State for the code below.
 
 
-def _ours() -> dict:
-    return {"quantize_block": _delegated_quantize_block, "dispatch_block": _whole_block_dispatch}
+def _enabled() -> list[_State]:
+    return [f.config for f in patches.frames() if isinstance(f.config, _State)]
 
 
 def _active() -> bool:
-    return bool(_stack)
+    """An enable() is in effect (ours left under someone else's patch passes calls through when not)."""
+    return bool(_enabled())
 
 
 def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False) -> None:
@@ -120,25 +113,20 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
         raise ValueError("dpq: bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     world = validate_world(parallel_quantization)
     new = _State(world=world, devices=devices, debug_identical=debug_identical)
-    if not _stack:
-        _patch()
-    _stack.append(new)
+    patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
     _state = new
-    shard_seams.install(_state)  # the no-grad phases: collection forwards, iters=0 and init-scale searches
 
 
 def disable() -> None:
     """Undo the innermost ``enable()``; a no-op when nothing is enabled."""
     global _state
-    if not _stack:
+    if not _active():
         return
-    _stack.pop()
-    if _stack:
-        _state = _stack[-1]
-        shard_seams.install(_state)
+    while not isinstance(patches.uninstall().config, _State):
+        pass  # a seams-only install above this enable() ends with it
+    if _active():
+        _state = _enabled()[-1]
         return
-    shard_seams.uninstall()
-    _unpatch()
     _release_run_resources()
 
 
@@ -146,42 +134,6 @@ def _release_run_resources() -> None:
     """End of the outermost run: free what the run kept across blocks. NCCL communicators are
     created once per device tuple per run (ncclCommInitAll costs seconds) and destroyed here."""
     close_communicators()
-
-
-def _patch() -> None:
-    global _ORIGINAL, _ORIGINAL_DISPATCH
-    replaced_now = {"quantize_block": _ORIGINAL, "dispatch_block": _ORIGINAL_DISPATCH}
-    for name, fn in _ours().items():
-        if name in _chained:
-            if getattr(SignRoundQuantizer, name) is not replaced_now[name]:
-                continue  # ours is still called through the patch that was put over it
-            _chained.discard(name)  # that patch was taken off again: patch afresh
-        _saved[name] = SignRoundQuantizer.__dict__.get(name, _MISSING)
-        replaced = getattr(SignRoundQuantizer, name)
-        if name == "quantize_block":
-            _ORIGINAL = replaced
-        else:
-            _ORIGINAL_DISPATCH = replaced
-        setattr(SignRoundQuantizer, name, fn)
-
-
-def _unpatch() -> None:
-    """Put back what _patch replaced, unless someone patched over ours since: their patch stays
-    (ours, under it, passes every call straight through while nothing is enabled)."""
-    for name, fn in _ours().items():
-        if name in _chained and SignRoundQuantizer.__dict__.get(name, _MISSING) is not fn:
-            continue
-        _chained.discard(name)
-        if SignRoundQuantizer.__dict__.get(name, _MISSING) is not fn:
-            _chained.add(name)
-            logger.warning(f"dpq: SignRoundQuantizer.{name} was patched again after dpq.enable(); leaving that "
-                           "patch in place (dpq's, under it, now passes calls through)")
-            continue
-        saved = _saved.pop(name, _MISSING)
-        if saved is _MISSING:
-            delattr(SignRoundQuantizer, name)
-        else:
-            setattr(SignRoundQuantizer, name, saved)
 
 
 def _auto_split_requested() -> bool:
@@ -195,7 +147,7 @@ def _whole_block_dispatch(self, block, input_ids, input_others):
     With dpq on, those GPUs are lanes instead: a block whose mirror fits the home device stays
     whole there (and runs data-parallel); a block that does not fit keeps auto-round's split
     placement, and the plan then runs it serially (weights span several devices)."""
-    if _state.world == "off" or (not _active() and "dispatch_block" in _chained):
+    if _state.world == "off" or (not _active() and patches.chained(SignRoundQuantizer, "dispatch_block")):
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     block = _dispatch(self, block, input_ids, input_others)
     if isinstance(_state.world, int):
@@ -247,6 +199,7 @@ def _feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) -
     if not isinstance(fp_inputs, list) or not all(isinstance(t, torch.Tensor) for t in fp_inputs):
         reasons.append("calibration inputs are not a flat list of tensors (diffusion-style dict pool); "
                        "use --parallel_quantization off for this model")
+    reasons.extend(tuner_refusals(fp_inputs))  # what this auto-round version does that lanes cannot follow yet
     if q._get_scaler() is not None:
         reasons.append("a gradient scaler is in use (AdamRound under fp16 amp); use --disable_amp or "
                        "--parallel_quantization off")

@@ -1,0 +1,296 @@
+"""The one patch table: every auto-round symbol dpq replaces, installed and removed in one place.
+
+Each :class:`Patch` names the owner (class or module), the attribute, dpq's replacement (a
+``module:function`` path, imported at install), the auto-round series it was checked against
+and, per series, the upstream function's expected parameters. :func:`install` checks every
+target of the installed series before it touches anything and refuses with
+:class:`PatchMismatch` (naming the installed auto-round version and each symbol) when one is
+missing or its parameters differ: dpq never runs a changed upstream function through a stale
+copy. Symbols a series does not patch are listed in :data:`NOT_PATCHED` with the reason.
+
+Installs nest as a stack of :class:`Frame` (one per ``enable()``); the top frame's ``config``
+is the one installed configuration every replacement reads (:func:`current`). The outermost
+install patches; the matching uninstall puts back what it replaced, except where someone
+patched over dpq's replacement since: that patch stays, and dpq's replacement under it passes
+every call straight through while nothing is installed (it calls :func:`original`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+
+__all__ = ["NOT_PATCHED", "TABLE", "Frame", "Patch", "PatchMismatch", "chained", "check", "current", "frame", "frames",
+           "install", "installed", "last", "original", "patches_for", "series", "uninstall"]
+
+_SR = "auto_round.algorithms.quantization.sign_round.quantizer:SignRoundQuantizer"
+_RTN = "auto_round.algorithms.quantization.rtn.quantizer"
+_V2 = "auto_round.algorithms.quantization.sign_roundv2.quantizer"
+_AWQ = "auto_round.algorithms.transforms.awq.base:AWQTransform"
+_BLOCK_PARAMS = "self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids=None, **kwargs"
+_BOTH = ("0.16", "0.17")
+
+
+@dataclass(frozen=True)
+class Patch:
+    owner: str  # "module:Class" or "module"
+    name: str  # the attribute replaced
+    replacement: str  # dpq's function, "module:function"
+    signatures: dict[str, str]  # auto-round series ("0.16") -> expected parameters (see :func:`params_of`)
+    phase: str  # what it serves: "tune", "collection", "search"
+    checked: tuple[str, ...] = ("0.16.1", "0.17.0.dev20261026")  # the releases it was run against
+
+    @property
+    def symbol(self) -> str:
+        return f"{self.owner.rpartition(':')[2] or self.owner}.{self.name}"
+
+
+def _same(params: str, series=_BOTH) -> dict[str, str]:
+    return dict.fromkeys(series, params)
+
+
+TABLE: tuple[Patch, ...] = (
+    Patch(_SR, "quantize_block", "dpq.autoround.integration:_delegated_quantize_block", _same(_BLOCK_PARAMS), "tune"),
+    Patch(_SR, "dispatch_block", "dpq.autoround.integration:_whole_block_dispatch",
+          _same("self, block, input_ids, input_others"), "tune"),
+    Patch("auto_round.algorithms.composer:AlgorithmComposer", "compress_block",
+          "dpq.autoround.seams_collection:compress_block",
+          _same("self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None, "
+                "reference_output=None, **kwargs"), "collection"),
+    Patch(f"{_RTN}:RTNQuantizer", "quantize_block", "dpq.autoround.seams_rtn:rtn_quantize_block",
+          _same(_BLOCK_PARAMS), "search"),
+    # 0.17 removed _quantize_targets: its optimized-RTN searches go through auto-round's own search
+    # dispatch (batched, spread over idle devices); see NOT_PATCHED
+    Patch(f"{_RTN}:OptimizedRTNQuantizer", "_quantize_targets", "dpq.autoround.seams_rtn:opt_rtn_quantize_targets",
+          {"0.16": "self, targets"}, "search", ("0.16.1",)),
+    Patch(f"{_V2}:SignRoundOptimizedWrapperLinear", "_prepare_init_scale_weight",
+          "dpq.autoround.seams_init_scale:prepare_init_scale_weight", {"0.16": "self"}, "search", ("0.16.1",)),
+    Patch(_V2, "search_optimized_init_scale", "dpq.autoround.seams_init_scale:search_optimized_init_scale",
+          {"0.16": "weight_reshape, data_type, bits, imatrix=None, q_scale_thresh=1e-05"}, "search", ("0.16.1",)),
+    Patch(_AWQ, "_grid_search_scales", "dpq.autoround.seams_awq:grid_search_scales", _same("self, mapping, x_mean"),
+          "search"),
+    Patch(_AWQ, "_run_parent_samples", "dpq.autoround.seams_awq:run_parent_samples",
+          _same("self, parent, kwargs_list, offload_to_cpu=False"), "search"),
+    Patch(_AWQ, "_compute_parent_loss", "dpq.autoround.seams_awq:compute_parent_loss",
+          _same("self, parent, kwargs_list, fp16_outputs"), "search"),
+    Patch(_AWQ, "_clip_block", "dpq.autoround.seams_awq:clip_block", _same("self, block_prefix, block_mappings"),
+          "search"),
+    Patch(_AWQ, "_compute_best_clip", "dpq.autoround.seams_awq:compute_best_clip",
+          _same("self, layer, input_feat"), "search"),
+)
+"""Every auto-round symbol dpq replaces for the whole run. Besides these, the collection seam swaps
+two attributes of one object for the duration of one ``AlgorithmComposer.compress_block`` call
+(per-call swaps, undone in its ``finally``): the composer's ``block_forward`` (a
+``BlockForwardRunner``) and the block quantizer's bound ``quantize_block`` (timed)."""
+
+NOT_PATCHED: dict[str, dict[str, str]] = {
+    "0.17": {
+        "OptimizedRTNQuantizer._quantize_targets": (
+            "auto-round 0.17 removed it: optimized-RTN (iters=0) weight searches run through auto-round's own "
+            "search dispatch (batched, spread over idle devices), so dpq leaves them to it"),
+        "SignRoundV2 init-scale searches": (
+            "auto-round 0.17 stages SignRoundV2's wrap-time init-scale searches into its own batched search "
+            "dispatch (resolve_optimized_init_scale_fn), so dpq leaves them to it"),
+    },
+}
+
+
+class PatchMismatch(RuntimeError):
+    """An auto-round symbol dpq would replace is missing or has other parameters than checked."""
+
+
+def series(version: str | None = None) -> str:
+    """The auto-round series ("0.16", "0.17") of ``version`` (default: the installed one)."""
+    if version is None:
+        from auto_round.version import __version__ as version
+    return ".".join(version.split(".")[:2])
+
+
+def patches_for(version: str | None = None) -> list[Patch]:
+    s = series(version)
+    return [p for p in TABLE if s in p.signatures]
+
+
+def params_of(fn) -> str:
+    """A function's parameters as compared at install: names, ``*``/``**`` by kind, and defaults
+    that are plain literals (annotations ignored: their spelling changes between Pythons)."""
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        text = prefix + p.name
+        if p.default is not p.empty:
+            d = p.default
+            text += "=" + (repr(d) if d is None or isinstance(d, (bool, int, float, str)) else "...")
+        out.append(text)
+    return ", ".join(out)
+
+
+def _resolve(path: str):
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr) if attr else obj
+
+
+_MISSING = object()
+
+
+def _upstream(owner, name):
+    """What a lookup of ``owner.name`` finds (the function dpq replaces and calls through)."""
+    raw = inspect.getattr_static(owner, name, _MISSING)
+    if raw is _MISSING:
+        return _MISSING
+    return getattr(raw, "__func__", raw)
+
+
+def check(version: str | None = None) -> list[str]:
+    """Every mismatch between the table and the installed auto-round (empty: all checked)."""
+    from auto_round.version import __version__
+
+    version = version or __version__
+    s = series(version)
+    problems = []
+    for p in patches_for(version):
+        try:
+            owner = _resolve(p.owner)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{p.owner} is missing ({e})")
+            continue
+        fn = _upstream(owner, p.name)
+        if fn is _MISSING:
+            problems.append(f"{p.symbol} is missing")
+            continue
+        fn = inspect.unwrap(fn)
+        if not getattr(fn, "__module__", "").startswith("auto_round"):
+            continue  # someone else's patch, put before dpq's: theirs answers for what it calls
+        found = params_of(fn)
+        if found != p.signatures[s]:
+            problems.append(f"{p.symbol}({found}) differs from the checked ({p.signatures[s]})")
+    return problems
+
+
+def _refuse(problems: list[str]) -> PatchMismatch:
+    from auto_round.version import __version__
+
+    return PatchMismatch(
+        f"dpq: auto-round {__version__} is installed, and these functions dpq replaces differ from the ones "
+        f"dpq checked (auto-round {', '.join(sorted({c for p in TABLE for c in p.checked}))}):\n"
+        + "\n".join(f"  - {x}" for x in problems)
+        + "\ndpq does not run a changed upstream function through its copy. Fix: install a checked auto-round "
+        "(pip install 'auto-round==0.16.1', or auto-round-nightly==0.17.0.dev20261026 with dpq installed --no-deps), "
+        "or run without dpq (--parallel_quantization off)")
+
+
+@dataclass
+class Frame:
+    """One install (one ``enable()``): its config and the scratch its replacements keep for the run."""
+
+    config: object
+    scratch: dict = field(default_factory=dict)
+
+
+_stack: list[Frame] = []  # installed frames, innermost last
+_last: Frame | None = None  # the innermost frame of the last run, kept after the outermost uninstall
+_saved: dict[tuple[object, str], object] = {}  # owner.__dict__ entries the outermost install replaced
+_replaced: dict[tuple[object, str], object] = {}  # the functions those lookups found (ours call through them)
+_ours: dict[tuple[object, str], object] = {}  # the replacement installed per (owner, name)
+_chained: set[tuple[object, str]] = set()  # ours, left under someone else's later patch: they call us
+
+
+def install(config) -> Frame:
+    """Push ``config``; the outermost install checks and patches every symbol of the installed series."""
+    global _last
+    if not _stack:
+        _patch()
+    f = Frame(config)
+    _stack.append(f)
+    _last = f
+    return f
+
+
+def uninstall() -> Frame | None:
+    """Pop the innermost frame; the outermost one's removal unpatches. A no-op when nothing is installed."""
+    global _last
+    if not _stack:
+        return None
+    f = _stack.pop()
+    _last = _stack[-1] if _stack else f
+    if not _stack:
+        _unpatch()
+    return f
+
+
+def frames() -> list[Frame]:
+    """The installed frames, outermost first."""
+    return list(_stack)
+
+
+def frame() -> Frame | None:
+    return _stack[-1] if _stack else None
+
+
+def current():
+    """The installed config (the innermost install's), or None when nothing is installed."""
+    return _stack[-1].config if _stack else None
+
+
+def last() -> Frame | None:
+    """The innermost frame now, or after the outermost uninstall, the last run's."""
+    return _last
+
+
+def installed() -> bool:
+    return bool(_stack)
+
+
+def original(owner, name: str):
+    """The function dpq's replacement of ``owner.name`` stands in for (to call through); before
+    any install, what ``owner.name`` finds now."""
+    fn = _replaced.get((owner, name), _MISSING)
+    return _upstream(owner, name) if fn is _MISSING else fn
+
+
+def _patch() -> None:
+    problems = check()
+    if problems:
+        raise _refuse(problems)
+    entries = [(p, _resolve(p.owner), _resolve(p.replacement)) for p in patches_for()]
+    for p, owner, fn in entries:
+        key = (owner, p.name)
+        if key in _chained:
+            if _upstream(owner, p.name) is not _replaced[key]:
+                continue  # ours is still called through the patch that was put over it
+            _chained.discard(key)  # that patch was taken off again: patch afresh
+        _saved[key] = owner.__dict__.get(p.name, _MISSING)
+        _replaced[key] = _upstream(owner, p.name)
+        _ours[key] = fn
+        setattr(owner, p.name, fn)
+
+
+def _unpatch() -> None:
+    """Put back what _patch replaced, unless someone patched over ours since: their patch stays."""
+    for key, fn in list(_ours.items()):
+        owner, name = key
+        now = owner.__dict__.get(name, _MISSING)
+        if key in _chained and now is not fn:
+            continue
+        _chained.discard(key)
+        if now is not fn:
+            _chained.add(key)
+            from auto_round.logger import logger
+
+            logger.warning(f"dpq: {owner.__name__}.{name} was patched again after dpq.enable(); leaving that "
+                           "patch in place (dpq's, under it, now passes calls through)")
+            continue
+        saved = _saved.pop(key, _MISSING)
+        del _ours[key]
+        del _replaced[key]
+        if saved is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, saved)
+
+
+def chained(owner, name: str) -> bool:
+    """Whether dpq's replacement of ``owner.name`` was left under someone else's later patch."""
+    return (owner, name) in _chained

@@ -1,0 +1,100 @@
+"""The cost model behind ``auto``: formulas, the link probe, and the choice both ways on a simulated link."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpq.cost_model import (
+    AutoWorld,
+    CostInputs,
+    block_flops,
+    choose_world,
+    compute_from_iteration,
+    exchange_seconds,
+    predict,
+    probe_link,
+    wire_bytes,
+)
+from dpq.fallback_p2p import LocalCommunicator
+from dpq.simulated_link import SimulatedLink
+from dpq.streams import make_lanes
+
+
+def test_predict_by_hand():
+    c = CostInputs(compute_s=1.0, issue_s=0.01, tuned_elems=10**8, bandwidth_Bps=1e10, latency_s=1e-4,
+                   policy="sign", buckets=10, setup_per_mirror_s=0.5)
+    assert wire_bytes(4, 10**8) == pytest.approx(0.75 * 4.25e8)
+    e = 20 * 1e-4 + 0.75 * 4.25e8 / 1e10
+    assert exchange_seconds(4, c) == pytest.approx(e)
+    p = predict(4, 50, c)
+    assert p.per_iter_s == pytest.approx(0.25 + e)  # no overlap: all exposed
+    assert p.seconds == pytest.approx(3 * 0.5 + 50 * (0.25 + e))
+    assert predict(1, 50, c).seconds == pytest.approx(50 * 1.0)  # no exchange, no mirrors
+    c.overlap = 1.0  # the backward (2/3 of 0.25 s) hides all but the last bucket's share
+    assert predict(4, 50, c).per_iter_s == pytest.approx(0.25 + e / 10)
+    c.issue_s = 0.1  # the issuing thread bounds it: 4 x 0.1 > 0.25
+    assert predict(4, 50, c).parts["issue_s"] == pytest.approx(0.4)
+    assert predict(4, 50, c).per_iter_s == pytest.approx(0.4 + e / 10)
+
+
+@pytest.mark.parametrize("overlap,buckets", [(0.0, 1), (1.0, 8), (0.5, 4), (1.0, 1)])
+@pytest.mark.parametrize("bw", [1e8, 1e9, 1e11])
+def test_compute_from_iteration_inverts_predict(overlap, buckets, bw):
+    c = CostInputs(compute_s=0.8, issue_s=1e-4, tuned_elems=10**7, bandwidth_Bps=bw, overlap=overlap, buckets=buckets)
+    for world in (2, 4):
+        t = predict(world, 1, c).per_iter_s
+        assert compute_from_iteration(t, world, c) == pytest.approx(0.8, rel=1e-6)
+
+
+def test_block_flops_8b_class():
+    # Llama-3-8B block: 218 M linear params, 8 x 2048 tokens -> ~23 TFLOP per iteration (issue 10)
+    n = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    f = block_flops(n, 8 * 2048, hidden=4096, seqlen=2048, samples=8)
+    assert 22e12 < f < 24e12
+
+
+def _link(world, gbps, latency=0.0):
+    return SimulatedLink(LocalCommunicator(make_lanes(["cpu"] * world)), bandwidth_GBps=gbps, latency_s=latency)
+
+
+def test_probe_link_measures_the_simulated_link():
+    link = _link(2, 0.002, latency=0.004)  # 2 MB/s: 4 KB -> ~2 ms, 256 KB -> ~131 ms, plus 4 ms each
+    try:
+        latency, bw = probe_link(link, sizes=(2**10, 2**16), reps=3)
+    finally:
+        link.close()
+    assert bw == pytest.approx(2e6, rel=0.3)
+    assert latency == pytest.approx(0.004, abs=0.003)
+
+
+def test_auto_picks_one_lane_when_the_exchange_dominates():
+    link = _link(4, 0.005)  # 5 MB/s: a 2 M-value block's exchange takes ~1.3 s per iteration
+    try:
+        auto = AutoWorld(issue_s=1e-4, probe_sizes=(2**10, 2**14))
+        choice = auto.choose(link, iters=20, compute_s=0.05, tuned_elems=2 * 10**6, label="block 0")
+    finally:
+        link.close()
+    assert choice.world == 1
+    assert "world 1 is fastest" in choice.reason
+    assert auto.records[0]["predicted_s"][1] < auto.records[0]["predicted_s"][4]
+
+
+def test_auto_picks_every_lane_when_compute_dominates():
+    link = _link(4, 0.05)  # 50 MB/s
+    try:
+        auto = AutoWorld(issue_s=1e-4, probe_sizes=(2**10, 2**14))
+        choice = auto.choose(link, iters=20, compute_s=5.0, tuned_elems=10**5, label="block 0")
+        again = auto.choose(link, iters=20, compute_s=5.0, tuned_elems=10**5, label="block 1")
+    finally:
+        link.close()
+    assert choice.world == 4 and again.world == 4
+    assert len(auto.links) == 1  # probed once per run and lane set
+    auto.measured("block 0", 26.0)
+    assert auto.records[0]["measured_s"] == 26.0 and auto.records[1]["measured_s"] is None
+
+
+def test_choose_world_prefers_fewer_lanes_on_a_tie_and_logs(caplog):
+    c = CostInputs(compute_s=0.0, issue_s=0.0, tuned_elems=0, bandwidth_Bps=1.0)
+    with caplog.at_level("INFO", logger="dpq.cost_model"):
+        assert choose_world([4, 2, 1], 10, c).world == 1
+    assert "dpq auto: predicted block time" in caplog.text

@@ -1,0 +1,138 @@
+"""The patch table: every replaced auto-round symbol in one place, checked at install, nested installs."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dpq.autoround import integration, patches
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _targets():
+    return [(patches._resolve(p.owner), p.name, patches._resolve(p.replacement)) for p in patches.patches_for()]
+
+
+def test_install_replaces_every_table_symbol_and_uninstall_restores_them():
+    before = {(o, n): o.__dict__.get(n) for o, n, _ in _targets()}
+    with integration.parallel_quantization(2, "cpu,cpu"):
+        for owner, name, ours in _targets():
+            assert owner.__dict__[name] is ours, f"{owner.__name__}.{name}"
+            assert patches.original(owner, name) is before[owner, name]
+    assert {(o, n): o.__dict__.get(n) for o, n, _ in _targets()} == before
+
+
+def test_table_names_every_auto_round_symbol_dpq_assigns():
+    """No module of dpq assigns an attribute of an auto-round class or module itself: the table does
+    (the per-call swaps of the collection seam are on instances, for one compress_block call)."""
+    assigned = set()
+    for path in (ROOT / "dpq").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        upstream = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and (node.module or "").startswith("auto_round") for a in node.names}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AugAssign) else []
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("setattr", "delattr"):
+                targets = [ast.Attribute(value=node.args[0], attr="?")]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in upstream:
+                    assigned.add((path.name, t.value.id, t.attr))
+    assert assigned == set()
+    names = {p.name for p in patches.TABLE}
+    assert {"quantize_block", "dispatch_block", "compress_block", "_grid_search_scales", "_run_parent_samples",
+            "_compute_parent_loss", "_clip_block", "_compute_best_clip", "_quantize_targets",
+            "_prepare_init_scale_weight", "search_optimized_init_scale"} == names
+
+
+def _auto_round_function(params: str):
+    ns = {}
+    exec(f"def fake({params}):\n    return None\n", ns)
+    ns["fake"].__module__ = "auto_round.changed"
+    return ns["fake"]
+
+
+def test_changed_upstream_signature_is_refused_naming_version_and_symbol(monkeypatch):
+    from auto_round.algorithms.transforms.awq.base import AWQTransform
+    from auto_round.version import __version__
+
+    before = {(o, n): o.__dict__.get(n) for o, n, _ in _targets()}
+    monkeypatch.setattr(AWQTransform, "_clip_block", _auto_round_function("self, block_prefix, mappings, extra=1"))
+    with pytest.raises(patches.PatchMismatch) as e:
+        integration.enable(2, "cpu,cpu")
+    msg = str(e.value)
+    assert f"auto-round {__version__}" in msg and "AWQTransform._clip_block(" in msg
+    assert "does not run a changed upstream function" in msg
+    assert not patches.installed() and not integration._active()
+    for (owner, name), fn in before.items():
+        if name != "_clip_block":
+            assert owner.__dict__.get(name) is fn  # nothing was patched
+
+
+def test_missing_upstream_symbol_is_refused(monkeypatch):
+    from auto_round.algorithms.transforms.awq.base import AWQTransform
+
+    monkeypatch.delattr(AWQTransform, "_compute_best_clip")
+    with pytest.raises(patches.PatchMismatch, match=r"AWQTransform\._compute_best_clip is missing"):
+        integration.enable("auto")
+    assert not patches.installed()
+
+
+def test_per_version_entries():
+    v16 = {p.symbol for p in patches.patches_for("0.16.1")}
+    v17 = {p.symbol for p in patches.patches_for("0.17.0.dev20261026")}
+    assert "OptimizedRTNQuantizer._quantize_targets" in v16 - v17
+    assert any(s.endswith("sign_roundv2.quantizer.search_optimized_init_scale") for s in v16 - v17)
+    assert v17 < v16
+    assert "OptimizedRTNQuantizer._quantize_targets" in patches.NOT_PATCHED["0.17"]
+    assert patches.patches_for("0.18.0") == []
+
+
+def test_nested_installs_stack_and_a_later_foreign_patch_stays():
+    from auto_round.algorithms.composer import AlgorithmComposer as C
+
+    before = C.__dict__["compress_block"]
+    outer, inner = SimpleNamespace(world=2, devices=None), SimpleNamespace(world="off", devices=None)
+    patches.install(outer)
+    patches.install(inner)
+    assert patches.current() is inner and C.compress_block is not before
+    patches.uninstall()
+    assert patches.current() is outer and C.compress_block is not before
+    ours = C.__dict__["compress_block"]
+
+    def theirs(self, *a, **k):
+        return ours(self, *a, **k)
+
+    C.compress_block = theirs
+    try:
+        patches.uninstall()
+        assert C.__dict__["compress_block"] is theirs and patches.chained(C, "compress_block")
+        assert patches.current() is None and patches.last().config is outer
+    finally:
+        C.compress_block = before
+    patches.install(outer)  # taken off again: patched afresh
+    assert C.__dict__["compress_block"] is ours and not patches.chained(C, "compress_block")
+    patches.uninstall()
+    assert C.__dict__["compress_block"] is before
+
+
+def test_no_import_cycle_between_integration_and_the_seams():
+    def imports(name):
+        tree = ast.parse((ROOT / "dpq" / "autoround" / f"{name}.py").read_text())
+        out = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                out.add(node.module or "")
+                out.update(a.name for a in node.names if not node.module)
+        return out
+
+    seams = ["seams_common", "seams_collection", "seams_rtn", "seams_init_scale", "seams_awq", "shard_seams"]
+    for s in seams:
+        assert "integration" not in imports(s), s
+    assert not set(seams) & imports("integration") - {"seams_common"}
+    assert not imports("patches")  # the table names its replacements by path, imported at install
+    assert all(len((ROOT / "dpq" / "autoround" / f"{s}.py").read_text().splitlines()) <= 400 for s in seams)
