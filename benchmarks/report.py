@@ -309,7 +309,7 @@ def main(argv=None) -> int:
     devices = parse_devices(args.devices)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    started = dt.datetime.now(dt.timezone.utc)
+    started = dt.datetime.now(dt.UTC)
     wall0, mine0, busy0 = time.perf_counter(), time.process_time(), _busy_cpu_seconds()
     machine = machine_info(devices)
     print(f"recording a tiny-Llama block on {devices[0]} ...", file=sys.stderr, flush=True)
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     report = {
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "command": _command(),
-        "seconds": (dt.datetime.now(dt.timezone.utc) - started).total_seconds(),
+        "seconds": (dt.datetime.now(dt.UTC) - started).total_seconds(),
         "machine": machine,
         "settings": {
             "devices": ",".join(map(str, devices)),

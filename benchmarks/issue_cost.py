@@ -1,0 +1,191 @@
+"""Host time of the issuing thread per lane-iteration, split by part, and the lanes one thread can feed.
+
+    .venv/bin/python -m benchmarks.issue_cost
+
+A launch-bound block: a tiny Llama decoder layer (hidden 128, intermediate 256, 8 samples x 8
+tokens) tuned by ``dpq.parallel_tune`` (auto-round's wrapper, SignSGD, the sign exchange) on 1,
+2, 4, 8 CPU lanes with one intra-op thread, so the time is Python and dispatch, not arithmetic.
+Every part of each iteration is timed where it runs (wrappers around the engine's calls):
+
+- ``forward+loss``: every lane's ``lane_loss`` (auto-round's wrapped forward, the loss);
+- ``backward``: ``torch.autograd.backward`` minus the exchange issued inside it (on CPU this is
+  the whole backward, arithmetic included; on GPUs autograd's per-device threads traverse each
+  lane's graph, in parallel, while the issuing thread waits for the slowest);
+- ``exchange``: issuing every bucket's collectives (``exchange_bucket``; on CPU the sums too);
+- ``step``: every lane's optimizer step, zero_grad and lr schedule (``TuneEngine.step``);
+- ``other``: the rest of ``TuneEngine.backward`` (split, grad views, loss hand-off, readback).
+
+Per lane-iteration = per iteration / W. The issuing thread's share on a GPU machine is
+``issue = forward+loss + exchange + step + other`` per lane (the backward runs on the device
+threads). "Lanes one thread can feed" for a block class on a GPU class: with W lanes an
+iteration needs ``W * issue + backward_lane`` of host time and ``compute / W`` of device time,
+``compute = FLOPs / achievable throughput``; the thread keeps the GPUs busy while
+``W * issue + backward_lane <= compute / W``. FLOPs per iteration (``dpq.cost_model.block_flops``):
+6 x tokens x linear params + 12 x samples x seqlen^2 x hidden, for a batch of 8 x 2048 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from dpq import exchange as dpq_exchange  # noqa: E402
+from dpq import tune_loop  # noqa: E402
+from dpq.cost_model import block_flops  # noqa: E402
+
+# (name, hidden, intermediate, kv dim): Llama-3-8B, Qwen2.5-32B, Llama-3-70B blocks
+BLOCKS = [("8B-class", 4096, 14336, 1024), ("32B-class", 5120, 27648, 1024), ("70B-class", 8192, 28672, 1024)]
+# achievable bf16 throughput for auto-round's block (assumed, not measured here)
+GPUS = [("H100-class", 400e12), ("3090-class", 25e12)]
+SAMPLES, SEQLEN = 8, 2048
+
+
+def linear_params(hidden: int, intermediate: int, kv: int) -> int:
+    return 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate
+
+
+@contextlib.contextmanager
+def instrument(parts: dict):
+    """Time the engine's parts (module docstring) into ``parts[name]`` (seconds, summed)."""
+    real_backward, real_init = torch.autograd.backward, tune_loop.TuneEngine.__init__
+    real_step, real_ebwd = tune_loop.TuneEngine.step, tune_loop.TuneEngine.backward
+    real_bucket = dpq_exchange._Exchange.exchange_bucket
+    in_backward = [False]
+
+    def backward(*a, **k):
+        t0, ex0 = time.perf_counter(), parts["exchange"]
+        in_backward[0] = True
+        try:
+            real_backward(*a, **k)
+        finally:
+            in_backward[0] = False
+        parts["backward"] += time.perf_counter() - t0 - (parts["exchange"] - ex0)
+
+    def exchange_bucket(self, buckets, i):
+        t0 = time.perf_counter()
+        real_bucket(self, buckets, i)
+        parts["exchange"] += time.perf_counter() - t0
+
+    def init(self, replicas, lane_loss, *a, **k):
+        def timed(lane, module, indices):
+            t0 = time.perf_counter()
+            out = lane_loss(lane, module, indices)
+            parts["forward+loss"] += time.perf_counter() - t0
+            return out
+
+        real_init(self, replicas, timed, *a, **k)
+
+    def step(self):
+        t0 = time.perf_counter()
+        real_step(self)
+        parts["step"] += time.perf_counter() - t0
+        parts["iterations"] += 1
+
+    def engine_backward(self, indices):
+        t0 = time.perf_counter()
+        out = real_ebwd(self, indices)
+        parts["engine_backward"] += time.perf_counter() - t0
+        return out
+
+    torch.autograd.backward = backward
+    tune_loop.TuneEngine.__init__, tune_loop.TuneEngine.step = init, step
+    tune_loop.TuneEngine.backward = engine_backward
+    dpq_exchange._Exchange.exchange_bucket = exchange_bucket
+    try:
+        yield
+    finally:
+        torch.autograd.backward = real_backward
+        tune_loop.TuneEngine.__init__, tune_loop.TuneEngine.step = real_init, real_step
+        tune_loop.TuneEngine.backward = real_ebwd
+        dpq_exchange._Exchange.exchange_bucket = real_bucket
+
+
+def measure(block, inputs, others, world: int, iters: int) -> dict:
+    import copy
+
+    import dpq
+
+    parts: dict = defaultdict(float)
+    with instrument(parts):
+        dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, world=world,
+                          devices=",".join(["cpu"] * world), iters=iters, batch_size=len(inputs), seed=0)
+    n = parts.pop("iterations")
+    ebwd = parts.pop("engine_backward")
+    out = {k: v / n for k, v in parts.items()}
+    out["other"] = ebwd / n - out["forward+loss"] - out["backward"] - out["exchange"]
+    out["iteration"] = ebwd / n + out["step"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="1,2,4,8")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--nsamples", type=int, default=8)
+    p.add_argument("--seqlen", type=int, default=8)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    from benchmarks.report import _busy_cpu_seconds, _cpu_model
+    from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
+
+    model = build_tiny_llama(TinyLlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                                             num_hidden_layers=1))
+    inputs, others = capture_block_inputs(model, calibration_samples(args.nsamples, args.seqlen))
+    block, inputs, others = model.model.layers[0], inputs[0], others[0]
+    wall0, mine0, busy0 = time.perf_counter(), time.process_time(), _busy_cpu_seconds()
+    rows = {}
+    for w in map(int, args.worlds.split(",")):
+        measure(block, inputs, others, w, 3)  # warm-up
+        runs = [measure(block, inputs, others, w, args.iters) for _ in range(args.rounds)]
+        rows[w] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    busy1 = _busy_cpu_seconds()
+    keys = ["forward+loss", "backward", "exchange", "step", "other"]
+    print(f"{_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 intra-op thread; tiny Llama layer "
+          f"hidden {args.hidden}, intermediate {args.intermediate}, {args.nsamples} x {args.seqlen} tokens; "
+          f"dpq.parallel_tune, {args.iters} iters, median of {args.rounds}")
+    print("\nms per lane-iteration (per iteration / W):\n")
+    print("| W | " + " | ".join(keys) + " | issue (all but backward) | iteration / W |")
+    print("|---:|" + "---:|" * (len(keys) + 2))
+    for w, r in rows.items():
+        issue = sum(r[k] for k in keys if k != "backward")
+        print(f"| {w} | " + " | ".join(f"{r[k] / w * 1e3:.2f}" for k in keys) +
+              f" | {issue / w * 1e3:.2f} | {r['iteration'] / w * 1e3:.2f} |")
+    if busy0 is not None and busy1 is not None:
+        share = max(0.0, (busy1 - busy0) - (time.process_time() - mine0)) / \
+            ((time.perf_counter() - wall0) * (os.cpu_count() or 1))
+        print(f"\nother processes used {share:.0%} of the machine's CPU during this run")
+    wmax = max(rows)
+    issue = sum(rows[wmax][k] for k in keys if k != "backward") / wmax
+    bwd_lane = rows[wmax]["backward"] / wmax
+    print(f"\nissue per lane-iteration (W={wmax}): {issue * 1e3:.2f} ms; backward per lane {bwd_lane * 1e3:.2f} ms "
+          "(device threads on GPUs)")
+    print("\n| block | GPU | TFLOP/iter | compute ms/iter (1 lane) | (compute / 8) / issue at W=8 "
+          "| lanes one thread can feed |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, h, inter, kv in BLOCKS:
+        flops = block_flops(linear_params(h, inter, kv), SAMPLES * SEQLEN, hidden=h, seqlen=SEQLEN, samples=SAMPLES)
+        for gpu, tput in GPUS:
+            c = flops / tput
+            fed = max((w for w in range(1, 65) if w * issue + bwd_lane <= c / w), default=0)
+            print(f"| {name} | {gpu} ({tput / 1e12:.0f} TFLOP/s) | {flops / 1e12:.1f} | {c * 1e3:.0f} "
+                  f"| {c / 8 / issue:.1f} | {fed} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
