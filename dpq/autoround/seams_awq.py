@@ -111,7 +111,7 @@ def grid_search_scales(self, mapping, x_mean):
         out = original(self, mapping, x_mean)
         if reasons:
             scratch().records.append(PhaseRecord(block, "search", 1, time.perf_counter() - t0,
-                                              f"{label} on home", list(reasons)))
+                                                 f"{label} on home", list(reasons)))
         return out
     names = {id(m): n for n, m in mapping.parent.named_modules()}
     tuned = [f"{names[id(bl)]}.weight".lstrip(".") for bl in mapping.balance_layers]
@@ -136,7 +136,7 @@ def grid_search_scales(self, mapping, x_mean):
         scratch().awq_grid = None
         out = original(self, mapping, x_mean)
         scratch().records.append(PhaseRecord(block, "search", 1, time.perf_counter() - t0, f"{label} on home",
-                                          [f"lane failure: {err!r}"], fell_back=True))
+                                             [f"lane failure: {err!r}"], fell_back=True))
         return out
     finally:
         scratch().awq_grid = None
@@ -145,8 +145,8 @@ def grid_search_scales(self, mapping, x_mean):
     per_lane = ", ".join(f"lane {k}: {b - a}" for k, (a, b) in enumerate(contiguous_ranges(len(kwargs_list),
                                                                                             len(lanes))))
     scratch().records.append(PhaseRecord(block, "search", len(lanes), time.perf_counter() - t0,
-                                      f"{label}: {ctx.points} grid points, cached calls per lane ({per_lane})",
-                                      reasons))
+                                         f"{label}: {ctx.points} grid points, cached calls per lane ({per_lane})",
+                                         reasons))
     log_once(("awq_grid", len(lanes)), f"dpq: AWQ grid-search replays of {block} sharded over {len(lanes)} lanes")
     return out
 
@@ -309,9 +309,9 @@ def clip_block(self, block_prefix, block_mappings):
         scratch().awq_clips.clear()
         per_lane = ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(len(lanes)))
         scratch().records.append(PhaseRecord(block_prefix, "search", len(lanes), time.perf_counter() - t0,
-                                          f"{len(items)} AWQ clip searches ({per_lane})", reasons))
+                                             f"{len(items)} AWQ clip searches ({per_lane})", reasons))
         log_once(("awq_clip", len(lanes)), f"dpq: AWQ clip searches of {block_prefix} mapped over "
-                  f"{len(lanes)} lanes ({per_lane})")
+                 f"{len(lanes)} lanes ({per_lane})")
 
 
 def compute_best_clip(self, layer, input_feat):

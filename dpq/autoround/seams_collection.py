@@ -251,10 +251,10 @@ class ShardedRunner:
 
     def _record(self, world, t0, detail, reasons, fell_back=False):
         scratch().records.append(PhaseRecord(self._block_name, "collection", world, time.perf_counter() - t0,
-                                          detail, list(reasons), fell_back))
+                                             detail, list(reasons), fell_back))
         log_once(("collection", world, detail, tuple(reasons)),
-                  f"dpq: collection pass of {self._block_name} ({detail}) on {world} lane(s)"
-                  + "".join(f"\n  - {r}" for r in reasons))
+                 f"dpq: collection pass of {self._block_name} ({detail}) on {world} lane(s)"
+                 + "".join(f"\n  - {r}" for r in reasons))
 
 
 def compress_block(self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None,

@@ -73,9 +73,9 @@ def precompute_init_scales(q, block, block_name: str) -> None:
 
     map_over_lanes(targets, lanes, run, cost=lambda m: float(m.weight.numel()), collect=collect)
     scratch().records.append(PhaseRecord(block_name, "search", len(lanes), time.perf_counter() - t0,
-                                      f"{len(targets)} SignRoundV2 init-scale searches", reasons, nested=True))
+                                         f"{len(targets)} SignRoundV2 init-scale searches", reasons, nested=True))
     log_once(("init_scale", len(lanes)), f"dpq: SignRoundV2 init-scale searches of {block_name} mapped over "
-              f"{len(lanes)} lanes")
+             f"{len(lanes)} lanes")
 
 
 def prepare_init_scale_weight(self):
@@ -96,7 +96,7 @@ def search_optimized_init_scale(weight_reshape, data_type, bits, imatrix=None, q
     result = search(weight_reshape, data_type, bits, imatrix, q_scale_thresh)
     if layer is not None and scratch().block_name:
         scratch().records.append(PhaseRecord(scratch().block_name, "search", 1, time.perf_counter() - t0,
-                                          "SignRoundV2 init-scale search on home", nested=True))
+                                             "SignRoundV2 init-scale search on home", nested=True))
     return result
 
 

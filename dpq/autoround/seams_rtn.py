@@ -109,9 +109,9 @@ def _map_rtn(q, targets: list, disable_opt_rtn, block_name: str) -> bool:
     map_over_lanes(targets, lanes, counting_run, cost=cost, collect=collect)
     per_lane = ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(len(lanes)))
     log_once(("search", len(lanes)), f"dpq: per-layer weight searches of {block_name} mapped over "
-              f"{len(lanes)} lanes ({per_lane})")
+             f"{len(lanes)} lanes ({per_lane})")
     scratch().records.append(PhaseRecord(block_name, "search", len(lanes), time.perf_counter() - t0,
-                                      f"{len(targets)} layers ({per_lane})", reasons, nested=True))
+                                         f"{len(targets)} layers ({per_lane})", reasons, nested=True))
     return True
 
 
