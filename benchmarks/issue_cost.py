@@ -43,13 +43,40 @@ import torch  # noqa: E402
 
 from dpq import exchange as dpq_exchange  # noqa: E402
 from dpq import tune_loop  # noqa: E402
-from dpq.cost_model import block_flops  # noqa: E402
+from dpq.cost_model import CostInputs, block_flops, predict  # noqa: E402
 
 # (name, hidden, intermediate, kv dim): Llama-3-8B, Qwen2.5-32B, Llama-3-70B blocks
 BLOCKS = [("8B-class", 4096, 14336, 1024), ("32B-class", 5120, 27648, 1024), ("70B-class", 8192, 28672, 1024)]
 # achievable bf16 throughput for auto-round's block (assumed, not measured here)
 GPUS = [("H100-class", 400e12), ("3090-class", 25e12)]
 SAMPLES, SEQLEN = 8, 2048
+# (machine, lanes, GPU throughput, per-lane bus bandwidth, latency per collective): stated, not measured here
+MACHINES = [("4 x RTX 3090, PCIe, no P2P", 4, 25e12, 10e9, 50e-6), ("8 x H100 SXM, NVLink", 8, 400e12, 350e9, 20e-6)]
+ITERS = 200  # auto-round's default
+BUCKET_CAP = 2**22  # dpq.exchange.GradBuckets' default
+
+
+def speedup_table(issue_s: float, overlap: float) -> list[str]:
+    """Modeled block-time speedup over one lane (dpq.cost_model.predict), sign exchange."""
+    out = ["| machine | block | tuned values | compute ms/iter (1 lane) | issue ms/lane-iter | W | exchange ms/iter "
+           "| exposed ms/iter | speedup vs 1 lane | best W (speedup) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for mname, lanes, tput, bw, lat in MACHINES:
+        for bname, h, inter, kv in BLOCKS:
+            n = linear_params(h, inter, kv)
+            tuned = n + n // 64  # rounding values + min/max scales (group 128)
+            c = CostInputs(compute_s=block_flops(n, SAMPLES * SEQLEN, hidden=h, seqlen=SEQLEN, samples=SAMPLES) / tput,
+                           issue_s=issue_s, tuned_elems=tuned, bandwidth_Bps=bw, latency_s=lat, policy="sign",
+                           buckets=-(-tuned // BUCKET_CAP), overlap=overlap,
+                           setup_per_mirror_s=2 * n / bw)  # bf16 weights copied once per mirror
+            one = predict(1, ITERS, c).seconds
+            preds = {w: predict(w, ITERS, c) for w in range(1, lanes + 1)}
+            best = min(preds.values(), key=lambda p: p.seconds)
+            p = preds[lanes]
+            out.append(f"| {mname} | {bname} | {tuned / 1e6:.0f} M | {c.compute_s * 1e3:.0f} | {issue_s * 1e3:.2f} "
+                       f"| {lanes} | {p.parts['exchange_s'] * 1e3:.0f} | {p.parts['exposed_s'] * 1e3:.0f} "
+                       f"| {one / p.seconds:.2f}x | {best.world} ({one / best.seconds:.2f}x) |")
+    return out
 
 
 def linear_params(hidden: int, intermediate: int, kv: int) -> int:
@@ -138,7 +165,13 @@ def main(argv=None) -> int:
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--nsamples", type=int, default=8)
     p.add_argument("--seqlen", type=int, default=8)
+    p.add_argument("--model-only", type=float, default=None, metavar="ISSUE_MS",
+                   help="skip the measurement: print the modeled speedups for this issue cost (ms per lane-iteration)")
+    p.add_argument("--overlap", type=float, default=0.6, help="hidden fraction for the model (benchmarks.overlap)")
     args = p.parse_args(argv)
+    if args.model_only is not None:
+        print("\n".join(speedup_table(args.model_only / 1e3, args.overlap)))
+        return 0
     torch.set_num_threads(1)
     from benchmarks.report import _busy_cpu_seconds, _cpu_model
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
@@ -184,6 +217,10 @@ def main(argv=None) -> int:
             fed = max((w for w in range(1, 65) if w * issue + bwd_lane <= c / w), default=0)
             print(f"| {name} | {gpu} ({tput / 1e12:.0f} TFLOP/s) | {flops / 1e12:.1f} | {c * 1e3:.0f} "
                   f"| {c / 8 / issue:.1f} | {fed} |")
+    for share in (1.0, 1 / 3):
+        print(f"\nModeled speedup (dpq.cost_model, sign exchange, {ITERS} iters, overlap {args.overlap}), issue = "
+              f"{share:.2g} x the CPU-measured {issue * 1e3:.2f} ms:\n")
+        print("\n".join(speedup_table(issue * share, args.overlap)))
     return 0
 
 
