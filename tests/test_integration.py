@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpq import session
 from dpq.autoround import integration
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
 from dpq.plan import PlanRefused, PlanRequest, resolve
@@ -22,7 +24,7 @@ def quantize(world, devices=None, iters=6, fail_lane_at=None, return_model=False
     model = build_tiny_llama(TinyLlamaConfig())
     fp = copy.deepcopy(model)
     integration.enable(world, devices, debug_identical=True)
-    integration._state.fail_lane_at = fail_lane_at
+    fault = session.inject_fault(block=fail_lane_at[0], after=fail_lane_at[1]) if fail_lane_at else None
     try:
         ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(16, 64), device_map="cpu",
                        enable_torch_compile=False, iters=iters, nsamples=16, seqlen=64, batch_size=8, seed=42,
@@ -33,6 +35,8 @@ def quantize(world, devices=None, iters=6, fail_lane_at=None, return_model=False
             records = integration.run_summary()
     finally:
         integration.disable()
+        if fault is not None:
+            fault.remove()
     if return_model:
         return model, records, fp
     return model.state_dict(), records, fp
@@ -115,8 +119,8 @@ def test_lane_failure_under_explicit_world_raises_and_loses_nothing():
     model = build_tiny_llama(TinyLlamaConfig())
     fp_block1 = copy.deepcopy(model.model.layers[1])
     integration.enable(2, "cpu,cpu")
-    integration._state.fail_lane_at = (1, 3)
-    seen = {}
+    fault = session.inject_fault(block=1, after=3)
+    seen, attrs = {}, {}
     orig = integration._ORIGINAL
 
     try:
@@ -126,6 +130,7 @@ def test_lane_failure_under_explicit_world_raises_and_loses_nothing():
 
         def spy(q, plan, block, *a, **k):
             seen[a[-3].block_index] = {n: t.clone() for n, t in block.state_dict().items()}
+            attrs[a[-3].block_index] = {n: set(m.__dict__) for n, m in block.named_modules()}
             return real_parallel(q, plan, block, *a, **k)
 
         integration._parallel_block = spy
@@ -134,10 +139,13 @@ def test_lane_failure_under_explicit_world_raises_and_loses_nothing():
     finally:
         integration._parallel_block = real_parallel
         integration.disable()
+        fault.remove()
     assert integration._ORIGINAL is orig
     block1 = model.model.layers[1]
     assert not any(hasattr(m, "orig_layer") for m in block1.modules()), "wrappers removed"
     assert bitwise_equal(block1.state_dict(), seen[1]), "home block exactly as before the block started"
+    # no attribute the wrappers set (e.g. WrapperLinear's ``iters`` on each original layer) stays behind
+    assert {n: set(m.__dict__) for n, m in block1.named_modules()} == attrs[1]
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight.float(),
                            fp_block1.self_attn.q_proj.weight.float())
 
@@ -234,29 +242,56 @@ def test_explicit_world_refuses_before_any_work():
 
 # -- the real CLI, in a subprocess, on the embedded (trained) model --
 
-def _cli(tmp: Path, out: str, *extra: str) -> dict:
-    import json
-
-    from safetensors.torch import load_file
-
+def _cli_cmd(tmp: Path, out: str, *extra: str) -> list[str]:
     from dpq.demo.embedded import DATA_DIR, calibration_jsonl
 
     calib = tmp / "calib.jsonl"
     if not calib.exists():
         calibration_jsonl(calib, 32, 64)
     report = tmp / out / "report.json"
-    cmd = [sys.executable, "-m", "dpq.autoround.cli", "--model", str(DATA_DIR), "--dataset", str(calib),
-           "--iters", "50", "--nsamples", "16", "--seqlen", "64", "--batch_size", "8", "--device_map", "cpu",
-           "--disable_torch_compile", "--output_dir", str(tmp / out), "--parallel_report", str(report), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return [sys.executable, "-m", "dpq.autoround.cli", "--model", str(DATA_DIR), "--dataset", str(calib),
+            "--iters", "50", "--nsamples", "16", "--seqlen", "64", "--batch_size", "8", "--device_map", "cpu",
+            "--disable_torch_compile", "--output_dir", str(tmp / out), "--parallel_report", str(report), *extra]
+
+
+# CLI runs go CLI_WORKERS at a time, each with CLI_THREADS intra-op threads: on the 2-core CI box two
+# one-thread processes finish a batch of runs sooner than one two-thread process at a time (the tiny
+# model's kernels do not scale to 2 threads). Every run in a comparison uses the same setting, so
+# the bitwise and statistical checks compare like with like.
+CLI_WORKERS = max(1, min(2, os.cpu_count() or 1))
+CLI_THREADS = max(1, (os.cpu_count() or 1) // CLI_WORKERS)
+
+
+def _cli_load(tmp: Path, out: str, proc: subprocess.CompletedProcess) -> dict:
+    import json
+
+    from safetensors.torch import load_file
+
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted((tmp / out).rglob("*.safetensors"))
     assert files, f"no saved model under {tmp / out}"
     state = {}
     for f in files:
         state.update(load_file(str(f)))
+    report = tmp / out / "report.json"
     return {"state": state, "stdout": proc.stdout, "report": json.loads(report.read_text()),
             "dir": files[0].parent}
+
+
+def _cli_many(tmp: Path, runs: dict[str, list[str]]) -> dict[str, dict]:
+    """Run ``{out: extra args}`` CLI jobs, CLI_WORKERS at a time; returns ``{out: result}``."""
+    from concurrent.futures import ThreadPoolExecutor  # threads only wait on the subprocesses
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(CLI_THREADS), MKL_NUM_THREADS=str(CLI_THREADS))
+    cmds = {out: _cli_cmd(tmp, out, *extra) for out, extra in runs.items()}
+    with ThreadPoolExecutor(CLI_WORKERS) as pool:
+        procs = {out: pool.submit(subprocess.run, cmd, capture_output=True, text=True, timeout=600, env=env)
+                 for out, cmd in cmds.items()}
+        return {out: _cli_load(tmp, out, f.result()) for out, f in procs.items()}
+
+
+def _cli(tmp: Path, out: str, *extra: str) -> dict:
+    return _cli_many(tmp, {out: list(extra)})[out]
 
 
 @pytest.fixture(scope="module")
@@ -269,24 +304,33 @@ SEEDS = (42, 43, 44)
 
 @pytest.fixture(scope="module")
 def cli_runs(cli_tmp):
-    """CLI runs cached by (world, seed): every comparison below shares the serial ones."""
+    """CLI runs cached by (world, seed), world "off" included: every test below shares them (the
+    serial runs serve the world-1 bitwise test and both quality tests). ``get(*keys)`` runs the
+    missing ones together and returns them in order."""
     cache: dict = {}
 
-    def get(world: int, seed: int) -> dict:
-        if (world, seed) not in cache:
-            extra = ["--seed", str(seed), "--parallel_quantization", str(world)]
-            if world > 1:
-                extra += ["--parallel_devices", ",".join(["cpu"] * world)]
-            cache[world, seed] = _cli(cli_tmp, f"w{world}s{seed}", *extra)
-        return cache[world, seed]
+    def name(world, seed) -> str:
+        return f"w{world}s{seed}"
+
+    def get(*keys: tuple) -> list[dict]:
+        missing = {}
+        for world, seed in keys:
+            if (world, seed) not in cache:
+                extra = ["--seed", str(seed), "--parallel_quantization", str(world)]
+                if world not in ("off", 1):
+                    extra += ["--parallel_devices", ",".join(["cpu"] * world)]
+                missing[name(world, seed)] = extra
+        done = _cli_many(cli_tmp, missing) if missing else {}
+        for world, seed in keys:
+            cache.setdefault((world, seed), done.get(name(world, seed)))
+        return [cache[k] for k in keys]
 
     return get
 
 
 @pytest.mark.parity_subset
-def test_cli_world1_saves_the_same_tensors_as_off(cli_tmp, cli_runs):
-    off = _cli(cli_tmp, "off", "--seed", "42", "--parallel_quantization", "off")
-    one = cli_runs(1, 42)
+def test_cli_world1_saves_the_same_tensors_as_off(cli_runs):
+    off, one = cli_runs(("off", 42), (1, 42))
     assert off["report"]["blocks"] == []  # off: auto-round alone, dpq recorded nothing
     assert [b["world"] for b in one["report"]["blocks"]] == [1, 1, 1, 1]
     assert bitwise_equal(off["state"], one["state"])
@@ -306,18 +350,20 @@ def test_cli_world_n_matches_serial_quality(cli_runs, world):
 
     fp, tok = load_embedded_model(torch.float32)
     samples = heldout_samples(tok, 8, 64)
+    runs = cli_runs(*[(w, seed) for seed in SEEDS for w in (1, world)])
     kls: dict[int, list[float]] = {1: [], world: []}
     rel_by_block: dict[str, list[float]] = {}
-    for seed in SEEDS:
-        serial, run = cli_runs(1, seed), cli_runs(world, seed)
+    for serial, run in zip(runs[0::2], runs[1::2], strict=True):
         assert "dpq summary:" in run["stdout"]
         blocks = run["report"]["blocks"]
         assert [b["world"] for b in blocks] == [world] * 4
         for s, p in zip(serial["report"]["blocks"], blocks, strict=True):
             rel_by_block.setdefault(s["name"], []).append((p["best_loss"] - s["best_loss"]) / s["best_loss"])
         for w, r in ((1, serial), (world, run)):
-            q = AutoModelForCausalLM.from_pretrained(r["dir"], device_map="cpu", local_files_only=True).eval()
-            kls[w].append(kl_fp_quantized(fp, q, samples))
+            if "kl" not in r:  # each saved model's KL once: the serial ones serve both worlds
+                q = AutoModelForCausalLM.from_pretrained(r["dir"], device_map="cpu", local_files_only=True).eval()
+                r["kl"] = kl_fp_quantized(fp, q, samples)
+            kls[w].append(r["kl"])
     for name, rels in rel_by_block.items():
         print(f"world {world} {name}: best loss vs serial per seed {[f'{r:+.2%}' for r in rels]}, "
               f"mean {sum(rels) / len(rels):+.2%}")
