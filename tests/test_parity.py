@@ -81,8 +81,18 @@ def test_world1_is_bitwise_serial(recorded_blocks, monkeypatch, block_index):
     assert_params_bitwise(best, result.best_params)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these tiny blocks gain little from a second one, and on a shared 2-core
+    box OpenMP spinning under load made this file ~2-3x slower (measured under load: 603 s with two
+    threads, 206-246 s with one, the latter with 3 fewer mutant runs). Every
+    comparison here is within one setting; conftest restores the thread count after each test."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
 def longer_blocks():
+    torch.set_num_threads(1)  # runs before the per-test fixture; conftest resets it for each test
     # 30 iterations, 32 samples: enough steps for best-loss comparisons to mean something.
     return record_autoround_blocks(iters=30, nsamples=32, seqlen=64, batch_size=8)
 
