@@ -441,17 +441,20 @@ def _unpack_signs(packed: Tensor, world: int) -> Tensor:
     return nonzero.sub_(negative).sub_(negative).view(-1)  # negative implies nonzero: -1, +1 or 0
 
 
-_SIGN_TABLE: Tensor | None = None
+def _build_sign_table() -> Tensor:
+    """int64 (65536,): entry ``neg << 8 | nz`` holds the int8 signs of the 8 elements of the
+    (negative, nonzero) byte pair, element b in byte b (little-endian, as ``view(torch.int8)`` reads it)."""
+    byte = torch.arange(256, dtype=torch.int64)
+    bits = (byte.unsqueeze(1) >> torch.arange(8)) & 1  # (256, 8)
+    signs = bits.unsqueeze(1) - 2 * bits.unsqueeze(0)  # [nz, neg, b]: nz - 2*neg
+    signs = signs.transpose(0, 1).reshape(65536, 8).clamp_(-1, 1)  # [neg, nz]; neg without nz cannot occur
+    return signs.to(torch.int8).contiguous().view(torch.int64).view(-1)
+
+
+# Built once, at import, in host memory, and only read afterwards: a constant no lane writes
+# (so no stream order applies to it), shared by every CPU lane.
+_SIGN_TABLE = _build_sign_table()
 
 
 def _sign_table() -> Tensor:
-    """int64 (65536,): entry ``neg << 8 | nz`` holds the int8 signs of the 8 elements of the
-    (negative, nonzero) byte pair, element b in byte b (little-endian, as ``view(torch.int8)`` reads it)."""
-    global _SIGN_TABLE
-    if _SIGN_TABLE is None:
-        byte = torch.arange(256, dtype=torch.int64)
-        bits = (byte.unsqueeze(1) >> torch.arange(8)) & 1  # (256, 8)
-        signs = bits.unsqueeze(1) - 2 * bits.unsqueeze(0)  # [nz, neg, b]: nz - 2*neg
-        signs = signs.transpose(0, 1).reshape(65536, 8).clamp_(-1, 1)  # [neg, nz]; neg without nz cannot occur
-        _SIGN_TABLE = signs.to(torch.int8).contiguous().view(torch.int64).view(-1)
     return _SIGN_TABLE
