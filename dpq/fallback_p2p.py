@@ -1,4 +1,6 @@
-"""Communicators without in-process NCCL, the process-group communicator, and the choice between them.
+"""Communicators without in-process NCCL (local, peer copies, host staging, XPU copies); the choice.
+
+The torch.distributed process-group communicator is in :mod:`dpq.process_group`.
 
 Local, peer-copy, host-staged and xpu-copy communicators share one algorithm
 (:class:`_RootReduce`): bring every lane's buffer to one *place* (lane 0's device, or host
@@ -44,9 +46,10 @@ __all__ = [
     "HostStagedCommunicator",
     "LocalCommunicator",
     "PeerCopyCommunicator",
-    "ProcessGroupCommunicator",
     "XpuCopyCommunicator",
+    "choose_communicator",
     "close_communicators",
+    "make_communicator",
     "select_communicator",
 ]
 
@@ -280,103 +283,6 @@ class HostStagedCommunicator(_RootReduce):
     place = _HOST
 
 
-class ProcessGroupCommunicator(CommunicatorBase):
-    """Lanes of this process plus ``torch.distributed`` across processes (gloo / nccl / xccl / hccl).
-
-    World: every process runs the same number L of lanes (checked at construction); global
-    lane index ``g = process_rank * L + k``; ``world`` = L * processes, and the ``root`` of
-    broadcast is a global lane index.
-
-    all_reduce: ``inner.reduce`` onto lane 0, ``dist.all_reduce`` of lane 0's buffer (issued
-    on lane 0's stream), ``inner.broadcast`` back. Across processes the summation order is
-    the backend's, still identical on every rank. reduce_scatter and all_gather are
-    fallbacks built on that all_reduce: reduce_scatter all-reduces a W*n copy of the send
-    buffer and keeps its chunk; all_gather zeroes the receive buffer, writes its own chunk
-    and all-reduces the raw bytes as uint8 (one non-zero contributor per byte, so the
-    result is exact for any dtype, -0.0 and NaN payloads included). Their ``wire_bytes``
-    are counted as what runs, an all_reduce of W*n elements: twice the ring
-    reduce-scatter / all-gather bytes. ``inner.wire_bytes`` counts the in-process legs.
-    """
-
-    def __init__(
-        self, lanes: Sequence[Lane], group: object | None = None, inner: CommunicatorBase | None = None
-    ) -> None:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "dpq: the process-group communicator needs torch.distributed initialised "
-                "(launch with torchrun, or call torch.distributed.init_process_group first)"
-            )
-        super().__init__(lanes)
-        self._dist = dist
-        self.group = group
-        self.inner = inner if inner is not None else select_communicator(self.lanes)[0]
-        self.processes = dist.get_world_size(group)
-        self.process_rank = dist.get_rank(group)
-        self.name = f"pg-{dist.get_backend(group)}"
-        self._check_same_lane_count()
-
-    @property
-    def world(self) -> int:
-        return len(self.lanes) * self.processes
-
-    def _check_same_lane_count(self) -> None:
-        count = len(self.lanes)
-        t = torch.tensor([count, -count], dtype=torch.int64, device=self.lanes[0].device)
-        with self.lanes[0].issue():
-            self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
-        most, fewest = int(t[0]), -int(t[1])
-        if most != fewest:
-            raise ValueError(
-                f"dpq: every process must run the same number of lanes; they run {fewest}..{most} (this one {count})"
-            )
-
-    def _count(self, op: str, numel: int, itemsize: int) -> None:
-        # The fallbacks run an all_reduce of the whole W*n buffer; count what runs.
-        super()._count("all_reduce" if op in ("reduce_scatter", "all_gather") else op, numel, itemsize)
-
-    def _global_rank(self, process: int) -> int:
-        return process if self.group is None else self._dist.get_global_rank(self.group, process)
-
-    def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
-        self.inner.reduce(bufs, root=0)
-        with self.lanes[0].issue():
-            self._dist.all_reduce(bufs[0], group=self.group)
-        self.inner.broadcast(bufs, root=0)
-
-    def _reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
-        full = []
-        for s, lane in zip(send, self.lanes, strict=True):
-            with lane.issue():
-                full.append(s.clone())
-        self._all_reduce(full)
-        n, base = recv[0].numel(), self.process_rank * len(self.lanes)
-        for k, (r, lane) in enumerate(zip(recv, self.lanes, strict=True)):
-            with lane.issue():
-                r.copy_(full[k][(base + k) * n : (base + k + 1) * n])
-
-    def _all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
-        nbytes, base = send[0].numel() * send[0].element_size(), self.process_rank * len(self.lanes)
-        raw = [r.view(torch.uint8) for r in recv]
-        for k, (s, lane) in enumerate(zip(send, self.lanes, strict=True)):
-            with lane.issue():
-                raw[k].zero_()
-                raw[k][(base + k) * nbytes : (base + k + 1) * nbytes].copy_(s.view(torch.uint8))
-        self._all_reduce(raw)
-
-    def _broadcast(self, bufs: Sequence[Tensor], root: int) -> None:
-        process, lane = divmod(root, len(self.lanes))
-        if process == self.process_rank:
-            self.inner.broadcast(bufs, root=lane)  # the root's data onto lane 0 (and the others)
-        with self.lanes[0].issue():
-            self._dist.broadcast(bufs[0], src=self._global_rank(process), group=self.group)
-        self.inner.broadcast(bufs, root=0)
-
-    def reduce(self, bufs: Sequence[Tensor], root: int = 0) -> None:
-        raise NotImplementedError("dpq: reduce is an in-process helper; a process group runs all_reduce")
-
-
 # -- the choice ----------------------------------------------------------------------------
 
 COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
@@ -389,20 +295,22 @@ COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
 }
 
 
-def _all_pairs_peer(lanes: Sequence[Lane]) -> bool:
-    devices = list({_device_key(lane.device): lane.device for lane in lanes}.values())
+def _all_pairs_peer(devices: Sequence[torch.device]) -> bool:
+    devices = list({_device_key(d): d for d in devices}.values())
     return all(backend(a).can_access_peer(a, b) for a in devices for b in devices if a != b)
 
 
-def _choose(lanes: Sequence[Lane]) -> tuple[str, str]:
-    """(communicator name, one-line reason) for these lanes."""
-    world = len(lanes)
+def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
+    """(communicator name, one-line reason) for lanes on ``devices`` (in lane order); the plan's
+    choice (``dpq.plan.Plan.communicator``). Raises ValueError for lanes no communicator joins."""
+    devices = [torch.device(d) for d in devices]
+    world = len(devices)
     if world == 1:
         return "local", "one lane: nothing to exchange"
-    devices = {_device_key(lane.device) for lane in lanes}
-    if len(devices) == 1:
-        return "local", f"all {world} lanes share {lanes[0].device}: sums stay on that device"
-    types = {lane.device.type for lane in lanes}
+    keys = {_device_key(d) for d in devices}
+    if len(keys) == 1:
+        return "local", f"all {world} lanes share {devices[0]}: sums stay on that device"
+    types = {d.type for d in devices}
     if "hpu" in types:
         raise ValueError(f"dpq: {HPU_MULTI_LANE}")
     if len(types) > 1:
@@ -410,8 +318,8 @@ def _choose(lanes: Sequence[Lane]) -> tuple[str, str]:
     if types == {"xpu"}:
         return "xpu-copy", f"{world} xpu lanes: oneCCL has no in-process multi-device API, so device-to-device copies"
     if types == {"cuda"}:
-        if len(devices) == world:
-            ids = [index for _, index in (_device_key(lane.device) for lane in lanes)]
+        if len(keys) == world:
+            ids = [index for _, index in (_device_key(d) for d in devices)]
             cupy_ok, torch_ok = nccl_comm.cupy_nccl_available(), nccl_comm.torch_nccl_available()
             aborted = [s for kind, ok in (("cupy-nccl", cupy_ok), ("torch-nccl", torch_ok))
                        if ok and (s := nccl_comm.aborted_comm_set(kind, ids)) is not None]
@@ -424,14 +332,16 @@ def _choose(lanes: Sequence[Lane]) -> tuple[str, str]:
             else:
                 why = f"{world} distinct GPUs but no NCCL (neither CuPy nor torch.cuda.nccl)"
         else:
-            why = f"{world} lanes on {len(devices)} GPUs, some shared (NCCL takes one GPU per rank)"
-        if _all_pairs_peer(lanes):
+            why = f"{world} lanes on {len(keys)} GPUs, some shared (NCCL takes one GPU per rank)"
+        if _all_pairs_peer(devices):
             return "p2p", f"{why}; every GPU pair has peer access: device-to-device copies"
         return "host", f"{why}; not every GPU pair has peer access: sums go through pinned host memory"
-    return "host", f"lanes on {len(devices)} distinct {types.pop()} devices: sums go through host memory"
+    return "host", f"lanes on {len(keys)} distinct {types.pop()} devices: sums go through host memory"
 
 
-def _make(name: str, lanes: list[Lane]) -> Communicator:
+def make_communicator(name: str, lanes: Sequence[Lane]) -> Communicator:
+    """The communicator ``name`` (the plan's choice) over ``lanes``."""
+    lanes = list(lanes)
     if name in ("cupy-nccl", "torch-nccl"):
         # the run's NCCL handles for these devices, made once (close_communicators destroys them)
         return COMMUNICATORS[name](lanes, shared=True)
@@ -451,11 +361,20 @@ def select_communicator(lanes: Sequence[Lane], prefer: str | None = None) -> tup
     if not lanes:
         raise ValueError("dpq: select_communicator needs at least one lane")
     if prefer is None:
-        name, reason = _choose(lanes)
-        return _make(name, lanes), reason
+        name, reason = choose_communicator([lane.device for lane in lanes])
+        return make_communicator(name, lanes), reason
     if prefer not in COMMUNICATORS:
         raise ValueError(f"dpq: unknown communicator {prefer!r}; choose from {', '.join(COMMUNICATORS)}")
     hpus = {_device_key(lane.device) for lane in lanes if lane.device.type == "hpu"}
     if hpus and len({_device_key(lane.device) for lane in lanes}) > 1:
         raise ValueError(f"dpq: {HPU_MULTI_LANE}")
-    return _make(prefer, lanes), f"{prefer}: forced by prefer={prefer!r}"
+    return make_communicator(prefer, lanes), f"{prefer}: forced by prefer={prefer!r}"
+
+
+def __getattr__(name: str):
+    # The process-group communicator lives in dpq.process_group (which builds on this module).
+    if name == "ProcessGroupCommunicator":
+        from dpq.process_group import ProcessGroupCommunicator
+
+        return ProcessGroupCommunicator
+    raise AttributeError(f"module 'dpq.fallback_p2p' has no attribute {name!r}")

@@ -37,28 +37,29 @@ import torch
 
 from dpq.streams import Lane
 
-__all__ = ["ReplicaMismatchError", "ReplicaSet", "stage"]
+__all__ = ["ReplicaMismatchError", "ReplicaSet", "stage", "tensors_in"]
 
 
 class ReplicaMismatchError(RuntimeError):
     """Lanes disagree on a tuned parameter: the exchange or the step is broken."""
 
 
-def _tensors_in(value, depth: int = 0) -> Iterator[torch.Tensor]:
+def tensors_in(value, levels: int = 2) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``: itself, or inside dicts/lists/tuples nested up to ``levels`` deep."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif depth < 2 and isinstance(value, dict):
+    elif levels > 0 and isinstance(value, dict):
         for v in value.values():
-            yield from _tensors_in(v, depth + 1)
-    elif depth < 2 and isinstance(value, (list, tuple)):
+            yield from tensors_in(v, levels - 1)
+    elif levels > 0 and isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors_in(v, depth + 1)
+            yield from tensors_in(v, levels - 1)
 
 
 def _reachable_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
     """Every tensor held by the module tree (each module's params, buffers and attributes)."""
     for m in module.modules():
-        yield from _tensors_in(m.__dict__)
+        yield from tensors_in(m.__dict__)
 
 
 def _lane_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:

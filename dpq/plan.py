@@ -4,9 +4,10 @@
 reason at once (never only the first: a user fixing one reason per run would rerun a long
 job many times). ``world='auto'`` never refuses: it keeps the lanes that can be served, falls
 back to serial when none beyond home can, and says why. An explicit world refuses before the
-block starts. The communicator for the chosen lanes is picked by
-``dpq.fallback_p2p.select_communicator``; the exchange policy by the tuner (sign path for pure
-SignSGD, full sums otherwise).
+block starts. The plan also names the communicator for the chosen lanes
+(``dpq.fallback_p2p.choose_communicator``) and the exchange policy (the sign path when the task
+says its optimizer is pure SignSGD, full sums otherwise), each with its reason; the session
+(``dpq.session``) makes them.
 """
 
 from __future__ import annotations
@@ -43,14 +44,42 @@ class PlanRequest:
     home: torch.device | str | None = None
     extra_reasons: Sequence[str] = ()  # tuner features dpq cannot split (found by the adapter)
     mirror_bytes: int | None = None  # price of one mirror (see price_mirror); None = not checked
+    pure_sign: bool = False  # the task's update needs only sign(sum of grads) (SignSGD, no momentum/decay)
 
 
 @dataclass
 class Plan:
+    """The lanes (``world`` devices; ``reasons``: why 'auto' kept fewer, or why serial), the
+    communicator and the exchange policy, each with its reason."""
+
     world: int
     devices: list[torch.device]
     reasons: list[str] = field(default_factory=list)  # why 'auto' kept fewer lanes, or why serial
     notes: list[str] = field(default_factory=list)  # said, but no reason to refuse (e.g. devices left unused)
+    communicator: str = "local"  # a name in dpq.fallback_p2p.COMMUNICATORS ("": chosen on the lanes)
+    communicator_reason: str = "one lane: nothing to exchange"
+    exchange: str = "full"  # "sign": sign of the summed gradient; "full": full fp32 sums
+    exchange_reason: str = ""
+
+
+def _exchange(pure_sign: bool) -> tuple[str, str]:
+    if pure_sign:
+        return "sign", "pure SignSGD (no momentum, no weight decay): only the sign of the summed gradient is exchanged"
+    return "full", "the update needs the summed gradient itself (momentum, weight decay or another optimizer)"
+
+
+def _finish(plan: Plan, request: PlanRequest) -> Plan:
+    """The plan's communicator and exchange policy for its lanes."""
+    from dpq.fallback_p2p import choose_communicator
+
+    try:
+        plan.communicator, plan.communicator_reason = choose_communicator(plan.devices)
+    except ValueError as err:  # lanes no communicator can join (e.g. hpu with other devices)
+        raise PlanRefused([str(err).removeprefix("dpq: ")]) from None
+    except Exception as err:  # a device query failed: the session chooses on the lanes it makes
+        plan.communicator, plan.communicator_reason = "", f"chosen on the lanes (the device query failed: {err!r})"
+    plan.exchange, plan.exchange_reason = _exchange(request.pure_sign)
+    return plan
 
 
 def validate_world(world: object) -> int | str:
@@ -123,6 +152,7 @@ def price_mirror(
 
 
 _DEVICE_RE = re.compile(r"(cuda|xpu|hpu|cpu)(?::([0-9]+))?|([0-9]+)")
+MAX_DEVICE_INDEX = 127  # torch.device stores its index in 8 bits: 'cuda:256' becomes cuda:0
 _FIX = "Fix: --parallel_devices with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
 
 
@@ -149,6 +179,15 @@ def parse_device_spec(spec: str | Sequence[str | int | torch.device]) -> list[De
         return [DeviceEntry(str(spec), None, f"the lane device list is empty. {_FIX}")]
     out = []
     for item in items:
+        index = item if isinstance(item, int) and not isinstance(item, bool) else None
+        if isinstance(item, str) and (m := _DEVICE_RE.fullmatch(item.strip())):
+            index = int(m.group(2) or m.group(3) or 0)
+        if index is not None and index > MAX_DEVICE_INDEX:
+            out.append(DeviceEntry(str(item), None, f"lane device list {spec!r}: {str(item).strip()!r} names device "
+                                                    f"index {index}, above {MAX_DEVICE_INDEX}: torch keeps a device "
+                                                    f"index in 8 bits, so it would silently become another device. "
+                                                    f"{_FIX}"))
+            continue
         if isinstance(item, torch.device):
             dev = item
         elif isinstance(item, int) and not isinstance(item, bool) and item >= 0:
@@ -245,7 +284,7 @@ def resolve(request: PlanRequest) -> Plan:
     world = validate_world(request.world)
     home = _home(request)
     if world == "off":
-        return Plan(1, [home], ["parallel quantization is off"])
+        return _finish(Plan(1, [home], ["parallel quantization is off"]), request)
     reasons = list(request.extra_reasons)
     notes: list[str] = []
     if home.type not in SUPPORTED_HOME_TYPES:
@@ -287,13 +326,13 @@ def resolve(request: PlanRequest) -> Plan:
     if world != "auto":
         if reasons:
             raise PlanRefused(reasons)
-        return Plan(n, devices[:n], notes=notes)
+        return _finish(Plan(n, devices[:n], notes=notes), request)
     # auto: keep the lanes before the first one that does not fit; serial when a feature forbids it
     if mem:
         n = min(n, mem[0][0])
     if request.extra_reasons or home.type not in SUPPORTED_HOME_TYPES or n <= 1 or not lane0_ok:
-        return Plan(1, [home], reasons or ["only one lane available"], notes)
-    return Plan(n, devices[:n], reasons, notes)
+        return _finish(Plan(1, [home], reasons or ["only one lane available"], notes), request)
+    return _finish(Plan(n, devices[:n], reasons, notes), request)
 
 
 def check_arguments(world: object, devices=None) -> list[str]:

@@ -36,7 +36,6 @@ before the pass, so the caller can rerun it serially without double counting.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +43,7 @@ import torch
 
 from dpq.mirror import ReplicaSet
 from dpq.streams import Lane
+from dpq.tune_loop import contiguous_ranges
 
 __all__ = [
     "MERGERS",
@@ -71,25 +71,6 @@ StatSpec = Mapping[str, Mapping[str, str]]
 
 
 # -- ranges and sharded forwards -------------------------------------------------------------
-
-def contiguous_ranges(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
-    """``world`` contiguous ``[start, stop)`` ranges covering ``range(n)`` in order.
-
-    Boundaries fall on multiples of ``align`` (the last range ends at ``n``); counted in units
-    of ``align`` the ranges differ by at most one, earlier lanes taking the extra unit. Lanes
-    beyond the number of units get empty ranges ``(n, n)``.
-    """
-    if world < 1 or align < 1 or n < 0:
-        raise ValueError(f"dpq: contiguous_ranges needs n >= 0, world >= 1, align >= 1 (got {n}, {world}, {align})")
-    units = math.ceil(n / align)
-    base, extra = divmod(units, world)
-    out, start = [], 0
-    for k in range(world):
-        count = base + (1 if k < extra else 0)
-        out.append((min(start * align, n), min((start + count) * align, n)))
-        start += count
-    return out
-
 
 def _move(value: Any, device: torch.device | None) -> Any:
     if device is None:

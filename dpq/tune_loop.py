@@ -1,7 +1,9 @@
-"""The iteration engine: one data-parallel SignRound iteration per call.
+"""The iteration engine (one data-parallel SignRound iteration per call) and the loop around it.
 
-The loop that drives it (sampler, lr schedule, best-iteration snapshot, early stop) belongs
-to the tuner's adapter (``dpq/autoround/``); this module knows nothing of auto-round.
+:func:`run_loop` is serial SignRound's loop (sampler, loss normalisation, lr schedule step,
+best-iteration snapshot, early stop) around the engine; the tuner's specifics (its sampler,
+its best-parameter snapshot, its optimizer and loss) come in a :class:`TuneSpec` that the
+adapter (``dpq/autoround/``) fills. This module knows nothing of auto-round.
 
 One iteration (``TuneEngine.backward`` then ``TuneEngine.step``)::
 
@@ -34,6 +36,7 @@ join the lanes they touch (R4). The caller's teardown joins everything (``Replic
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -44,7 +47,7 @@ from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
 from dpq.streams import HostCopy, Lane
 
-__all__ = ["LaneLoss", "OptimizerFactory", "TuneEngine", "contiguous_slices"]
+__all__ = ["LaneLoss", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "contiguous_ranges", "run_loop"]
 
 
 class LaneLoss(Protocol):
@@ -63,16 +66,23 @@ class Exchange(Protocol):
     def exchange(self, buckets: GradBuckets) -> None: ...
 
 
-def contiguous_slices(indices: Sequence[int], world: int) -> list[list[int]]:
-    """Split ``indices`` into ``world`` contiguous slices whose sizes differ by at most one
-    (the first ``len % world`` slices get the extra sample)."""
-    n = len(indices)
-    base, extra = divmod(n, world)
+def contiguous_ranges(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
+    """``world`` contiguous ``[start, stop)`` ranges covering ``range(n)`` in order: the one
+    split of a batch (or a pool) over lanes.
+
+    Boundaries fall on multiples of ``align`` (the last range ends at ``n``); counted in units
+    of ``align`` the ranges differ by at most one, earlier lanes taking the extra unit. Lanes
+    beyond the number of units get empty ranges ``(n, n)``.
+    """
+    if world < 1 or align < 1 or n < 0:
+        raise ValueError(f"dpq: contiguous_ranges needs n >= 0, world >= 1, align >= 1 (got {n}, {world}, {align})")
+    units = -(-n // align)
+    base, extra = divmod(units, world)
     out, start = [], 0
     for k in range(world):
-        size = base + (1 if k < extra else 0)
-        out.append(list(indices[start : start + size]))
-        start += size
+        count = base + (1 if k < extra else 0)
+        out.append((min(start * align, n), min((start + count) * align, n)))
+        start += count
     return out
 
 
@@ -150,7 +160,8 @@ class TuneEngine:
         summed over lanes), from a single host readback.
         """
         world = self.replicas.world
-        slices = contiguous_slices(list(indices), world)
+        indices = list(indices)
+        slices = [indices[a:b] for a, b in contiguous_ranges(len(indices), world)]
         per_lane = [_chunks(s, self.micro_batch) for s in slices]
         steps = max(len(c) for c in per_lane)
         self.buckets.attach()
@@ -208,3 +219,115 @@ class TuneEngine:
                     sched.step()
         if self.debug_identical:
             self.replicas.check_identical()
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+class Sampler(Protocol):
+    def next_batch(self) -> Sequence[int]: ...
+
+
+@dataclass
+class TuneSpec:
+    """One block's tune as the adapter describes it, once the block is ready (wrapped).
+
+    ``tuned``: names (in ``named_parameters(remove_duplicate=False)``) of the tuned parameters,
+    in the optimizer's order; ``make_optimizer`` / ``lane_loss``: see :class:`TuneEngine`;
+    ``sampler(nsamples, global_batch)``: the serial run's index sampler (same draws);
+    ``best_params(home)``: the snapshot of home's tuned values the tuner keeps for its best
+    iteration; ``on_iteration(i, modules)``: per-iteration state the tuner sets on every lane
+    (e.g. the iteration number); ``sample_numel(i)``: elements of sample ``i`` (loss weights and
+    the sum-reduction normaliser); ``token_counts``: valid tokens per sample when the loss is
+    masked (the normaliser then counts those); ``pure_sign``: the update needs only the sign of
+    the summed gradient (the plan's exchange policy)."""
+
+    tuned: list[str]
+    make_optimizer: OptimizerFactory
+    lane_loss: LaneLoss
+    sampler: Callable[[int, int], Sampler]
+    best_params: Callable[[torch.nn.Module], dict]
+    nsamples: int
+    sample_numel: Callable[[int], int]
+    iters: int
+    batch_size: int
+    gradient_accumulate_steps: int = 1
+    not_use_best_mse: bool = False
+    dynamic_max_gap: int = -1
+    loss_scale: float = 1.0
+    token_counts: list[int] | None = None
+    on_iteration: Callable[[int, Sequence[torch.nn.Module]], None] | None = None
+    progress: Callable[[int, float], None] | None = None
+
+    @property
+    def reduction(self) -> Literal["mean", "sum"]:
+        """Serial accumulates gradients with sum reduction, else takes the mean."""
+        return "sum" if self.gradient_accumulate_steps != 1 else "mean"
+
+    @property
+    def micro_batch(self) -> int | None:
+        return self.batch_size if self.gradient_accumulate_steps != 1 else None
+
+
+@dataclass
+class LoopOutcome:
+    best_params: dict
+    losses: list[float]
+    best_iter: int
+    best_loss: float
+    init_loss: float | None
+    iters_run: int
+    wire_bytes: int
+    indices: list[list[int]]
+    seconds: float = 0.0
+
+
+def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
+    """Serial SignRound's bookkeeping around ``engine.backward`` / ``engine.step``: the same
+    draws, the same loss normalisation (masked and unmasked), best iteration and early stop."""
+    t0 = time.perf_counter()
+    block = engine.replicas.home
+    nsamples = spec.nsamples
+    global_batch_size = min(nsamples, spec.batch_size * spec.gradient_accumulate_steps)
+    num_elm = 1
+    if spec.gradient_accumulate_steps != 1 and not spec.token_counts:
+        num_elm = sum(spec.sample_numel(i) for i in range(global_batch_size))
+    index_sampler = spec.sampler(nsamples, global_batch_size)
+    best_loss = torch.finfo(torch.float).max
+    best_params: dict = {}
+    last_best_iter, init_loss, total_loss = 0, None, 0
+    losses, drawn, wire = [], [], 0
+    for i in range(spec.iters):
+        if spec.on_iteration is not None:
+            spec.on_iteration(i, engine.replicas.modules)
+        global_indices = index_sampler.next_batch()
+        drawn.append(list(global_indices))
+        if spec.token_counts:
+            num_elm = sum(spec.token_counts[j] for j in global_indices)
+        num_elm = 1 if num_elm <= 0 else num_elm
+        total_loss = 0
+        for step_loss in engine.backward(global_indices):
+            total_loss += step_loss / num_elm
+        wire += engine.last.wire_bytes
+        losses.append(total_loss)
+        if i == 0:
+            init_loss = total_loss
+        if spec.progress is not None:
+            spec.progress(i, total_loss)
+        if total_loss < best_loss:
+            best_loss = total_loss
+            # The snapshot reads home (lane 0) on the current stream, which is lane 0's stream
+            # (R0): lane 0's step below is queued after it, so it cannot overwrite what is read.
+            if not spec.not_use_best_mse:
+                best_params = spec.best_params(block)
+                last_best_iter = i
+        if spec.not_use_best_mse and i == spec.iters - 1:
+            best_params = spec.best_params(block)
+        if not spec.not_use_best_mse and 0 < spec.dynamic_max_gap <= i - last_best_iter:
+            break
+        engine.step()
+    best_iter = spec.iters if spec.not_use_best_mse else last_best_iter
+    reported = total_loss if spec.not_use_best_mse else best_loss
+    return LoopOutcome(best_params=best_params, losses=losses, best_iter=best_iter, best_loss=float(reported),
+                       init_loss=init_loss, iters_run=len(losses), wire_bytes=wire, indices=drawn,
+                       seconds=time.perf_counter() - t0)

@@ -13,6 +13,7 @@ import torch
 import dpq
 import dpq.autoround.api as api
 import dpq.autoround.tune as tune
+import dpq.session as session
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
 
 
@@ -307,7 +308,7 @@ def _inject(monkeypatch, where: str, world: int) -> type[BaseException]:
         def replicas(*a, **k):
             raise RuntimeError("injected mirror failure")
 
-        monkeypatch.setattr(tune, "ReplicaSet", replicas)
+        monkeypatch.setattr(session, "ReplicaSet", replicas)
     elif where == "last lane, iteration 1":
         _fail_lane_loss(monkeypatch, lane=world - 1, after=1)
     elif where == "home lane, iteration 2":
@@ -371,7 +372,7 @@ class _ForwardFault:
 def test_error_does_not_keep_mirrors_wrappers_or_optimizers_alive(tiny_block, monkeypatch, world, how):
     refs: list[weakref.ref] = []
 
-    class RecordingReplicas(tune.ReplicaSet):
+    class RecordingReplicas(session.ReplicaSet):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             refs.append(weakref.ref(self))
@@ -380,7 +381,7 @@ def test_error_does_not_keep_mirrors_wrappers_or_optimizers_alive(tiny_block, mo
             if how == "lane forward":
                 self.modules[-1].register_forward_pre_hook(_ForwardFault(after=2))
 
-    class RecordingEngine(tune.TuneEngine):
+    class RecordingEngine(session.TuneEngine):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             refs.append(weakref.ref(self))
@@ -393,8 +394,8 @@ def test_error_does_not_keep_mirrors_wrappers_or_optimizers_alive(tiny_block, mo
         refs.extend(weakref.ref(m) for m in block.modules() if hasattr(m, "orig_layer"))
         return out
 
-    monkeypatch.setattr(tune, "ReplicaSet", RecordingReplicas)
-    monkeypatch.setattr(tune, "TuneEngine", RecordingEngine)
+    monkeypatch.setattr(session, "ReplicaSet", RecordingReplicas)
+    monkeypatch.setattr(session, "TuneEngine", RecordingEngine)
     monkeypatch.setattr(api, "wrapper_block", recording_wrap)
     if how == "lane loss":
         _fail_lane_loss(monkeypatch, lane=world - 1, after=2)

@@ -84,8 +84,7 @@ def test_cli_refusal_lists_every_reason_as_a_message(tmp_path):
 def test_cli_lane_failure_says_what_was_kept(tmp_path):
     """A lane fails in block 1 under an explicit world: rc 1, a message (no traceback) naming the block
     that was restored and the block finished before it, and no claim that nothing was lost."""
-    prelude = ("from dpq.autoround import integration as i; "
-               "i._fault_injector = lambda b: {'calls': 0, 'at': 1} if b == 1 else None; ")
+    prelude = "from dpq import session; session.inject_fault(block=1, after=1); "
     report = tmp_path / "report.json"
     proc = _cli(tmp_path, "--iters", "3", "--batch_size", "4", "--parallel_quantization", "2",
                 "--parallel_devices", "cpu,cpu", "--parallel_report", str(report), prelude=prelude)

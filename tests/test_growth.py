@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dpq
-import dpq.autoround.tune as tune
+import dpq.session as session
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples, capture_block_inputs
 
 LAYERS = 16
@@ -108,7 +108,7 @@ class _LaneFault:
             raise RuntimeError("injected lane failure")
 
 
-class _FaultyReplicas(tune.ReplicaSet):
+class _FaultyReplicas(session.ReplicaSet):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         if self.world > 1:
@@ -125,7 +125,7 @@ def test_parallel_tune_block_loop_keeps_memory_flat(monkeypatch, quiet_process):
         kw = dict(input_others=others[i], iters=2, batch_size=4, group_size=32)
         if i in FAILING:
             with monkeypatch.context() as m:
-                m.setattr(tune, "ReplicaSet", _FaultyReplicas)
+                m.setattr(session, "ReplicaSet", _FaultyReplicas)
                 with pytest.raises(RuntimeError, match="injected") as info:
                     dpq.parallel_tune(layer, inputs[i], world=2, devices="cpu,cpu", **kw)
             errors.append(info.value)
@@ -153,8 +153,10 @@ def test_autoround_run_keeps_memory_flat(quiet_process):
             # counted as each block starts: the previous block is done, this block's pool is alive
             index = a[2].block_index if len(a) > 2 else k["block_ctx"].block_index
             census.append(_census(_owned(model, fp_inputs, input_others, a[:2])))
-            integration._state.fail_lane_at = (index, 1) if index in FAILING else None
-            return installed(self, block, fp_inputs, input_others, *a, **k)
+            if index not in FAILING:
+                return installed(self, block, fp_inputs, input_others, *a, **k)
+            with session.inject_fault(block=index, after=1):
+                return installed(self, block, fp_inputs, input_others, *a, **k)
 
         SignRoundQuantizer.quantize_block = counting
         try:
@@ -169,10 +171,6 @@ def test_autoround_run_keeps_memory_flat(quiet_process):
     _assert_flat(census)
 
 
-@pytest.mark.xfail(strict=True, reason="integration.py reruns a failed block serially while the lane error (and "
-                   "through its traceback the failed run's mirrors, engine and optimizers) is still alive; remove "
-                   "this marker once it releases them first (dpq.autoround.api._release_run does this for "
-                   "parallel_tune)")
 def test_autoround_fallback_runs_after_the_failed_lanes_are_freed(quiet_process, monkeypatch):
     """A lane that failed (out of memory, say) must not keep its mirrors through the serial rerun."""
     from auto_round import AutoRound
@@ -192,8 +190,8 @@ def test_autoround_fallback_runs_after_the_failed_lanes_are_freed(quiet_process,
         return real_wrap(block, *a, **k)
 
     monkeypatch.setattr(quantizer, "wrapper_block", wrapper_block)
-    with integration.parallel_quantization("auto", devices="cpu,cpu") as records:
-        integration._state.fail_lane_at = (1, 1)
+    with integration.parallel_quantization("auto", devices="cpu,cpu") as records, \
+            session.inject_fault(block=1, after=1):
         AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(4, 16), device_map="cpu",
                   enable_torch_compile=False, iters=2, nsamples=4, seqlen=16, batch_size=4, group_size=32,
                   seed=42).quantize()

@@ -298,14 +298,14 @@ def _only_during(monkeypatch, owner, method: str, disable_owner, disable_name: s
 
 def _private_lane0(monkeypatch):
     """Item 1's defect: lane 0 on a fresh stream of its own, which nothing orders with home."""
-    import dpq.autoround.api as api
+    import dpq.session as session
 
     def make_lanes_private(devices):
         lanes = make_lanes(devices)
         lanes[0].stream = lanes[0].backend.new_stream(lanes[0].device)
         return lanes
 
-    monkeypatch.setattr(api, "make_lanes", make_lanes_private)
+    monkeypatch.setattr(session, "make_lanes", make_lanes_private)
 
 
 MUTATIONS = {

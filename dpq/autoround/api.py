@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import copy
-import itertools
 import random
-import traceback
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
-from dpq.fallback_p2p import select_communicator
-from dpq.plan import Plan, PlanRefused, PlanRequest, resolve
-from dpq.streams import make_lanes
+from dpq import session
+from dpq.mirror import tensors_in
+from dpq.plan import Plan, PlanRefused
 
 from .compat import check_auto_round_version
 
@@ -25,7 +21,7 @@ from auto_round.schemes import preset_name_to_scheme  # noqa: E402
 from auto_round.utils.common import SHARED_CACHE_KEYS, SUPPORTED_LAYER_TYPES  # noqa: E402
 from auto_round.wrapper import unwrapper_block, wrapper_block  # noqa: E402
 
-from .tune import BlockData, SignRoundSettings, tune_wrapped_block  # noqa: E402
+from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec  # noqa: E402
 
 __all__ = ["ParallelTuneResult", "parallel_tune"]
 
@@ -55,17 +51,6 @@ def _problem_list(problems: list[str]) -> str:
     if len(problems) == 1:
         return f"dpq.parallel_tune: {problems[0]}"
     return f"dpq.parallel_tune: {len(problems)} problems, all listed:\n" + "\n".join(f"  - {p}" for p in problems)
-
-
-def _tensors_in(value, depth: int = 0):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth < 3 and isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors_in(v, depth + 1)
-    elif depth < 3 and isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors_in(v, depth + 1)
 
 
 def _nonfinite(samples: Sequence[torch.Tensor]) -> list[int]:
@@ -144,7 +129,7 @@ def _check_inputs(inputs, outputs, input_others, home: torch.device | None) -> l
     for key, val in (input_others if isinstance(input_others, dict) else {}).items():
         if isinstance(val, list) and len(val) not in (0, 1, len(inputs)):
             problems.append(f"input_others[{key!r}] has {len(val)} entries. Fix: give one per sample, or one shared")
-        devs = {t.device for t in _tensors_in(val)}
+        devs = {t.device for t in tensors_in(val, levels=3)}
         if any(d.type == "meta" for d in devs):
             problems.append(f"input_others[{key!r}] is on the meta device. Fix: pass the values captured from a real "
                             "forward")
@@ -277,33 +262,32 @@ def parallel_tune(
     if batch_size < 1 or gradient_accumulate_steps < 1:
         problems.append(f"batch_size and gradient_accumulate_steps must be >= 1, got {batch_size} and "
                         f"{gradient_accumulate_steps}. Fix: e.g. batch_size=8, gradient_accumulate_steps=1")
-    plan = None
+    settings = SignRoundSettings(
+        iters=iters, batch_size=batch_size, gradient_accumulate_steps=gradient_accumulate_steps,
+        enable_minmax_tuning=enable_minmax_tuning, not_use_best_mse=not_use_best_mse,
+        dynamic_max_gap=dynamic_max_gap, momentum=momentum, amp=amp, amp_dtype=amp_dtype,
+    )
+    task = _Task(block, list(inputs) if isinstance(inputs, (list, tuple)) else [], outputs, dict(input_others or {}),
+                 home, settings, scheme=scheme, bits=bits, group_size=group_size, sym=sym, lr=lr,
+                 minmax_lr=minmax_lr, valid_token_mask=valid_token_mask, shared_cache_keys=shared_cache_keys,
+                 seed=seed, progress=progress)
+    config = plan = None
     if isinstance(inputs, (list, tuple)) and inputs:
-        per_iter = max(1, min(len(inputs), batch_size * gradient_accumulate_steps))
         try:
-            plan = resolve(PlanRequest(world=world, devices=devices, samples_per_iter=per_iter, home=home))
+            config = session.SessionConfig(world=world, devices=devices, debug_identical=debug_identical)
+            plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons
         except ValueError as err:  # the world itself
             problems.append(str(err).removeprefix("dpq: "))
     if problems or plan is None:
         raise ValueError(_problem_list(problems))
-    # Nothing above touched the block. From here on every failure puts it back exactly as it was
-    # passed in, and drops what the failed run held before the error reaches the caller.
-    snapshot = _BlockSnapshot(block)
+    # Nothing above touched the block. From here on the session puts it back exactly as it was
+    # passed in on any failure, and drops what the failed run held before the error reaches the caller.
     try:
-        return _run(block, list(inputs), outputs, dict(input_others or {}), plan, home, iters=iters,
-                    batch_size=batch_size, gradient_accumulate_steps=gradient_accumulate_steps, scheme=scheme,
-                    bits=bits, group_size=group_size, sym=sym, lr=lr, minmax_lr=minmax_lr,
-                    enable_minmax_tuning=enable_minmax_tuning, momentum=momentum, not_use_best_mse=not_use_best_mse,
-                    dynamic_max_gap=dynamic_max_gap, amp=amp, amp_dtype=amp_dtype,
-                    valid_token_mask=valid_token_mask, shared_cache_keys=shared_cache_keys, seed=seed,
-                    debug_identical=debug_identical, progress=progress)
-    except BaseException as err:
-        snapshot.restore()
-        del snapshot
-        _release_run(err)
-        raise
+        return session.run(config, task.describe(), plan=plan).result
+    finally:
+        task.close_bar()
 
 
 def _block_device(block: torch.nn.Module) -> torch.device | None:
@@ -313,154 +297,72 @@ def _block_device(block: torch.nn.Module) -> torch.device | None:
     return None
 
 
-def _run(block, inputs, outputs, others, plan: Plan, home, *, iters, batch_size, gradient_accumulate_steps, scheme,
-         bits, group_size, sym, lr, minmax_lr, enable_minmax_tuning, momentum, not_use_best_mse, dynamic_max_gap,
-         amp, amp_dtype, valid_token_mask, shared_cache_keys, seed, debug_identical, progress) -> ParallelTuneResult:
-    """The work of ``parallel_tune`` on a checked block. Its frame and everything below it hold the
-    run (mirrors, wrappers, optimizers): on failure the caller clears them from the traceback."""
-    lanes = make_lanes(plan.devices)
-    comm, comm_reason = select_communicator(lanes)
-    if seed is not None:
-        random.seed(seed)
-        torch.manual_seed(seed)
+class _Task:
+    """``parallel_tune``'s block as the session's task: seed, reference outputs, quantization
+    attributes and auto-round's wrapper in ``start``; auto-round's unwrap in ``finish``."""
 
-    runner = BlockForwardRunner(
-        batch_size=batch_size, device=home, cache_device="cpu", amp=amp, amp_dtype=amp_dtype,
-        enable_torch_compile=False, shared_cache_keys=tuple(shared_cache_keys),
-    )
-    if outputs is None:
-        outputs = _reference_outputs(block, runner, inputs, others)
-    lr = lr if lr is not None else 1.0 / iters
-    minmax_lr = minmax_lr if minmax_lr is not None else lr
-    _mark_for_quantization(block, scheme, bits, group_size, sym)
-    wrapper_block(block, enable_minmax_tuning, False, enable_torch_compile=False, device=home)
-    settings = SignRoundSettings(
-        iters=iters,
-        batch_size=batch_size,
-        gradient_accumulate_steps=gradient_accumulate_steps,
-        enable_minmax_tuning=enable_minmax_tuning,
-        not_use_best_mse=not_use_best_mse,
-        dynamic_max_gap=dynamic_max_gap,
-        momentum=momentum,
-        amp=amp,
-        amp_dtype=amp_dtype,
-    )
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    def __init__(self, block, inputs, outputs, others, home, settings: SignRoundSettings, *, scheme, bits, group_size,
+                 sym, lr, minmax_lr, valid_token_mask, shared_cache_keys, seed, progress) -> None:
+        self.block, self.inputs, self.outputs, self.others, self.home = block, inputs, outputs, others, home
+        self.settings, self.scheme, self.bits, self.group_size, self.sym = settings, scheme, bits, group_size, sym
+        self.lr, self.minmax_lr, self.valid_token_mask = lr, minmax_lr, valid_token_mask
+        self.shared_cache_keys, self.seed, self.progress = shared_cache_keys, seed, progress
 
-        bar = tqdm(total=iters, desc=f"dpq tune (world {plan.world})", leave=False)
-    try:
-        outcome = tune_wrapped_block(
-            block,
-            BlockData(inputs, others, list(outputs), valid_token_mask),
-            settings,
-            lanes,
-            comm,
-            runner,
-            lambda m: (lr, minmax_lr),
-            progress=(lambda i, loss: bar.update(1)) if bar else None,
-            debug_identical=debug_identical,
+    def describe(self) -> session.BlockTask:
+        s = self.settings
+        per_iter = max(1, min(len(self.inputs), s.batch_size * s.gradient_accumulate_steps))
+        return session.BlockTask(name="dpq.parallel_tune", block=self.block, start=self.start, finish=self.finish,
+                                 samples_per_iter=per_iter, home=self.home,
+                                 pure_sign=is_pure_sign(s.optimizer_cls, s.momentum))
+
+    def start(self, plan: Plan):
+        """The work before the loop. Its frame and everything below it hold the run (wrappers,
+        the pool's closures): on failure the session clears them from the traceback."""
+        s = self.settings
+        if self.seed is not None:
+            random.seed(self.seed)
+            torch.manual_seed(self.seed)
+        runner = BlockForwardRunner(
+            batch_size=s.batch_size, device=self.home, cache_device="cpu", amp=s.amp, amp_dtype=s.amp_dtype,
+            enable_torch_compile=False, shared_cache_keys=tuple(self.shared_cache_keys),
         )
-    finally:
+        outputs = self.outputs
+        if outputs is None:
+            outputs = _reference_outputs(self.block, runner, self.inputs, self.others)
+        lr = self.lr if self.lr is not None else 1.0 / s.iters
+        minmax_lr = self.minmax_lr if self.minmax_lr is not None else lr
+        _mark_for_quantization(self.block, self.scheme, self.bits, self.group_size, self.sym)
+        wrapper_block(self.block, s.enable_minmax_tuning, False, enable_torch_compile=False, device=self.home)
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=s.iters, desc=f"dpq tune (world {plan.world})", leave=False)
+        self._bar = bar
+        return signround_spec(self.block, BlockData(self.inputs, self.others, list(outputs), self.valid_token_mask),
+                              s, runner, lambda m: (lr, minmax_lr),
+                              progress=(lambda i, loss: bar.update(1)) if bar else None)
+
+    def finish(self, outcome, plan: Plan) -> ParallelTuneResult:
+        self.close_bar()
+        with torch.no_grad():
+            unwrapper_block(self.block, outcome.best_params)
+        return ParallelTuneResult(
+            best_params=outcome.best_params,
+            losses=outcome.losses,
+            best_iter=outcome.best_iter,
+            best_loss=outcome.best_loss,
+            seconds=outcome.seconds,
+            world=plan.world,
+            devices=[str(d) for d in plan.devices],
+            communicator=plan.communicator,
+            communicator_reason=plan.communicator_reason,
+            wire_bytes=outcome.wire_bytes,
+            plan_reasons=plan.reasons + plan.notes,
+            indices=outcome.indices,
+        )
+
+    def close_bar(self) -> None:
+        bar, self._bar = getattr(self, "_bar", None), None
         if bar is not None:
             bar.close()
-    with torch.no_grad():
-        unwrapper_block(block, outcome.best_params)
-    return ParallelTuneResult(
-        best_params=outcome.best_params,
-        losses=outcome.losses,
-        best_iter=outcome.best_iter,
-        best_loss=outcome.best_loss,
-        seconds=outcome.seconds,
-        world=plan.world,
-        devices=[str(d) for d in plan.devices],
-        communicator=comm.name,
-        communicator_reason=comm_reason,
-        wire_bytes=outcome.wire_bytes,
-        plan_reasons=plan.reasons + plan.notes,
-        indices=outcome.indices,
-    )
-
-
-class _BlockSnapshot:
-    """What it takes to put a block back exactly as it was: every submodule's attributes (the
-    same objects; containers such as ``_modules`` and ``_parameters`` with the same contents, so
-    wrapped layers get their original layer objects back and added attributes such as
-    ``bits``/``scale``/``zp``/``iters`` go) and every parameter's and buffer's bytes, kept on the
-    CPU (auto-round's unwrap writes quantized weights in place). ``restore`` is bitwise."""
-
-    def __init__(self, block: torch.nn.Module) -> None:
-        self.modules = []
-        for m in block.modules():
-            attrs = dict(m.__dict__)
-            contents = {k: copy.copy(v) for k, v in attrs.items() if type(v) in (dict, OrderedDict, list, set)}
-            self.modules.append((m, attrs, contents))
-        self.tensors = []
-        seen: set[int] = set()
-        for t in itertools.chain(block.parameters(), block.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
-                self.tensors.append((t, t.data, t.detach().to("cpu", copy=True), t.requires_grad, t.grad))
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for m, attrs, contents in self.modules:
-            d = m.__dict__
-            for k in [k for k in d if k not in attrs]:
-                del d[k]
-            for k, v in attrs.items():
-                if k in contents:
-                    if isinstance(v, list):
-                        v[:] = contents[k]
-                    else:
-                        v.clear()
-                        v.update(contents[k])
-                d[k] = v
-        for t, data, saved, requires_grad, grad in self.tensors:
-            now = t.data
-            if (now.data_ptr(), now.shape, now.dtype, now.device) != (data.data_ptr(), data.shape, data.dtype,
-                                                                      data.device):
-                t.data = data  # moved or replaced (e.g. .to('meta')): the original storage back
-            data.copy_(saved)
-            if t.requires_grad != requires_grad:
-                t.requires_grad_(requires_grad)
-            if t.grad is not grad:
-                t.grad = grad
-
-
-def _release_run(err: BaseException) -> None:
-    """Let go of everything the failed run's frames hold while ``err`` lives.
-
-    A caught error keeps its traceback, the traceback every frame below the catch, and each
-    frame its locals and its function, whose closure can hold the run too (a lane-loss closure
-    holds the pool; torch's hook-calling closure holds the module it ran: a mirror). So the
-    frames below ``parallel_tune`` are cleared and cut off ``err``'s traceback; where it failed
-    stays readable as a note. Errors chained to ``err`` inside the run are released the same way;
-    the caller's own (an error being handled when ``parallel_tune`` was called) are left alone.
-    """
-    run_tb = err.__traceback__.tb_next if err.__traceback__ is not None else None
-    run_frames = set()
-    tb = run_tb
-    while tb is not None:
-        run_frames.add(id(tb.tb_frame))
-        tb = tb.tb_next
-    pending, seen = [err], set()
-    while pending:
-        e = pending.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        inner = run_tb if e is err else e.__traceback__
-        if e is not err and (inner is None or id(inner.tb_frame) not in run_frames):
-            continue  # not raised inside the run
-        if inner is not None:
-            e.add_note("dpq.parallel_tune: where it failed (the failed run's frames were released with its "
-                       "memory):\n" + "".join(traceback.format_tb(inner)).rstrip())
-            traceback.clear_frames(inner)
-        if e is err:
-            if err.__traceback__ is not None:
-                err.__traceback__.tb_next = None
-        else:
-            e.__traceback__ = None
-        pending += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]

@@ -3,7 +3,7 @@
 Patches ``SignRoundQuantizer.quantize_block`` (inherited by SignRoundV2 and AdamRound).
 Per block: the plan decides (``dpq.plan``); when it says serial, auto-round's own method runs
 unchanged (contract 5). When it says parallel, the block is tuned by
-:func:`dpq.autoround.tune.tune_wrapped_block` with the quantizer's own wrapper, lr per layer,
+:mod:`dpq.session` (the task: :func:`dpq.autoround.tune.signround_spec`) with the quantizer's own wrapper, lr per layer,
 loss (``_get_loss``), runner, optimizer class, lr schedule and early-stop settings.
 
 Refuse loudly, lose nothing (contract 6): a failure inside the parallel lanes restores the
@@ -15,16 +15,15 @@ world raises :class:`ParallelLaneError`. Blocks already quantized are untouched 
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from dpq.fallback_p2p import close_communicators, select_communicator
+from dpq import session
+from dpq.fallback_p2p import close_communicators
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
-from dpq.streams import make_lanes
 
 from . import patches
 from .compat import check_auto_round_version, tuner_refusals
@@ -34,11 +33,11 @@ check_auto_round_version()
 
 from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer  # noqa: E402
 from auto_round.logger import logger  # noqa: E402
-from auto_round.utils import set_amax_for_all_moe_layers, set_module  # noqa: E402
+from auto_round.utils import set_amax_for_all_moe_layers  # noqa: E402
 from auto_round.utils.device_manager import device_manager  # noqa: E402
 from auto_round.wrapper import unwrapper_block  # noqa: E402
 
-from .tune import BlockData, SignRoundSettings, tune_wrapped_block  # noqa: E402
+from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec  # noqa: E402
 
 __all__ = ["BlockRecord", "ParallelLaneError", "disable", "enable", "lane_error", "parallel_quantization",
            "run_summary"]
@@ -74,7 +73,6 @@ class _State:
     world: int | str = "off"
     devices: object = None
     debug_identical: bool = False
-    fail_lane_at: tuple[int, int] | None = None  # (block index, iteration) fault injection for tests
     records: list[BlockRecord] = field(default_factory=list)
     shapes_logged: set = field(default_factory=set)
     cpu_logged: bool = False
@@ -243,18 +241,28 @@ def _lane_devices(home: torch.device):
     return None
 
 
-def _tuner_request(q, block, fp_inputs) -> PlanRequest:
+def _task_plan_fields(q, block, fp_inputs) -> dict:
+    """What the plan needs from the tuner for this block (the session task's plan fields)."""
     home = torch.device(device_manager.device)
     per_iter = min(len(fp_inputs) if isinstance(fp_inputs, list) else 1,
                    q.calibration_context.batch_size * q.gradient_accumulate_steps)
-    return PlanRequest(
-        world=_state.world,
-        devices=_lane_devices(home),
+    return dict(
         samples_per_iter=per_iter,
         home=home,
         extra_reasons=_feature_refusals(q, block, fp_inputs),
         mirror_bytes=price_mirror(block, fp_inputs, per_iter) if isinstance(fp_inputs, list) else None,
+        pure_sign=is_pure_sign(q.optimizer, q.momentum),
     )
+
+
+def _session_config() -> session.SessionConfig:
+    return session.SessionConfig(world=_state.world, devices=_lane_devices(torch.device(device_manager.device)),
+                                 debug_identical=_state.debug_identical)
+
+
+def _tuner_request(q, block, fp_inputs) -> PlanRequest:
+    config = _session_config()
+    return PlanRequest(world=config.world, devices=config.devices, **_task_plan_fields(q, block, fp_inputs))
 
 
 def _plan_for(q, block, fp_inputs, block_ctx) -> Plan:
@@ -277,28 +285,25 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
     t0 = time.perf_counter()
     plan = _plan_for(self, block, fp_inputs, block_ctx)  # PlanRefused propagates: nothing started
-    # An explicit world 1 runs the engine (bitwise serial: the CLI test of '1 == off' checks the
-    # engine end to end); 'auto' resolving to one lane, and every refusal, run auto-round itself.
-    if plan.world == 1 and (_state.world != 1 or plan.reasons):
-        out = _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
-        _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0,
-                                          reasons=plan.reasons + plan.notes, algorithm=type(self).__name__))
-        return out
-    rng = (random.getstate(), torch.get_rng_state())
-    try:
-        return _parallel_block(self, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
-                               input_ids, t0)
-    except Exception as err:
-        if _state.world != "auto":
-            raise lane_error(block_ctx.block_name, plan.world, err, "while tuning") from err
-        logger.warning(f"dpq: a lane failed on {block_ctx.block_name} ({err!r}); block restored, rerunning serially")
-        random.setstate(rng[0])
-        torch.set_rng_state(rng[1])
-        out = _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
-        _state.records.append(BlockRecord(block_ctx.block_name, 1, time.perf_counter() - t0,
-                                          reasons=[f"lane failure: {err!r}"], fell_back=True,
-                                          algorithm=type(self).__name__))
-        return out
+
+    def serial():
+        return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
+
+    run = _parallel_block(self, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids,
+                          serial)
+    name, algorithm = block_ctx.block_name, type(self).__name__
+    if run.fell_back:
+        _state.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=[f"lane failure: {run.failure}"],
+                                          fell_back=True, algorithm=algorithm))
+    elif run.serial:
+        _state.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=plan.reasons + plan.notes,
+                                          algorithm=algorithm))
+    elif run.outcome is not None:
+        out = run.outcome
+        _state.records.append(BlockRecord(name, plan.world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
+                                          plan.communicator, [*plan.reasons, *plan.notes, plan.communicator_reason],
+                                          algorithm=algorithm, losses=out.losses, best_iter=out.best_iter))
+    return run.result
 
 
 def lane_error(block: str, world: int, err: BaseException, where: str = "while tuning") -> ParallelLaneError:
@@ -321,30 +326,58 @@ def _names(names: list[str], limit: int = 4) -> str:
     return ", ".join(names) if len(names) <= limit else f"{', '.join(names[:2])}, ..., {names[-1]}"
 
 
-def _restore_unwrapped(block) -> None:
-    """Put the original layers back without quantizing them (unlike unwrapper_block)."""
-    for n, m in list(block.named_modules()):
-        if hasattr(m, "orig_layer"):
-            set_module(block, n, m.orig_layer)
-
-
-def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, t0):
-    device = device_manager.device
-    valid_token_mask = None
-    if input_ids is not None:
-        if not hasattr(q, "_cached_valid_token_mask"):
-            q._cached_valid_token_mask = q._compute_valid_token_mask(input_ids)
-        valid_token_mask = q._cached_valid_token_mask
-    active_inputs = q_inputs if (q_inputs is not None and q.enable_quanted_input) else fp_inputs
-    quantized, unquantized = q.wrapper_block(
-        block, q.enable_minmax_tuning, q.enable_norm_bias_tuning,
-        enable_torch_compile=q.compress_context.enable_torch_compile, device=device,
-        enable_neuqi=getattr(q.config, "enable_neuqi", False),
-    )
+def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids,
+                    serial) -> session.BlockRun:
+    """The block through the session: auto-round's own ``serial`` when the plan says one lane
+    (an explicit world 1 runs the engine: bitwise serial, the CLI's '1 == off' test checks the
+    engine end to end), else the lanes; on a lane failure the session restores the block, then
+    reruns ``serial`` (auto) or raises :func:`lane_error` (explicit world)."""
+    task = _Task(q, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids)
     try:
+        return session.run(_session_config(), task.describe(serial), plan=plan)
+    finally:
+        task.close()
+
+
+class _Task:
+    """One auto-round block as the session's task: auto-round's wrapper in ``start``, its unwrap
+    (and logging) in ``finish``; the quantizer's own lr per layer, loss, runner, optimizer class,
+    lr schedule and early-stop settings."""
+
+    def __init__(self, q, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids) -> None:
+        self.q, self.block, self.fp_inputs, self.input_others = q, block, fp_inputs, input_others
+        self.fp_outputs, self.q_inputs, self.block_ctx, self.input_ids = fp_outputs, q_inputs, block_ctx, input_ids
+        self.progress: _Progress | None = None
+        self.layers: tuple = ([], [])
+
+    def describe(self, serial) -> session.BlockTask:
+        name = self.block_ctx.block_name
+
+        def on_fallback(err: BaseException) -> None:
+            logger.warning(f"dpq: a lane failed on {name} ({err!r}); block restored, rerunning serially")
+
+        return session.BlockTask(
+            name=name, block=self.block, start=self.start, finish=self.finish, serial=serial,
+            lane_error=lambda err, plan: lane_error(name, plan.world, err, "while tuning"),
+            on_fallback=on_fallback, index=self.block_ctx.block_index,
+            **_task_plan_fields(self.q, self.block, self.fp_inputs),
+        )
+
+    def start(self, plan: Plan):
+        q, block, device = self.q, self.block, device_manager.device
+        valid_token_mask = None
+        if self.input_ids is not None:
+            if not hasattr(q, "_cached_valid_token_mask"):
+                q._cached_valid_token_mask = q._compute_valid_token_mask(self.input_ids)
+            valid_token_mask = q._cached_valid_token_mask
+        active_inputs = self.q_inputs if (self.q_inputs is not None and q.enable_quanted_input) else self.fp_inputs
+        self.layers = q.wrapper_block(
+            block, q.enable_minmax_tuning, q.enable_norm_bias_tuning,
+            enable_torch_compile=q.compress_context.enable_torch_compile, device=device,
+            enable_neuqi=getattr(q.config, "enable_neuqi", False),
+        )
         if not any(hasattr(m, "orig_layer") and m.params for m in block.modules()):
-            unwrapper_block(block, {})
-            return {}
+            return None
         settings = SignRoundSettings(
             iters=q.iters, batch_size=q.calibration_context.batch_size,
             gradient_accumulate_steps=q.gradient_accumulate_steps, enable_minmax_tuning=q.enable_minmax_tuning,
@@ -362,42 +395,39 @@ def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_input
             q._maybe_log_low_bit_lr(bits)
             return (q.lr if lr is None else lr), (q.minmax_lr if mm is None else mm)
 
-        lanes = make_lanes(plan.devices)
-        comm, comm_reason = select_communicator(lanes)
-        progress = _Progress(block_ctx.block_name, q.iters, plan.world)
-        fault = _fault_injector(block_ctx.block_index)
-        try:
-            outcome = tune_wrapped_block(
-                block, BlockData(active_inputs, input_others, fp_outputs, valid_token_mask), settings, lanes, comm,
-                q.block_forward, lr_of,
-                loss_fn=_wrap_fault(fault, lambda pred, ref, idx, mse, dev: q._get_loss(
-                    pred, ref, idx, mse, dev, valid_token_mask)),
-                progress=progress.update,
-                debug_identical=_state.debug_identical,
-            )
-        finally:
+        self.progress = _Progress(self.block_ctx.block_name, q.iters, plan.world)
+        return signround_spec(
+            block, BlockData(active_inputs, self.input_others, self.fp_outputs, valid_token_mask), settings,
+            q.block_forward, lr_of,
+            loss_fn=lambda pred, ref, idx, mse, dev: q._get_loss(pred, ref, idx, mse, dev, valid_token_mask),
+            progress=self.progress.update,
+        )
+
+    def finish(self, outcome, plan: Plan) -> dict:
+        self.close()
+        q, block = self.q, self.block
+        if outcome is None:  # nothing to tune in this block
+            unwrapper_block(block, {})
+            return {}
+        q.compress_context.clear_memory()
+        with torch.no_grad():
+            unwrapper_block(block, outcome.best_params)
+        if q.config.is_act_nv_fp:
+            set_amax_for_all_moe_layers(block, attr_name="orig_layer.act_max")
+        quantized, unquantized = self.layers
+        if unquantized:
+            logger.info(f"Unquantized layers: {unquantized}")
+        logger.infoclean(
+            f"quantized {len(quantized)}/{len(quantized) + len(unquantized)} layers in the block, loss iter 0: "
+            f"{outcome.init_loss:.3e} -> iter {outcome.best_iter}: {outcome.best_loss:.3e} "
+            f"[dpq world {plan.world}, {plan.communicator}]"
+        )
+        return outcome.best_params
+
+    def close(self) -> None:
+        progress, self.progress = self.progress, None
+        if progress is not None:
             progress.close()
-    except BaseException:
-        _restore_unwrapped(block)
-        raise
-    q.compress_context.clear_memory()
-    with torch.no_grad():
-        unwrapper_block(block, outcome.best_params)
-    if q.config.is_act_nv_fp:
-        set_amax_for_all_moe_layers(block, attr_name="orig_layer.act_max")
-    if unquantized:
-        logger.info(f"Unquantized layers: {unquantized}")
-    logger.infoclean(
-        f"quantized {len(quantized)}/{len(quantized) + len(unquantized)} layers in the block, loss iter 0: "
-        f"{outcome.init_loss:.3e} -> iter {outcome.best_iter}: {outcome.best_loss:.3e} "
-        f"[dpq world {plan.world}, {comm.name}]"
-    )
-    _state.records.append(BlockRecord(block_ctx.block_name, plan.world, time.perf_counter() - t0,
-                                      outcome.wire_bytes, outcome.best_loss, comm.name,
-                                      [*plan.reasons, *plan.notes, comm_reason],
-                                      algorithm=type(q).__name__, losses=outcome.losses,
-                                      best_iter=outcome.best_iter))
-    return outcome.best_params
 
 
 class _Progress:
@@ -420,22 +450,3 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _fault_injector(block_index: int):
-    if _state.fail_lane_at is None or _state.fail_lane_at[0] != block_index:
-        return None
-    return {"calls": 0, "at": _state.fail_lane_at[1]}
-
-
-def _wrap_fault(fault, loss_fn):
-    if fault is None:
-        return loss_fn
-
-    def failing(pred, ref, idx, mse, dev):
-        fault["calls"] += 1
-        if fault["calls"] > fault["at"]:
-            raise RuntimeError("injected lane failure (dpq test hook)")
-        return loss_fn(pred, ref, idx, mse, dev)
-
-    return failing

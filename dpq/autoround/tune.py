@@ -1,26 +1,24 @@
-"""SignRound's per-block tune loop, driven by dpq's engine.
+"""SignRound's per-block tune, described for dpq's session.
 
-This is auto-round 0.16's ``SignRoundQuantizer.quantize_block`` loop with every iteration's
-forward/backward handed to :class:`dpq.tune_loop.TuneEngine`: the same wrapper, parameter
-groups and per-layer lr, the same ``IndexSampler`` draws, loss normalisation (masked and
-unmasked), lr schedule, best-iteration snapshot, early stop and unwrap. At world 1 it is
+:func:`signround_spec` turns a wrapped block, its pool and auto-round 0.16's
+``SignRoundQuantizer.quantize_block`` settings into a :class:`dpq.tune_loop.TuneSpec`: the
+same parameter groups and per-layer lr, optimizer class and lr schedule, ``IndexSampler``
+draws, loss (``_get_loss``, masked and unmasked), ``collect_best_params`` snapshot. The session
+(``dpq.session``) runs it on the plan's lanes with ``dpq.tune_loop.run_loop``. At world 1 it is
 bitwise the serial loop (``tests/test_parity.py`` holds it to that).
 """
 
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from dpq.exchange import FullSumExchange, SignExchange
-from dpq.mirror import ReplicaSet
 from dpq.streams import Lane
-from dpq.tune_loop import TuneEngine
+from dpq.tune_loop import TuneSpec
 
 from .compat import check_auto_round_version
 
@@ -60,19 +58,6 @@ class BlockData:
     input_others: dict
     outputs: list[torch.Tensor]
     valid_token_mask: list[torch.Tensor] | None = None
-
-
-@dataclass
-class TuneOutcome:
-    best_params: dict
-    losses: list[float]
-    best_iter: int
-    best_loss: float
-    init_loss: float | None
-    iters_run: int
-    wire_bytes: int
-    seconds: float
-    indices: list[list[int]]
 
 
 def tuned_parameter_groups(block: torch.nn.Module, lr_of: Callable[[torch.nn.Module], tuple[float, float]]):
@@ -195,28 +180,26 @@ def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reducti
     return lane_loss
 
 
-def tune_wrapped_block(
+def is_pure_sign(optimizer_cls: type, momentum: float | None) -> bool:
+    """Pure SignSGD (no momentum; serial always passes weight_decay=0) needs only the sign of
+    the summed gradient; anything with state needs the full sums."""
+    return optimizer_cls is SignSGD and not momentum
+
+
+def signround_spec(
     block: torch.nn.Module,
     data: BlockData,
     settings: SignRoundSettings,
-    lanes: Sequence[Lane],
-    comm,
     runner,
     lr_of: Callable[[torch.nn.Module], tuple[float, float]],
     *,
     loss_fn=None,
     progress: Callable[[int, float], None] | None = None,
-    debug_identical: bool = False,
-) -> TuneOutcome:
-    """Tune an already wrapped block (auto-round's ``wrapper_block`` done) on ``lanes``.
-
-    The caller unwraps with ``best_params`` afterwards, as serial does.
-    """
-    t0 = time.perf_counter()
+) -> TuneSpec:
+    """The tune of an already wrapped block (auto-round's ``wrapper_block`` done). The caller
+    unwraps with the outcome's ``best_params`` afterwards, as serial does."""
     round_groups, minmax_groups, names = tuned_parameter_groups(block, lr_of)
     groups = list(round_groups.items()) + (list(minmax_groups.items()) if settings.enable_minmax_tuning else [])
-    tuned_names = [names[id(p)] for _, ps in groups for p in ps]
-    nsamples = len(data.inputs)
     mse_reduction = "sum" if settings.gradient_accumulate_steps != 1 else "mean"
 
     def make_optimizer(module: torch.nn.Module):
@@ -232,86 +215,29 @@ def tune_wrapped_block(
             sched = copy.deepcopy(settings.lr_scheduler)
         return opt, sched
 
-    replicas = ReplicaSet(block, lanes, tuned_names)  # lanes wait for the current stream first (R1)
-    try:
-        # Pure SignSGD (no momentum; serial always passes weight_decay=0) only needs the sign
-        # of the summed gradient; anything with state needs the full sums.
-        pure_sign = settings.optimizer_cls is SignSGD and not settings.momentum
-        exchange = SignExchange(comm) if pure_sign else FullSumExchange(comm)
-        engine = TuneEngine(
-            replicas,
-            make_lane_loss(data, runner, settings, mse_reduction, loss_fn),
-            make_optimizer,
-            exchange,
-            reduction=mse_reduction,
-            micro_batch=settings.batch_size if settings.gradient_accumulate_steps != 1 else None,
-            loss_scale=settings.loss_scale,
-            sample_numel=lambda i: data.inputs[i].numel(),
-            debug_identical=debug_identical,
-        )
-        return _signround_loop(engine, replicas, data, settings, nsamples, progress, t0)
-    finally:
-        # R5, on success and on failure alike: the current stream and every lane join before
-        # the mirrors go and before the caller unwraps (or restores) the home block.
-        replicas.close()
+    def set_cur_iter(i: int, modules) -> None:  # SignRoundV2 "dq" data types read the iteration off the modules
+        for module in modules:
+            for m in module.modules():
+                m.cur_iter = i
 
-
-def _signround_loop(engine, replicas, data, settings, nsamples, progress, t0) -> TuneOutcome:
-    """The serial loop's bookkeeping around engine.backward / engine.step (auto-round 0.16)."""
-    block = replicas.home
-    global_batch_size = min(nsamples, settings.batch_size * settings.gradient_accumulate_steps)
-    num_elm = 1
-    if settings.gradient_accumulate_steps != 1 and not data.valid_token_mask:
-        num_elm = sum(data.inputs[i].numel() for i in range(global_batch_size))
-    index_sampler = IndexSampler(nsamples, global_batch_size)
     # Serial counts each iteration's unmasked tokens with count_nonzero(...).item() per sample;
     # counted once here (the same ints) so an iteration holds no host sync but the readback.
-    mask_counts = [int(torch.count_nonzero(m)) for m in data.valid_token_mask] if data.valid_token_mask else None
-    best_loss = torch.finfo(torch.float).max
-    best_params: dict = {}
-    last_best_iter, init_loss, total_loss = 0, None, 0
-    losses, drawn, wire = [], [], 0
-    for i in range(settings.iters):
-        if settings.dq_cur_iter:
-            for module in replicas.modules:
-                for m in module.modules():
-                    m.cur_iter = i
-        global_indices = index_sampler.next_batch()
-        drawn.append(list(global_indices))
-        if mask_counts is not None:
-            num_elm = sum(mask_counts[j] for j in global_indices)
-        num_elm = 1 if num_elm <= 0 else num_elm
-        total_loss = 0
-        for step_loss in engine.backward(global_indices):
-            total_loss += step_loss / num_elm
-        wire += engine.last.wire_bytes
-        losses.append(total_loss)
-        if i == 0:
-            init_loss = total_loss
-        if progress is not None:
-            progress(i, total_loss)
-        if total_loss < best_loss:
-            best_loss = total_loss
-            # The snapshot reads home (lane 0) on the current stream, which is lane 0's stream
-            # (R0): lane 0's step below is queued after it, so it cannot overwrite what is read.
-            if not settings.not_use_best_mse:
-                best_params = collect_best_params(block, settings.cache_device)
-                last_best_iter = i
-        if settings.not_use_best_mse and i == settings.iters - 1:
-            best_params = collect_best_params(block, settings.cache_device)
-        if not settings.not_use_best_mse and 0 < settings.dynamic_max_gap <= i - last_best_iter:
-            break
-        engine.step()
-    best_iter = settings.iters if settings.not_use_best_mse else last_best_iter
-    reported = total_loss if settings.not_use_best_mse else best_loss
-    return TuneOutcome(
-        best_params=best_params,
-        losses=losses,
-        best_iter=best_iter,
-        best_loss=float(reported),
-        init_loss=init_loss,
-        iters_run=len(losses),
-        wire_bytes=wire,
-        seconds=time.perf_counter() - t0,
-        indices=drawn,
+    mask = data.valid_token_mask
+    return TuneSpec(
+        tuned=[names[id(p)] for _, ps in groups for p in ps],
+        make_optimizer=make_optimizer,
+        lane_loss=make_lane_loss(data, runner, settings, mse_reduction, loss_fn),
+        sampler=IndexSampler,
+        best_params=lambda home: collect_best_params(home, settings.cache_device),
+        nsamples=len(data.inputs),
+        sample_numel=lambda i: data.inputs[i].numel(),
+        iters=settings.iters,
+        batch_size=settings.batch_size,
+        gradient_accumulate_steps=settings.gradient_accumulate_steps,
+        not_use_best_mse=settings.not_use_best_mse,
+        dynamic_max_gap=settings.dynamic_max_gap,
+        loss_scale=settings.loss_scale,
+        token_counts=[int(torch.count_nonzero(m)) for m in mask] if mask else None,
+        on_iteration=set_cur_iter if settings.dq_cur_iter else None,
+        progress=progress,
     )

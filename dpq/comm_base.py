@@ -1,0 +1,220 @@
+"""The Communicator protocol and what every dpq communicator shares (:class:`CommunicatorBase`).
+
+A communicator runs collectives over the lanes of one process: one buffer per lane
+(``bufs[k]`` lives on ``lanes[k].device``), 1-D contiguous, float32, bfloat16 or uint8.
+Every call is issued from one Python thread; each lane's part is queued on that lane's
+stream, so nothing here blocks the host unless a communicator says so (host staging).
+
+Contract for every communicator (kept by :class:`CommunicatorBase`, which all dpq
+communicators derive from):
+
+* Results are bitwise identical on every lane.
+* ``wire_bytes`` grows by the ring-algorithm bytes one lane puts on the wire (NCCL's
+  "bus bytes" convention), computed by :func:`ring_wire_bytes` from the logical call,
+  so benchmarks of different communicators compare.
+* World 1: every call is a no-op, except reduce_scatter / all_gather, which copy.
+
+The communicators themselves: in-process NCCL in :mod:`dpq.nccl_comm`; device copies, host
+staging and the process-group communicator in :mod:`dpq.fallback_p2p` / :mod:`dpq.process_group`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from dpq.streams import Lane
+
+__all__ = ["SUPPORTED_DTYPES", "Communicator", "CommunicatorBase", "ring_wire_bytes"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+
+# Bus-bytes factor per op: an all_reduce is a reduce-scatter plus an all-gather.
+_RING_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "reduce": 1}
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Collectives over the lanes of one process (see the module docstring for the contract)."""
+
+    name: str
+    lanes: Sequence[Lane]
+    wire_bytes: int
+
+    @property
+    def world(self) -> int:
+        """Ranks a collective spans: ``len(lanes)`` in-process; more across processes."""
+        ...
+
+    def all_reduce(self, bufs: Sequence[Tensor]) -> None:
+        """In place: every ``bufs[k]`` becomes the sum over lanes."""
+        ...
+
+    def reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        """``send[k]`` has W*n elements, ``recv[k]`` n: ``recv[k] = sum_j send[j][k*n:(k+1)*n]``."""
+        ...
+
+    def all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        """``send[k]`` has n elements, ``recv[k]`` W*n: ``recv[k][j*n:(j+1)*n] = send[j]``."""
+        ...
+
+    def broadcast(self, bufs: Sequence[Tensor], root: int = 0) -> None:
+        """In place: every ``bufs[k]`` becomes ``bufs[root]``."""
+        ...
+
+
+def ring_wire_bytes(op: str, world: int, numel: int, itemsize: int) -> int:
+    """Bytes one lane puts on the wire for ``op`` under the ring algorithm.
+
+    ``numel`` is the per-lane buffer for all_reduce / broadcast / reduce, the whole send
+    buffer (W*n) for reduce_scatter and the whole receive buffer (W*n) for all_gather.
+    Exact integer arithmetic (floor), so every communicator reports the same number.
+    """
+    return _RING_FACTOR[op] * (world - 1) * numel * itemsize // world
+
+
+class CommunicatorBase:
+    """Argument checks, wire-byte accounting and the world-1 shortcuts shared by all communicators.
+
+    Subclasses implement ``_all_reduce``, ``_reduce_scatter``, ``_all_gather``, ``_broadcast``
+    and ``_reduce``; those run only for world >= 2 and only after the buffers were checked,
+    so they may assume one buffer per lane, equal sizes and dtypes, on the lanes' devices.
+    """
+
+    name = "base"
+    # World 1 skips the collectives (nothing to exchange). The GPU smoke test sets this
+    # False on an instance to push one-rank NCCL collectives through the real library.
+    shortcut_world_one = True
+
+    def __init__(self, lanes: Sequence[Lane]) -> None:
+        if len(lanes) == 0:
+            raise ValueError(f"dpq: {type(self).__name__} needs at least one lane")
+        self.lanes: list[Lane] = list(lanes)
+        self.wire_bytes = 0
+
+    def _issues(self) -> bool:
+        return self.world > 1 or not self.shortcut_world_one
+
+    @property
+    def world(self) -> int:
+        """Ranks the collective spans (the lanes here; a process group spans more)."""
+        return len(self.lanes)
+
+    # -- the protocol --------------------------------------------------------------------
+
+    def all_reduce(self, bufs: Sequence[Tensor]) -> None:
+        n = self._check("all_reduce", "bufs", bufs)
+        self._count("all_reduce", n, bufs[0].element_size())
+        if self._issues():
+            self._all_reduce(bufs)
+
+    def reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        n = self._check("reduce_scatter", "recv", recv)
+        self._check("reduce_scatter", "send", send, numel=self.world * n, dtype=recv[0].dtype)
+        self._count("reduce_scatter", self.world * n, recv[0].element_size())
+        if self._issues():
+            self._reduce_scatter(send, recv)
+        else:
+            _copy_on_lane(recv[0], send[0], self.lanes[0])
+
+    def all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        n = self._check("all_gather", "send", send)
+        self._check("all_gather", "recv", recv, numel=self.world * n, dtype=send[0].dtype)
+        self._count("all_gather", self.world * n, send[0].element_size())
+        if self._issues():
+            self._all_gather(send, recv)
+        else:
+            _copy_on_lane(recv[0], send[0], self.lanes[0])
+
+    def broadcast(self, bufs: Sequence[Tensor], root: int = 0) -> None:
+        n = self._check("broadcast", "bufs", bufs)
+        self._check_root("broadcast", root)
+        self._count("broadcast", n, bufs[0].element_size())
+        if self._issues():
+            self._broadcast(bufs, root)
+
+    def reduce(self, bufs: Sequence[Tensor], root: int = 0) -> None:
+        """In place on ``bufs[root]``: the sum over lanes; the other buffers keep their values.
+
+        Not part of the protocol: the process-group communicator uses it to reduce inside
+        the process before crossing processes.
+        """
+        n = self._check("reduce", "bufs", bufs)
+        self._check_root("reduce", root)
+        self._count("reduce", n, bufs[0].element_size())
+        if self._issues():
+            self._reduce(bufs, root)
+
+    def close(self) -> None:
+        """Release communicator resources (nothing to release by default)."""
+
+    # -- for subclasses ------------------------------------------------------------------
+
+    def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
+        raise NotImplementedError
+
+    def _reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        raise NotImplementedError
+
+    def _all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        raise NotImplementedError
+
+    def _broadcast(self, bufs: Sequence[Tensor], root: int) -> None:
+        raise NotImplementedError
+
+    def _reduce(self, bufs: Sequence[Tensor], root: int) -> None:
+        raise NotImplementedError
+
+    def _count(self, op: str, numel: int, itemsize: int) -> None:
+        self.wire_bytes += ring_wire_bytes(op, self.world, numel, itemsize)
+
+    def _check_device(self, t: Tensor, lane: Lane) -> str | None:
+        """None if ``t`` may be used as ``lane``'s buffer, else why not."""
+        if t.device != lane.device and not (t.device.type == lane.device.type == "cpu"):
+            return f"is on {t.device} but lane {lane.index} is on {lane.device}"
+        return None
+
+    def _check_root(self, op: str, root: int) -> None:
+        # A rank index: the lane index in-process, the global lane index across processes.
+        if not 0 <= root < self.world:
+            raise ValueError(f"dpq: {self.name}.{op}: root {root} is not a rank (0..{self.world - 1})")
+
+    def _check(
+        self, op: str, what: str, bufs: Sequence[Tensor], numel: int | None = None, dtype: torch.dtype | None = None
+    ) -> int:
+        """Refuse anything the collectives cannot take; returns the per-lane element count.
+
+        ``numel`` / ``dtype`` default to those of ``bufs[0]``.
+        """
+        where = f"dpq: {self.name}.{op}: {what}"
+        if len(bufs) != len(self.lanes):
+            raise ValueError(f"{where} has {len(bufs)} buffers for {len(self.lanes)} lanes (one per lane)")
+        if not all(isinstance(t, Tensor) for t in bufs):
+            raise TypeError(f"{where} must be tensors, got {[type(t).__name__ for t in bufs]}")
+        numel = bufs[0].numel() if numel is None else numel
+        dtype = bufs[0].dtype if dtype is None else dtype
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{where} has dtype {dtype}; supported: float32, bfloat16, uint8")
+        for k, (t, lane) in enumerate(zip(bufs, self.lanes, strict=True)):
+            problem = _layout_problem(t, numel, dtype) or self._check_device(t, lane)
+            if problem:
+                raise ValueError(f"{where}[{k}] {problem}")
+        return numel
+
+
+def _layout_problem(t: Tensor, numel: int, dtype: torch.dtype) -> str | None:
+    if t.dim() != 1 or not t.is_contiguous():
+        return f"must be 1-D and contiguous (shape {tuple(t.shape)})"
+    if t.dtype != dtype:
+        return f"has dtype {t.dtype}, expected {dtype}"
+    if t.numel() != numel:
+        return f"has {t.numel()} elements, expected {numel}"
+    return None
+
+
+def _copy_on_lane(dst: Tensor, src: Tensor, lane: Lane) -> None:
+    with lane.issue():
+        dst.copy_(src, non_blocking=True)

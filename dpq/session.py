@@ -1,0 +1,334 @@
+"""One block's data-parallel run, from an explicit config and the task an adapter describes.
+
+::
+
+    run(config, task)
+      plan     plan_for: dpq.plan.resolve -> Plan(world, lanes, communicator, exchange, reasons)
+      serial   the plan says one lane and the tuner has its own serial run: that runs, untouched
+      start    task.start(plan): the adapter readies the block (wraps it) -> TuneSpec
+      lanes    make_lanes(plan.devices); the plan's communicator and exchange policy
+      replicas ReplicaSet(block, lanes, spec.tuned)
+      engine   TuneEngine; run_loop (dpq.tune_loop)
+      teardown replicas.close() (joins the lanes, drops the mirrors)
+      finish   task.finish(outcome, plan): the adapter puts the best values home (unwraps)
+
+The failure policy, in this one place: any failure after the plan (start, lanes, loop,
+finish) puts the home block back exactly as it was when ``run`` was called
+(:class:`BlockSnapshot`), lets go of everything the failed run held
+(:func:`release_run`: its frames, so its mirrors, engine and optimizers, are freed before
+anything else runs), then under ``world='auto'`` reruns the block with the tuner's serial
+run from the same RNG state, and under an explicit world raises the task's error (``task.lane_error``;
+the error itself when the task has none). Interrupts are restored and re-raised.
+
+Test-only fault injection has one entry point: :func:`inject_fault`.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dpq.exchange import FullSumExchange, SignExchange
+from dpq.fallback_p2p import make_communicator, select_communicator
+from dpq.mirror import ReplicaSet
+from dpq.plan import Plan, PlanRequest, resolve, validate_world
+from dpq.streams import Lane, make_lanes
+from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
+
+__all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "fault_point", "inject_fault", "lanes_for",
+           "plan_for", "release_run", "run"]
+
+
+@dataclass
+class SessionConfig:
+    """What the user asked for: ``world`` ('auto', 'off' or an int), lane ``devices`` (None: the
+    plan's default), ``debug_identical`` (check the lanes bitwise after every step)."""
+
+    world: int | str = "auto"
+    devices: object = None
+    debug_identical: bool = False
+
+    def __post_init__(self) -> None:
+        self.world = validate_world(self.world)
+
+
+@dataclass
+class BlockTask:
+    """One block as the adapter describes it.
+
+    ``start(plan)`` readies the block for tuning (e.g. wraps it) and returns the
+    :class:`dpq.tune_loop.TuneSpec`, or None when there is nothing to tune; ``finish(outcome,
+    plan)`` puts the tuned values home (``outcome`` None when nothing was tuned) and returns the
+    adapter's result. ``serial()``: the tuner's own serial run of the block (run when the plan
+    says serial, and as ``auto``'s fallback); None: the session's engine runs even at world 1.
+    ``lane_error(err, plan)``: the error an explicit world raises when the run fails.
+    ``samples_per_iter``, ``mirror_bytes``, ``extra_reasons`` (tuner features the lanes cannot
+    split) and ``pure_sign`` (the update needs only sign(sum of grads)) go to the plan."""
+
+    name: str
+    block: torch.nn.Module
+    start: Callable[[Plan], TuneSpec | None]
+    finish: Callable[[LoopOutcome | None, Plan], object]
+    samples_per_iter: int
+    home: torch.device | str | None = None
+    pure_sign: bool = False
+    mirror_bytes: int | None = None
+    extra_reasons: Sequence[str] = ()
+    serial: Callable[[], object] | None = None
+    lane_error: Callable[[BaseException, Plan], BaseException] | None = None
+    on_fallback: Callable[[BaseException], None] | None = None  # e.g. log a warning before the rerun
+    index: int | None = None  # the block's position in its model (fault injection matches it)
+
+
+@dataclass
+class BlockRun:
+    """What ``run`` did: the plan, the adapter's result, the loop's outcome (None when the tuner's
+    serial run ran or nothing was tuned), and whether a lane failure made ``auto`` fall back."""
+
+    plan: Plan
+    result: object
+    outcome: LoopOutcome | None
+    seconds: float
+    serial: bool = False
+    fell_back: bool = False
+    failure: str = ""  # repr of the lane failure when fell_back
+
+
+def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
+    """The block's plan (raises :class:`dpq.plan.PlanRefused` for an explicit world it cannot serve)."""
+    return resolve(PlanRequest(world=config.world, devices=config.devices, samples_per_iter=task.samples_per_iter,
+                               home=task.home, extra_reasons=list(task.extra_reasons),
+                               mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign))
+
+
+def lanes_for(request: PlanRequest) -> tuple[Plan, list[Lane] | None]:
+    """A no-grad pass's plan and lanes (None: home alone). The sharded passes' entry point: the
+    same plan as the tuner's; their teardown is ``dpq.shard``'s (``ReplicaSet.close``)."""
+    plan = resolve(request)
+    return plan, (make_lanes(plan.devices) if plan.world >= 2 else None)
+
+
+def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> BlockRun:
+    """Run one block (see the module docstring). ``plan``: one already resolved by the caller."""
+    t0 = time.perf_counter()
+    plan = plan if plan is not None else plan_for(config, task)  # PlanRefused: nothing started
+    if plan.world == 1 and task.serial is not None and (config.world != 1 or plan.reasons):
+        return BlockRun(plan, task.serial(), None, time.perf_counter() - t0, serial=True)
+    rng = (random.getstate(), torch.get_rng_state())
+    snapshot = BlockSnapshot(task.block)
+    try:
+        outcome, result = _run_lanes(config, plan, task)
+    except BaseException as err:
+        snapshot.restore()
+        del snapshot
+        release_run(err, task.name if task.name.startswith("dpq") else f"dpq ({task.name})")
+        fall_back = isinstance(err, Exception) and config.world == "auto" and task.serial is not None
+        if fall_back:
+            if task.on_fallback is not None:
+                task.on_fallback(err)
+            random.setstate(rng[0])
+            torch.set_rng_state(rng[1])
+        del rng  # this frame stays in the error's traceback: it holds nothing of the run
+        if not isinstance(err, Exception):
+            raise  # an interrupt: the block is back, nothing reruns
+        if fall_back:
+            result = task.serial()
+            return BlockRun(plan, result, None, time.perf_counter() - t0, serial=True, fell_back=True,
+                            failure=repr(err))
+        if task.lane_error is not None:
+            raise task.lane_error(err, plan) from err
+        raise
+    return BlockRun(plan, result, outcome, time.perf_counter() - t0)
+
+
+def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask) -> tuple[LoopOutcome | None, object]:
+    """Everything between the plan and the result. Its frame and those below hold the run
+    (mirrors, wrappers, optimizers): on failure ``run`` clears them from the traceback."""
+    spec = task.start(plan)
+    if spec is None:
+        return None, task.finish(None, plan)
+    lanes = make_lanes(plan.devices)
+    if plan.communicator:
+        comm = make_communicator(plan.communicator, lanes)
+    else:
+        comm, plan.communicator_reason = select_communicator(lanes)
+        plan.communicator = comm.name
+    exchange = SignExchange(comm) if plan.exchange == "sign" else FullSumExchange(comm)
+    replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
+    try:
+        engine = TuneEngine(
+            replicas,
+            _faulty(spec.lane_loss, task),
+            spec.make_optimizer,
+            exchange,
+            reduction=spec.reduction,
+            micro_batch=spec.micro_batch,
+            loss_scale=spec.loss_scale,
+            sample_numel=spec.sample_numel,
+            debug_identical=config.debug_identical,
+        )
+        outcome = run_loop(engine, spec)
+    finally:
+        # R5, on success and on failure alike: the current stream and every lane join before
+        # the mirrors go and before the adapter unwraps (or the session restores) the home block.
+        replicas.close()
+    return outcome, task.finish(outcome, plan)
+
+
+# -- putting the block back, letting the failed run go ------------------------------------------
+
+
+class BlockSnapshot:
+    """What it takes to put a block back exactly as it was: every submodule's attributes (the
+    same objects; containers such as ``_modules`` and ``_parameters`` with the same contents, so
+    wrapped layers get their original layer objects back and added attributes such as
+    ``bits``/``scale``/``zp``/``iters`` go) and every parameter's and buffer's bytes, kept on the
+    CPU (a tuner's unwrap writes quantized weights in place). ``restore`` is bitwise."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        self.modules = []
+        for m in block.modules():
+            attrs = dict(m.__dict__)
+            contents = {k: copy.copy(v) for k, v in attrs.items() if type(v) in (dict, OrderedDict, list, set)}
+            self.modules.append((m, attrs, contents))
+        self.tensors = []
+        seen: set[int] = set()
+        for t in itertools.chain(block.parameters(), block.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                self.tensors.append((t, t.data, t.detach().to("cpu", copy=True), t.requires_grad, t.grad))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for m, attrs, contents in self.modules:
+            d = m.__dict__
+            for k in [k for k in d if k not in attrs]:
+                del d[k]
+            for k, v in attrs.items():
+                if k in contents:
+                    if isinstance(v, list):
+                        v[:] = contents[k]
+                    else:
+                        v.clear()
+                        v.update(contents[k])
+                d[k] = v
+        for t, data, saved, requires_grad, grad in self.tensors:
+            now = t.data
+            if (now.data_ptr(), now.shape, now.dtype, now.device) != (data.data_ptr(), data.shape, data.dtype,
+                                                                      data.device):
+                t.data = data  # moved or replaced (e.g. .to('meta')): the original storage back
+            data.copy_(saved)
+            if t.requires_grad != requires_grad:
+                t.requires_grad_(requires_grad)
+            if t.grad is not grad:
+                t.grad = grad
+
+
+def release_run(err: BaseException, label: str = "dpq") -> None:
+    """Let go of everything the failed run's frames hold while ``err`` lives.
+
+    Call it in the ``except`` that caught ``err``. A caught error keeps its traceback, the
+    traceback every frame below the catch, and each frame its locals and its function, whose
+    closure can hold the run too (a lane-loss closure holds the pool; torch's hook-calling
+    closure holds the module it ran: a mirror). So the frames below the catching frame are
+    cleared and cut off ``err``'s traceback; where it failed stays readable as a note (headed
+    ``label``). Errors chained to ``err`` inside the run are released the same way; the
+    caller's own (an error being handled when the run started) are left alone.
+    """
+    run_tb = err.__traceback__.tb_next if err.__traceback__ is not None else None
+    run_frames = set()
+    tb = run_tb
+    while tb is not None:
+        run_frames.add(id(tb.tb_frame))
+        tb = tb.tb_next
+    pending, seen = [err], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        inner = run_tb if e is err else e.__traceback__
+        if e is not err and (inner is None or id(inner.tb_frame) not in run_frames):
+            continue  # not raised inside the run
+        if inner is not None:
+            e.add_note(f"{label}: where it failed (the failed run's frames were released with its "
+                       "memory):\n" + "".join(traceback.format_tb(inner)).rstrip())
+            traceback.clear_frames(inner)
+        if e is err:
+            if err.__traceback__ is not None:
+                err.__traceback__.tb_next = None
+        else:
+            e.__traceback__ = None
+        pending += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+
+
+# -- test-only fault injection (the one entry point) --------------------------------------------
+
+
+@dataclass(eq=False)
+class _Fault:
+    kind: str
+    block: int | str | None
+    lane: int | None
+    after: int
+    calls: int = 0
+    registry: list = field(default_factory=list, repr=False)
+
+    def __enter__(self) -> _Fault:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        if self in self.registry:
+            self.registry.remove(self)
+
+
+_FAULTS: list[_Fault] = []
+
+
+def inject_fault(*, kind: str = "tune", block: int | str | None = None, lane: int | None = None,
+                 after: int = 0) -> _Fault:
+    """Tests only: make a lane fail. Active from this call until ``remove()`` (or the end of a
+    ``with`` block). ``kind="tune"``: the lane loss of block ``block`` (its index or name; None:
+    any) on lane ``lane`` (None: any) raises from its call ``after + 1`` on, counted over the
+    lanes it matches. Other kinds name a point a pass reports through :func:`fault_point`
+    (e.g. "collection", "awq_grid"); those fire once."""
+    fault = _Fault(kind, block, lane, after, registry=_FAULTS)
+    _FAULTS.append(fault)
+    return fault
+
+
+def fault_point(kind: str, lane: int, block: int | str | None = None) -> None:
+    """A pass's fault point: raises when an injected fault of ``kind`` matches (then it is gone)."""
+    for fault in list(_FAULTS):
+        if fault.kind == kind and fault.lane in (None, lane) and fault.block in (None, block):
+            fault.calls += 1
+            if fault.calls > fault.after:
+                fault.remove()
+                raise RuntimeError(f"injected {kind} lane failure (dpq test hook)")
+
+
+def _faulty(lane_loss, task: BlockTask):
+    faults = [f for f in _FAULTS if f.kind == "tune" and f.block in (None, task.index, task.name)]
+    if not faults:
+        return lane_loss
+
+    def failing(lane: Lane, module: torch.nn.Module, indices: list[int]) -> torch.Tensor:
+        for fault in faults:
+            if fault.lane in (None, lane.index):
+                fault.calls += 1
+                if fault.calls > fault.after:
+                    raise RuntimeError("injected lane failure (dpq test hook)")
+        return lane_loss(lane, module, indices)
+
+    return failing
