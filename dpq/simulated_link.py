@@ -62,7 +62,7 @@ class Completion:
             self.event.wait(left)
 
     def done(self) -> bool:
-        return self.event.is_set()
+        return self.event.is_set() or time.perf_counter() >= self.done_at
 
 
 class _Timer:
