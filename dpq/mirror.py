@@ -37,7 +37,7 @@ import torch
 
 from dpq.streams import Lane
 
-__all__ = ["ReplicaMismatchError", "ReplicaSet", "stage", "tensors_in"]
+__all__ = ["ReplicaMismatchError", "ReplicaSet", "module_tensors", "tensors_in"]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -56,7 +56,7 @@ def tensors_in(value, levels: int = 2) -> Iterator[torch.Tensor]:
             yield from tensors_in(v, levels - 1)
 
 
-def _reachable_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+def module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
     """Every tensor held by the module tree (each module's params, buffers and attributes)."""
     for m in module.modules():
         yield from tensors_in(m.__dict__)
@@ -71,7 +71,7 @@ def _lane_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _mirror(module: torch.nn.Module, device: torch.device, tuned_ids: set[int], share_frozen: bool):
     memo: dict[int, object] = {}
-    for t in _reachable_tensors(module):
+    for t in module_tensors(module):
         if id(t) in memo:
             continue
         if share_frozen and id(t) not in tuned_ids and t.device == device:
@@ -185,15 +185,3 @@ class ReplicaSet:
             if lane.device.type == "cuda":
                 torch.cuda.empty_cache()
                 break
-
-
-def stage(lane: Lane, tensor: torch.Tensor) -> torch.Tensor:
-    """Copy a pool tensor onto the lane, queued on the lane's stream (async where the source is pinned).
-
-    The lane must already wait for the current stream where the pool was produced (R1:
-    ``ReplicaSet`` does so when it is built).
-    """
-    if tensor.device == lane.device:
-        return tensor
-    with lane.issue():
-        return tensor.to(lane.device, non_blocking=True)

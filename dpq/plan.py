@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dpq.fallback_p2p import choose_communicator
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
 __all__ = ["DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments", "device_spec_errors",
@@ -70,8 +71,6 @@ def _exchange(pure_sign: bool) -> tuple[str, str]:
 
 def _finish(plan: Plan, request: PlanRequest) -> Plan:
     """The plan's communicator and exchange policy for its lanes."""
-    from dpq.fallback_p2p import choose_communicator
-
     try:
         plan.communicator, plan.communicator_reason = choose_communicator(plan.devices)
     except ValueError as err:  # lanes no communicator can join (e.g. hpu with other devices)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from dpq.mirror import ReplicaSet
+from dpq.mirror import ReplicaSet, module_tensors
 from dpq.streams import Lane
 from dpq.tune_loop import contiguous_ranges
 
@@ -340,7 +340,7 @@ def map_over_lanes(
 
 def _hand_home_deep(lane: Lane, result: Any) -> Any:
     """:meth:`Lane.hand_home` on the lane's device, reaching into modules too (a search's lane copy)."""
-    lane.hand_home([t for m in _modules_in(result) for t in _module_tensors(m)])
+    lane.hand_home([t for m in _modules_in(result) for t in module_tensors(m)])
     return lane.hand_home(result)
 
 
@@ -350,17 +350,6 @@ def _modules_in(value: Any, depth: int = 0) -> Iterator[torch.nn.Module]:
     elif depth < 2 and isinstance(value, (list, tuple)):
         for v in value:
             yield from _modules_in(v, depth + 1)
-
-
-def _module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    for m in module.modules():
-        for value in m.__dict__.values():
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif isinstance(value, dict):
-                yield from (v for v in value.values() if isinstance(v, torch.Tensor))
-            elif isinstance(value, (list, tuple)):
-                yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
 def copy_to_lane(module: torch.nn.Module, home_lane: Lane, lane: Lane) -> torch.nn.Module:
@@ -444,7 +433,7 @@ def bring_home(
         for k, v in sub.__dict__.items():
             if isinstance(v, torch.Tensor) and k in h.__dict__:
                 memo[id(v)] = h.__dict__[k]
-    for t in _module_tensors(result):
+    for t in module_tensors(result):
         if id(t) not in memo:
             memo[id(t)] = _adopt_tensor(t, lane_device, home_device)
     out = copy.deepcopy(result, memo)

@@ -261,8 +261,7 @@ def _session_config() -> session.SessionConfig:
 
 
 def _tuner_request(q, block, fp_inputs) -> PlanRequest:
-    config = _session_config()
-    return PlanRequest(world=config.world, devices=config.devices, **_task_plan_fields(q, block, fp_inputs))
+    return PlanRequest(world=_state.world, devices=_session_config().devices, **_task_plan_fields(q, block, fp_inputs))
 
 
 def _plan_for(q, block, fp_inputs, block_ctx) -> Plan:
@@ -352,15 +351,12 @@ class _Task:
 
     def describe(self, serial) -> session.BlockTask:
         name = self.block_ctx.block_name
-
-        def on_fallback(err: BaseException) -> None:
-            logger.warning(f"dpq: a lane failed on {name} ({err!r}); block restored, rerunning serially")
-
         return session.BlockTask(
             name=name, block=self.block, start=self.start, finish=self.finish, serial=serial,
             lane_error=lambda err, plan: lane_error(name, plan.world, err, "while tuning"),
-            on_fallback=on_fallback, index=self.block_ctx.block_index,
-            **_task_plan_fields(self.q, self.block, self.fp_inputs),
+            on_fallback=lambda err: logger.warning(f"dpq: a lane failed on {name} ({err!r}); block restored, "
+                                                   "rerunning serially"),
+            index=self.block_ctx.block_index, **_task_plan_fields(self.q, self.block, self.fp_inputs),
         )
 
     def start(self, plan: Plan):

@@ -1,0 +1,115 @@
+"""The package's shape: the runtime imports no auto-round, no import cycle among dpq's modules."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DPQ = Path(__file__).resolve().parent.parent / "dpq"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(DPQ.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_modules() -> list[str]:
+    """Everything in dpq/ but the adapter (dpq/autoround/) and the demo (dpq/demo/)."""
+    return sorted(_module_name(p) for p in DPQ.rglob("*.py")
+                  if not {"autoround", "demo"} & set(p.relative_to(DPQ).parts))
+
+
+def test_runtime_imports_no_auto_round():
+    """Each runtime module imports in a fresh interpreter where auto_round cannot be imported,
+    and none of them pulls it in."""
+    modules = _runtime_modules()
+    assert "dpq.session" in modules and "dpq.tune_loop" in modules
+    code = f"""
+import importlib, sys
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name == "auto_round" or name.startswith("auto_round."):
+            raise ImportError(f"blocked: {{name}}")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+for name in {modules!r}:
+    importlib.import_module(name)
+leaked = sorted(m for m in sys.modules if m == "auto_round" or m.startswith("auto_round."))
+assert not leaked, leaked
+print("ok", len({modules!r}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=DPQ.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ok")
+
+
+def _imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The dpq modules ``path`` imports at module level (outside functions and classes)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+
+    def visit(nodes) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []) or [])
+
+    visit(tree.body)
+    return {m for m in out if m in known and m != name}
+
+
+def test_no_import_cycle_among_dpq_modules():
+    paths = {_module_name(p): p for p in DPQ.rglob("*.py")}
+    known = set(paths)
+    graph = {name: _imports(path, name, known) for name, path in paths.items()}
+    # a package's __init__ importing its own submodules is not a cycle back into them
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not (paths[name].name == "__init__.py"
+                                                      and m.startswith(name + "."))}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def dfs(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt):], nxt])
+            elif nxt not in state:
+                dfs(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            dfs(node)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("spec", ["cuda:256", "256", "cuda:128,cuda:0", [300]])
+def test_device_index_above_127_is_refused(spec):
+    """torch keeps a device index in 8 bits: 'cuda:256' would silently be cuda:0."""
+    from dpq.plan import device_spec_errors
+
+    errors = device_spec_errors(spec)
+    assert errors and "above 127" in errors[0], errors
