@@ -464,7 +464,12 @@ def test_cli_iters0_world2_saves_serial_tensors(tmp_path, extra):
     serial, _ = cli("off", "--parallel_quantization", "off")
     two, log = cli("two", "--parallel_quantization", "2", "--parallel_devices", "cpu,cpu")
     assert serial.keys() == two.keys() and all(bitwise(serial[k], two[k]) for k in serial)
-    assert "mapped over 2 lanes" in log
+    from dpq.autoround import patches
+
+    if any(p.name == "_quantize_targets" for p in patches.patches_for()):  # 0.16: dpq maps the searches
+        assert "mapped over 2 lanes" in log
+    else:  # 0.17: auto-round's own search dispatch runs them; the collection passes are still sharded
+        assert "on 2 lane(s)" in log
 
 
 def test_install_is_idempotent_and_uninstall_restores():
