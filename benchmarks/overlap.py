@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import os
 import statistics
 import sys
@@ -158,49 +157,13 @@ def make_engine(case: Case, world: int, exchange_factory, bucket_cap: int | None
     return engine, replicas
 
 
-def engine_overlaps_natively() -> bool:
-    """True once ``TuneEngine.backward`` issues the exchange during its backward."""
-    return "during_backward" in inspect.getsource(TuneEngine.backward)
-
-
-@contextlib.contextmanager
-def overlap_shim(engine: TuneEngine):
-    """For an engine that exchanges only after backward: run its (single) backward inside
-    ``exchange.during_backward`` and skip its later ``exchange`` call. Same work, same order."""
-    if engine_overlaps_natively() or not getattr(engine.exchange, "overlap", False):
-        yield
-        return
-    real_backward, ex = torch.autograd.backward, engine.exchange
-    real_exchange = ex.exchange
-    state = {"done": False}
-
-    def backward(roots, *a, **k):
-        with ex.during_backward(engine.buckets):
-            real_backward(roots, *a, **k)
-        state["done"] = True
-
-    def exchange(buckets):
-        if state["done"]:
-            state["done"] = False
-            return
-        real_exchange(buckets)
-
-    torch.autograd.backward, ex.exchange = backward, exchange
-    try:
-        yield
-    finally:
-        torch.autograd.backward = real_backward
-        del ex.exchange
-
-
 def iterate(engine: TuneEngine, batches: list[list[int]], times: list[float] | None = None) -> None:
-    with overlap_shim(engine):
-        for idx in batches:
-            t0 = time.perf_counter()
-            engine.backward(idx)
-            engine.step()
-            if times is not None:
-                times.append(time.perf_counter() - t0)
+    for idx in batches:  # TuneEngine.backward itself overlaps when the exchange has overlap on
+        t0 = time.perf_counter()
+        engine.backward(idx)
+        engine.step()
+        if times is not None:
+            times.append(time.perf_counter() - t0)
 
 
 @contextlib.contextmanager
@@ -323,8 +286,7 @@ def main(argv=None) -> int:
             ((time.perf_counter() - wall0) * (os.cpu_count() or 1))
     print(f"{_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} intra-op thread(s); "
           f"tiny Llama layer hidden {args.hidden}, intermediate {args.intermediate}, {args.nsamples} x "
-          f"{args.seqlen} tokens; {args.policy} exchange; engine overlap "
-          f"{'native' if engine_overlaps_natively() else 'via benchmarks.overlap.overlap_shim'}")
+          f"{args.seqlen} tokens; {args.policy} exchange; overlap in TuneEngine.backward")
     print()
     print("| world | buckets | wire MB/iter | collectives | one lane's backward ms | link ms/iter | link GB/s "
           "| T_none ms | T_after ms | T_overlap ms | hidden |")

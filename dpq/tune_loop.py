@@ -189,9 +189,18 @@ class TuneEngine:
                 # R6: queued now, before backward and the exchange, so the readback waits for the
                 # losses only. (Earlier micro-steps' backwards precede it on lane 0's stream.)
                 readback = HostCopy(torch.stack(step_losses))
-            torch.autograd.backward(roots)
-        before = self._wire_bytes()
-        if world > 1:  # one lane already holds the full gradient; nothing to exchange
+            if m == steps - 1 and world > 1 and hasattr(self.exchange, "during_backward"):
+                # The last backward exchanges buckets as they fill (exchange.py: overlap);
+                # lanes with fewer micro-steps have final gradients already.
+                before = self._wire_bytes()
+                reached = [k for k in range(world) if m < len(per_lane[k])]
+                with self.exchange.during_backward(self.buckets, reached):
+                    torch.autograd.backward(roots)
+                overlapped = True
+            else:
+                torch.autograd.backward(roots)
+                before, overlapped = self._wire_bytes(), False
+        if world > 1 and not overlapped:  # world 1: one lane already holds the full gradient
             self.exchange.exchange(self.buckets)
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
         return readback.tolist()  # the one host sync of the iteration

@@ -234,6 +234,7 @@ class StreamOrderChecker:
         self.ops = 0
         self._window: int | None = None  # the running torch.autograd.backward call
         self._windows = 0
+        self._bw_depth: int | None = None  # stream-context depth when the running backward began
         self._saved = None
         self._closed = False
         self.scalar_reads = 0  # .item() and friends, host tensors included
@@ -251,7 +252,18 @@ class StreamOrderChecker:
         return self._tls.stack
 
     def current_stream(self) -> LogicalStream:
+        # Inside a backward node, CUDA's autograd makes the node's stream current (a stream guard
+        # around the node, its hooks included): a hook's ops and its ``current_stream()`` queries
+        # see the node's stream, unless the hook enters a stream context of its own, as the
+        # overlapped exchange's hooks do (``lane.issue()`` around each lane's part of a
+        # collective): those ops go on that stream, as under ``torch.cuda.stream``.
         stack = self._stack()
+        if self._bw_depth is None or len(stack) <= self._bw_depth:
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                s = node.metadata.get(_NODE_KEY)
+                if s is not None:
+                    return s
         return stack[-1] if stack else self.default
 
     @contextlib.contextmanager
@@ -281,10 +293,11 @@ class StreamOrderChecker:
         def backward(*args, **kwargs):
             self._windows += 1
             outer, self._window = self._window, self._windows
+            outer_depth, self._bw_depth = self._bw_depth, len(self._stack())
             try:
                 return real_backward(*args, **kwargs)
             finally:
-                self._window = outer
+                self._window, self._bw_depth = outer, outer_depth
 
         torch.autograd.backward = backward
         self._modes = contextlib.ExitStack()
@@ -323,12 +336,7 @@ class StreamOrderChecker:
             todo.extend(n for n, _ in node.next_functions)
 
     def _op_stream(self) -> LogicalStream:
-        node = torch._C._current_autograd_node()
-        if node is not None:
-            s = node.metadata.get(_NODE_KEY)
-            if s is not None:
-                return s
-        return self.current_stream()
+        return self.current_stream()  # a backward op: its node's stream (see current_stream)
 
     def _storage(self, t: torch.Tensor, alloc_on: LogicalStream | None, op: str = "") -> _Storage | None:
         """The booking of ``t``'s storage; a storage seen for the first time is allocated on
@@ -447,13 +455,18 @@ class StreamOrderChecker:
 
     def _check_after_write(self, st: _Storage, lo: int, hi: int, stream: LogicalStream, op: str, verb: str) -> None:
         for w_lo, w_hi, sid, clock, wop, window in st.writes:
-            if w_hi <= lo or hi <= w_lo or self._hb(stream, sid, clock):
+            if w_hi <= lo or hi <= w_lo:
                 continue
-            if window is not None and window == self._window:
+            if sid != stream.sid and window is not None and window == self._window:
                 # a gradient passed between backward nodes: autograd's InputBuffer makes the
-                # consumer wait for the producer and records the tensor on the consumer's stream
+                # consumer wait for the producer and records the tensor on the consumer's stream.
+                # It does so whenever the two streams differ, even where an earlier edge already
+                # orders them (the overlapped exchange's collectives join the lanes mid-backward):
+                # the record is what lets the producer's pool free the gradient safely.
                 stream.vc[sid] = max(stream.vc.get(sid, 0), clock)
                 st.recorded.add(stream.sid)
+                continue
+            if self._hb(stream, sid, clock):
                 continue
             self._fail(f"{op} on {stream.name} {verb} bytes [{lo}, {hi}) of storage {st.desc} last written by "
                        f"{wop} on {self.streams[sid].name}: no happens-before edge (missing wait)")

@@ -199,13 +199,14 @@ def test_world_n_statistical_parity(longer_blocks, serial_runs, world):
 def _mutate(monkeypatch, mutant: str) -> None:
     if mutant == "lane weight 1":  # each lane's mean loss unweighted instead of its share of the elements
         monkeypatch.setattr(dpq.tune_loop.TuneEngine, "_weight", lambda self, chunk, ref: 1.0)
-    elif mutant == "lane 1 gradient dropped":  # zeroed just before the exchange
+    elif mutant == "lane 1 gradient dropped":  # zeroed just before each bucket's exchange
+        # exchange_bucket: what both the plain exchange and the overlapped one (hooks) call
         for cls in (dpq.exchange.SignExchange, dpq.exchange.FullSumExchange):
-            def exchange(self, buckets, _real=cls.exchange):
-                buckets.buffers[1].zero_()
-                return _real(self, buckets)
+            def exchange_bucket(self, buckets, i, _real=cls.exchange_bucket):
+                buckets.bucket(i)[1].zero_()
+                return _real(self, buckets, i)
 
-            monkeypatch.setattr(cls, "exchange", exchange)
+            monkeypatch.setattr(cls, "exchange_bucket", exchange_bucket)
     elif mutant == "lane 1 reads lane 0's slice":
         if hasattr(dpq.tune_loop, "contiguous_ranges"):  # the split as (start, stop) ranges
             real_ranges = dpq.tune_loop.contiguous_ranges

@@ -212,8 +212,11 @@ def test_gradient_bound_catches_mutants(monkeypatch, mutant):
         real = TuneEngine._weight
         monkeypatch.setattr(TuneEngine, "_weight", lambda self, chunk, ref: real(self, chunk, ref) * (1 + 1e-4))
     elif mutant.startswith("lane 1 grad"):
-        real_ex = FullSumExchange.exchange
-        monkeypatch.setattr(FullSumExchange, "exchange", lambda self, b: (b.buffers[1].zero_(), real_ex(self, b))[1])
+        # exchange_bucket: what both the plain exchange and the overlapped one (hooks) call.
+        real_ex = FullSumExchange.exchange_bucket
+        monkeypatch.setattr(
+            FullSumExchange, "exchange_bucket", lambda self, b, i: (b.bucket(i)[1].zero_(), real_ex(self, b, i))[1]
+        )
     elif hasattr(tl, "contiguous_ranges"):  # lane 1 gets lane 0's (equal-sized) range
         real_cr = tl.contiguous_ranges
         monkeypatch.setattr(tl, "contiguous_ranges", lambda n, w, *a: [r := real_cr(n, w, *a), [r[0], r[0]]][1])
