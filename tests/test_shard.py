@@ -233,16 +233,18 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
     auto-round), ``tune_world`` also enables dpq's tuner. Returns (state_dict, seam records)."""
     from auto_round import AutoRound
 
+    from dpq import session
     from dpq.autoround import integration, shard_seams
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
 
     args = dict(nsamples=16, seqlen=64, batch_size=8, iters=0)
+    injected = [session.inject_fault(kind=kind, lane=lane) for kind, lane in (faults or {}).items()]
     args.update(kw)
     model = build_tiny_llama(TinyLlamaConfig())
     if tune_world is not None:
         integration.enable(tune_world, "cpu,cpu")
     if world is not None:
-        shard_seams.install(SimpleNamespace(world=world, devices="cpu,cpu", faults=faults))
+        shard_seams.install(SimpleNamespace(world=world, devices="cpu,cpu"))
     try:
         dataset = calibration_samples(args["nsamples"], args["seqlen"])
         ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=dataset, device_map="cpu",
@@ -252,6 +254,11 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
         else:
             ar.quantize()
     finally:
+        for fault in injected:
+            if fault.calls <= fault.after:  # did not fire: keep the caller's dict saying so
+                fault.remove()
+            elif faults is not None:
+                faults.pop(fault.kind, None)  # fired (once)
         recs = shard_seams.records() if world is not None else []
         if world is not None:
             shard_seams.uninstall()

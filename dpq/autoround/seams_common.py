@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpq.plan import PlanRequest, resolve
-from dpq.streams import make_lanes
+from dpq.plan import PlanRequest
+from dpq.session import fault_point, lanes_for
 
 from . import patches
 
@@ -98,12 +98,9 @@ def world() -> int | str:
 
 
 def lane_fault(kind: str, lane_index: int) -> None:
-    """Test fault injection, one entry point for every seam: raises when the installed config's
-    ``faults`` maps ``kind`` ("collection", "awq_grid") to ``lane_index`` (each fault fires once)."""
-    faults = getattr(config(), "faults", None)
-    if faults and faults.get(kind) == lane_index:
-        del faults[kind]
-        raise RuntimeError(f"injected {kind} lane failure (dpq test hook)")
+    """A seam's test fault point: the session's one entry point (``dpq.session.inject_fault``
+    with ``kind`` "collection" or "awq_grid" makes the pass fail on that lane, once)."""
+    fault_point(kind, lane_index)
 
 
 def records() -> list[PhaseRecord]:
@@ -150,7 +147,7 @@ def lane_devices():
 def plan_lanes(units: int, price: int | None, reasons: list[str]):
     """Lanes for a pass of ``units`` indivisible pieces (batches, layers), or None for home alone.
 
-    The same plan the tuner gets (``dpq.plan.resolve``: world, devices, memory), with the world
+    The same plan the tuner gets (``dpq.session.lanes_for``: world, devices, memory), with the world
     capped at ``units`` (a pass cannot use more lanes than it has pieces). An explicit world
     that cannot be served raises :class:`dpq.plan.PlanRefused` here, before the block's work.
     """
@@ -160,12 +157,10 @@ def plan_lanes(units: int, price: int | None, reasons: list[str]):
     from auto_round.utils.device_manager import device_manager
 
     capped = min(w, units) if isinstance(w, int) else w
-    plan = resolve(PlanRequest(world=capped, devices=lane_devices(), samples_per_iter=units,
-                               home=torch.device(device_manager.device), mirror_bytes=price))
+    plan, lanes = lanes_for(PlanRequest(world=capped, devices=lane_devices(), samples_per_iter=units,
+                                        home=torch.device(device_manager.device), mirror_bytes=price))
     reasons.extend(plan.reasons)
-    if plan.world < 2:
-        return None
-    return make_lanes(plan.devices)
+    return lanes
 
 
 def mirror_refusals(module: torch.nn.Module, label: str) -> list[str]:
