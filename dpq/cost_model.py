@@ -182,18 +182,32 @@ def probe_link(comm, sizes: Sequence[int] = (2**12, 2**20), reps: int = 3) -> tu
     return max(0.0, t0 - b0 / bw), bw
 
 
+# Achievable dense throughput per device type (FLOP/s) for the first block's compute estimate,
+# before any iteration is measured: stated guesses (bf16 on an H100-class GPU at ~40% of peak;
+# a few CPU cores); from the second block on the previous block's measured iteration time is used.
+ACHIEVABLE_FLOPS = {"cuda": 300e12, "xpu": 150e12, "hpu": 300e12, "cpu": 5e10}
+
+
 class AutoWorld:
     """``auto``'s choice of the world, for one run: the link probed once per lane set (on the real
     lanes, through the run's communicator), each block's world chosen by :func:`choose_world`,
-    and predicted vs measured block times kept for the run report (:attr:`records`)."""
+    and predicted vs measured block times kept for the run report (:attr:`records`).
 
-    def __init__(self, *, issue_s: float, overlap: float = 0.0, setup_per_mirror_s: float = 0.0,
-                 policy: str = "sign", buckets: int = 1, probe_sizes: Sequence[int] = (2**12, 2**20)) -> None:
+    Compute per iteration: ``compute_s`` when given (tests, benchmarks), else from the previous
+    block's measured iteration time (:meth:`measured`), else from the block's FLOPs at
+    :data:`ACHIEVABLE_FLOPS`. ``wrap``: the run's communicator as the choice and the lanes see it
+    (tests and benchmarks put ``dpq.simulated_link.SimulatedLink`` around it)."""
+
+    def __init__(self, *, issue_s: float = 0.0, overlap: float = 0.0, setup_per_mirror_s: float = 0.0,
+                 policy: str = "sign", buckets: int = 1, probe_sizes: Sequence[int] = (2**12, 2**20),
+                 compute_s: float | None = None, wrap=None) -> None:
         self.probe_sizes = tuple(probe_sizes)
         self.issue_s, self.overlap, self.setup_per_mirror_s = issue_s, overlap, setup_per_mirror_s
         self.policy, self.buckets = policy, buckets
+        self.compute_s, self.wrap = compute_s, wrap
         self.links: dict[tuple, tuple[float, float]] = {}  # lane devices -> (latency, bandwidth)
         self.records: list[dict] = []
+        self._last: tuple[float, int, CostInputs] | None = None  # previous block: s/iter, world, inputs
 
     def link(self, comm) -> tuple[float, float]:
         key = tuple(str(lane.device) for lane in comm.lanes)
@@ -207,18 +221,37 @@ class AutoWorld:
                           latency_s=latency, policy=self.policy, buckets=self.buckets, overlap=self.overlap,
                           setup_per_mirror_s=self.setup_per_mirror_s)
 
+    def estimate_compute(self, *, flops: float, device_type: str) -> tuple[float, str]:
+        """(compute_s, where it came from) for the next block (class docstring)."""
+        if self.compute_s is not None:
+            return self.compute_s, "compute given"
+        if self._last is not None:
+            per_iter, world, c = self._last
+            where = f"compute from the previous block ({per_iter * 1e3:.3g} ms/iter at world {world})"
+            return compute_from_iteration(per_iter, world, c), where
+        rate = ACHIEVABLE_FLOPS.get(device_type, ACHIEVABLE_FLOPS["cpu"])
+        return flops / rate, f"compute from FLOPs ({flops:.3g} at {rate:.3g} FLOP/s)"
+
     def choose(self, comm, *, iters: int, compute_s: float, tuned_elems: int, label: str = "block") -> Choice:
         """World 1 .. len(comm.lanes) by predicted time; the lanes kept are the first W."""
         c = self.inputs(comm, compute_s=compute_s, tuned_elems=tuned_elems)
         choice = choose_world(range(1, len(comm.lanes) + 1), iters, c, label=label)
         self.records.append({"block": label, "world": choice.world,
                              "predicted_s": {p.world: p.seconds for p in choice.predictions},
-                             "measured_s": None, "reason": choice.reason})
+                             "measured_s": None, "reason": choice.reason, "_inputs": c})
         return choice
 
-    def measured(self, label: str, seconds: float) -> None:
-        """The block's measured time, next to its prediction in :attr:`records`."""
+    def measured(self, label: str, seconds: float, *, iters: int = 0, world: int = 1) -> None:
+        """The block's measured time, next to its prediction in :attr:`records`; its time per
+        iteration becomes the next block's compute estimate."""
         for rec in reversed(self.records):
             if rec["block"] == label and rec["measured_s"] is None:
                 rec["measured_s"] = seconds
+                c = rec.pop("_inputs", None)
+                if c is not None and iters > 0:
+                    self._last = (seconds / iters, world, c)
                 return
+
+    def report(self) -> list[dict]:
+        """Predicted vs measured per block (JSON-ready)."""
+        return [{k: v for k, v in rec.items() if not k.startswith("_")} for rec in self.records]

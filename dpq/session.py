@@ -50,11 +50,14 @@ __all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "fault_poi
 @dataclass
 class SessionConfig:
     """What the user asked for: ``world`` ('auto', 'off' or an int), lane ``devices`` (None: the
-    plan's default), ``debug_identical`` (check the lanes bitwise after every step)."""
+    plan's default), ``debug_identical`` (check the lanes bitwise after every step).
+    ``auto_world``: under 'auto', the run's cost model; after the memory check it keeps the first
+    W of the fitting lanes, W by predicted time (None: every fitting lane)."""
 
     world: int | str = "auto"
     devices: object = None
     debug_identical: bool = False
+    auto_world: object = None  # dpq.cost_model.AutoWorld, one per run: 'auto' picks the world by predicted time
 
     def __post_init__(self) -> None:
         self.world = validate_world(self.world)
@@ -156,12 +159,20 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask) -> tuple[Loop
     if spec is None:
         return None, task.finish(None, plan)
     lanes = make_lanes(plan.devices)
-    if plan.communicator:
-        comm = make_communicator(plan.communicator, lanes)
-    else:
-        comm, plan.communicator_reason = select_communicator(lanes)
-        plan.communicator = comm.name
+    comm = _communicator(config, plan, lanes)
+    auto = config.auto_world if config.world == "auto" and plan.world > 1 else None
+    if auto is not None:
+        keep = _choose_world(auto, comm, plan, task, spec)
+        if keep < plan.world:  # the first `keep` fitting lanes; the others are not used
+            plan.world, plan.devices, lanes = keep, plan.devices[:keep], lanes[:keep]
+            if keep == 1:
+                plan.communicator, plan.communicator_reason = "local", "one lane: nothing to exchange"
+            close = getattr(comm, "close", None)  # e.g. a simulated link's timer
+            if close is not None:
+                close()
+            comm = _communicator(config, plan, lanes)
     exchange = SignExchange(comm) if plan.exchange == "sign" else FullSumExchange(comm)
+    t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
     try:
         engine = TuneEngine(
@@ -176,11 +187,41 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask) -> tuple[Loop
             debug_identical=config.debug_identical,
         )
         outcome = run_loop(engine, spec)
+        if auto is not None:
+            auto.measured(task.name, time.perf_counter() - t_loop, iters=spec.iters, world=plan.world)
     finally:
         # R5, on success and on failure alike: the current stream and every lane join before
         # the mirrors go and before the adapter unwraps (or the session restores) the home block.
         replicas.close()
     return outcome, task.finish(outcome, plan)
+
+
+def _communicator(config: SessionConfig, plan: Plan, lanes: list[Lane]):
+    if plan.communicator:
+        comm = make_communicator(plan.communicator, lanes)
+    else:
+        comm, plan.communicator_reason = select_communicator(lanes)
+        plan.communicator = comm.name
+    wrap = getattr(config.auto_world, "wrap", None) if config.world == "auto" else None
+    return wrap(comm) if wrap is not None else comm
+
+
+def _choose_world(auto, comm, plan: Plan, task: BlockTask, spec: TuneSpec) -> int:
+    """'auto': the world by predicted block time over the fitting lanes (dpq.cost_model), with
+    the link probed on these lanes; the choice and its prediction go to the plan's notes and the log."""
+    params = dict(task.block.named_parameters(remove_duplicate=False))
+    tuned = [params[n] for n in spec.tuned if n in params]
+    elems = sum(p.numel() for p in tuned)
+    # FLOPs (first block only): 6 x tokens x the weight-shaped tuned values; tokens = the
+    # iteration's elements over the hidden size (the first weight-shaped value's input width).
+    weights = [p for p in tuned if p.dim() >= 2]
+    hidden = weights[0].shape[-1] if weights else 1
+    tokens = sum(spec.sample_numel(i) for i in range(min(spec.batch_size, spec.nsamples))) / max(1, hidden)
+    compute_s, where = auto.estimate_compute(flops=6.0 * tokens * sum(p.numel() for p in weights),
+                                             device_type=plan.devices[0].type)
+    choice = auto.choose(comm, iters=spec.iters, compute_s=compute_s, tuned_elems=elems, label=task.name)
+    plan.notes.append(f"auto: {choice.reason}; {where}")
+    return choice.world
 
 
 # -- putting the block back, letting the failed run go ------------------------------------------

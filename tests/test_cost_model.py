@@ -98,3 +98,60 @@ def test_choose_world_prefers_fewer_lanes_on_a_tie_and_logs(caplog):
     with caplog.at_level("INFO", logger="dpq.cost_model"):
         assert choose_world([4, 2, 1], 10, c).world == 1
     assert "dpq auto: predicted block time" in caplog.text
+
+
+# -- through the real plan/session path (dpq.parallel_tune, world='auto', 4 CPU lanes) -----------
+
+
+@pytest.fixture(scope="module")
+def tiny_block():
+    import torch
+
+    from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = TinyLlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+    model = build_tiny_llama(cfg)
+    inputs, others = capture_block_inputs(model, calibration_samples(8, 8, vocab_size=256))
+    yield model.model.layers[0], inputs[0], others[0]
+    torch.set_num_threads(threads)
+
+
+def _auto_tune(tiny_block, bandwidth_GBps: float, compute_s: float):
+    import copy
+
+    import dpq
+
+    block, inputs, others = tiny_block
+    links = []
+
+    def wrap(comm):
+        links.append(SimulatedLink(comm, bandwidth_GBps=bandwidth_GBps, latency_s=1e-4))
+        return links[-1]
+
+    auto = AutoWorld(compute_s=compute_s, probe_sizes=(2**10, 2**14), wrap=wrap)
+    try:
+        res = dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, iters=3, batch_size=4,
+                                world="auto", devices=["cpu"] * 4, auto_world=auto)
+    finally:
+        for link in links:
+            link.close()
+    return res, auto
+
+
+def test_session_auto_picks_one_lane_when_the_exchange_dominates(tiny_block):
+    res, auto = _auto_tune(tiny_block, bandwidth_GBps=2e-4, compute_s=1e-3)  # 200 KB/s, 1 ms of compute
+    assert res.world == 1 and len(res.losses) == 3
+    assert any("auto: predicted" in r and "world 1 is fastest" in r for r in res.plan_reasons)
+    [rec] = auto.report()
+    assert rec["world"] == 1 and rec["measured_s"] > 0 and rec["predicted_s"][1] < rec["predicted_s"][4]
+
+
+def test_session_auto_picks_every_lane_when_compute_dominates(tiny_block):
+    res, auto = _auto_tune(tiny_block, bandwidth_GBps=10.0, compute_s=100.0)  # a fast link, 100 s of compute
+    assert res.world == 4 and len(res.losses) == 3
+    assert any("world 4 is fastest" in r for r in res.plan_reasons)
+    [rec] = auto.report()
+    assert rec["world"] == 4 and rec["measured_s"] > 0

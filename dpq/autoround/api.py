@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dpq import session
+from dpq.cost_model import AutoWorld
 from dpq.mirror import tensors_in
 from dpq.plan import Plan, PlanRefused
 
@@ -235,6 +236,7 @@ def parallel_tune(
     seed: int | None = 42,
     debug_identical: bool = False,
     progress: bool = False,
+    auto_world: AutoWorld | None = None,
 ) -> ParallelTuneResult:
     """SignRound-tune ``block`` data-parallel and apply the best rounding/scales to it.
 
@@ -246,6 +248,9 @@ def parallel_tune(
     Python's ``random`` (auto-round's sampler draws from it) and torch; ``None`` uses the
     current state. ``shared_cache_keys`` name the ``input_others`` entries that are one value
     for every sample (auto-round's default for decoder LLMs).
+
+    ``auto_world``: under ``world='auto'``, the cost model that picks the world by predicted
+    time (``dpq.cost_model.AutoWorld``; None: a fresh one for this call).
 
     Bad arguments (block, pool, settings, lanes) raise one ``ValueError`` listing every problem
     with its fix, before the block is touched. Any later failure (an exception or out-of-memory
@@ -274,7 +279,10 @@ def parallel_tune(
     config = plan = None
     if isinstance(inputs, (list, tuple)) and inputs:
         try:
-            config = session.SessionConfig(world=world, devices=devices, debug_identical=debug_identical)
+            if auto_world is None and world == "auto":
+                auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
+            config = session.SessionConfig(world=world, devices=devices, debug_identical=debug_identical,
+                                           auto_world=auto_world)
             plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons
