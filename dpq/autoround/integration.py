@@ -26,7 +26,7 @@ from dpq.fallback_p2p import close_communicators
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
 
 from . import patches
-from .compat import check_auto_round_version, tuner_refusals
+from .compat import check_auto_round_version, prepare_block_for_tuning, tuner_refusals
 from .seams_common import ParallelLaneError
 
 check_auto_round_version()
@@ -374,6 +374,8 @@ class _Task:
         )
         if not any(hasattr(m, "orig_layer") and m.params for m in block.modules()):
             return None
+        # 0.17: serial switches the MoE experts implementation here; the mirrors must copy the same block
+        prepare_block_for_tuning(q, block, active_inputs, q.calibration_context.batch_size)
         settings = SignRoundSettings(
             iters=q.iters, batch_size=q.calibration_context.batch_size,
             gradient_accumulate_steps=q.gradient_accumulate_steps, enable_minmax_tuning=q.enable_minmax_tuning,
