@@ -103,6 +103,7 @@ class GradBuckets:
                     raise ValueError(f"dpq: lane {k}'s parameters are on {dev} but the lane is on {lane.device}")
         sizes = [p.numel() for p in self.params[0]]
         self.offsets = _reverse_offsets(sizes)
+        self._views: list | None = None  # per lane: (buffer, each parameter's slot view), made once
         self.numel = sum(sizes)
         self.bucket_params = _bucket_params(sizes, bucket_cap_elems)
         self.bucket_ranges = [_range_of(ids, self.offsets, sizes) for ids in self.bucket_params]
@@ -132,11 +133,23 @@ class GradBuckets:
         view in place autograd accumulates into it in place. A parameter that receives no
         gradient keeps an exact zero (not None).
         """
-        for k, (buf, params) in enumerate(zip(self.buffers, self.params, strict=True)):
+        views = self._views
+        if views is None or any(v[0] is not buf for v, buf in zip(views, self.buffers, strict=True)):
+            views = self._views = [(buf, [buf[off : off + p.numel()].view_as(p) for p, off in
+                                          zip(params, self.offsets, strict=True)])
+                                   for buf, params in zip(self.buffers, self.params, strict=True)]
+        for k, ((buf, slots), params) in enumerate(zip(views, self.params, strict=True)):
             with self._issue(k):
                 buf.zero_()
-            for p, off in zip(params, self.offsets, strict=True):
-                p.grad = buf[off : off + p.numel()].view_as(p)
+            for p, v in zip(params, slots, strict=True):
+                if p.grad is not v:  # dropped (zero_grad) or replaced: the slot's view again
+                    p.grad = v
+
+    def detach(self) -> None:
+        """Every ``p.grad`` back to None (the run is over: the buffers are not held by the params)."""
+        for params in self.params:
+            for p in params:
+                p.grad = None
 
     def is_attached(self) -> bool:
         """True when every ``p.grad`` is still the view of its slot."""

@@ -223,7 +223,9 @@ class TuneEngine:
         for lane, opt, sched in zip(self.lanes, self.optimizers, self.schedulers, strict=True):
             with lane.issue():
                 opt.step()
-                opt.zero_grad()
+                # no opt.zero_grad(): GradBuckets.attach zeroes each lane's one buffer before the
+                # next backward and keeps the .grad views in place (one op instead of dropping and
+                # re-making a view per parameter every iteration; the world-1 overhead)
                 if sched is not None:
                     sched.step()
         if self.debug_identical:
@@ -335,6 +337,7 @@ def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
         if not spec.not_use_best_mse and 0 < spec.dynamic_max_gap <= i - last_best_iter:
             break
         engine.step()
+    engine.buckets.detach()  # the grads (views of the buffers) go with the run
     best_iter = spec.iters if spec.not_use_best_mse else last_best_iter
     reported = total_loss if spec.not_use_best_mse else best_loss
     return LoopOutcome(best_params=best_params, losses=losses, best_iter=best_iter, best_loss=float(reported),
