@@ -424,3 +424,16 @@ def test_the_callers_own_error_is_left_alone(tiny_block, monkeypatch):
             _tune(tiny_block, copy.deepcopy(tiny_block[0]), 2)
         assert info.value.__context__ is caller
         assert caller.__traceback__ is not None and not getattr(caller, "__notes__", None)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_callers_weights_get_no_gradients(tiny_block, world):
+    """Only the wrappers' values are tuned: the block's own (trainable) weights are frozen while it
+    tunes (as in auto-round's frozen model) and come back trainable, without a ``.grad``."""
+    block, inputs, others = tiny_block
+    block = copy.deepcopy(block)
+    block.requires_grad_(True)
+    dpq.parallel_tune(block, inputs, input_others=others, iters=2, batch_size=4, world=world,
+                      devices=",".join(["cpu"] * world))
+    assert all(p.requires_grad for p in block.parameters())
+    assert [n for n, p in block.named_parameters() if p.grad is not None] == []

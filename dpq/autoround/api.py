@@ -292,9 +292,17 @@ def parallel_tune(
         raise ValueError(_problem_list(problems))
     # Nothing above touched the block. From here on the session puts it back exactly as it was
     # passed in on any failure, and drops what the failed run held before the error reaches the caller.
+    # The block's own weights are frozen while it tunes, as in auto-round's run (its model is
+    # frozen): only the wrappers' values need gradients, and a lane sharing home's frozen weights
+    # must not accumulate into the caller's ``.grad``. Put back as they were afterwards.
+    trainable = [p for p in block.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
     try:
         return session.run(config, task.describe(), plan=plan).result
     finally:
+        for p in trainable:
+            p.requires_grad_(True)
         task.close_bar()
 
 
