@@ -120,29 +120,6 @@ def _sink_restore(snaps) -> None:
             container.update(value)
 
 
-# -- AWQ's preprocessor-owned containers: snapshot / restore around a sharded pass -------------
-
-def _sink_snapshot(composer) -> list:
-    snaps = []
-    for pre in getattr(composer, "preprocessors", []):
-        if type(pre).__name__ != "AWQTransform":
-            continue
-        snaps.append((pre, {
-            "_activation_stats": {k: [v[0].clone(), v[1]] for k, v in pre._activation_stats.items()},
-            "_parent_args_cache": {k: list(v) for k, v in pre._parent_args_cache.items()},
-            "_clip_input_feat": dict(pre._clip_input_feat),
-        }))
-    return snaps
-
-
-def _sink_restore(snaps) -> None:
-    for pre, saved in snaps:
-        for attr, value in saved.items():
-            container = getattr(pre, attr)
-            container.clear()
-            container.update(value)
-
-
 # -- the seam ---------------------------------------------------------------------
 
 class ShardedRunner:
