@@ -63,6 +63,20 @@ class RecordedBlock:
         )
 
 
+
+class ForwardFault:
+    """A forward pre-hook that raises from its call ``after + 1`` on: a lane running out of memory
+    in its forward. An object, not a closure, so that the error's traceback holds nothing of the
+    test's own (tests check that a caught error keeps no mirror alive)."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.calls = after, 0
+
+    def __call__(self, module, args):
+        self.calls += 1
+        if self.calls > self.after:
+            raise RuntimeError("injected lane failure")
+
 def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64, batch_size: int = 8, **ar_kwargs):
     """Run ``AutoRound(...).quantize()`` on the tiny Llama and record every block's call."""
     from auto_round import AutoRound

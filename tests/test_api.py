@@ -15,6 +15,7 @@ import dpq.autoround.api as api
 import dpq.autoround.tune as tune
 import dpq.session as session
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
+from tests.conftest import ForwardFault
 
 
 @pytest.fixture(autouse=True)
@@ -354,19 +355,6 @@ def test_failure_leaves_block_exactly_as_passed_and_retry_tunes_it(tiny_block, m
 # --- a failed run's error does not keep the run's memory alive -------------------------------
 
 
-class _ForwardFault:
-    """A forward pre-hook that raises from its call ``after + 1`` on: a lane running out of memory
-    in its block forward (torch then calls the block through a closure holding the block)."""
-
-    def __init__(self, after: int) -> None:
-        self.after, self.calls = after, 0
-
-    def __call__(self, module, args):
-        self.calls += 1
-        if self.calls > self.after:
-            raise RuntimeError("injected lane failure")
-
-
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("how", ["lane loss", "lane forward"])
 def test_error_does_not_keep_mirrors_wrappers_or_optimizers_alive(tiny_block, monkeypatch, world, how):
@@ -379,7 +367,7 @@ def test_error_does_not_keep_mirrors_wrappers_or_optimizers_alive(tiny_block, mo
             refs.extend(weakref.ref(m) for m in self.modules[1:])
             refs.extend(weakref.ref(p) for k in range(self.world) for p in self.tuned_params(k))
             if how == "lane forward":
-                self.modules[-1].register_forward_pre_hook(_ForwardFault(after=2))
+                self.modules[-1].register_forward_pre_hook(ForwardFault(after=2))
 
     class RecordingEngine(session.TuneEngine):
         def __init__(self, *a, **k):

@@ -18,6 +18,7 @@ import torch
 import dpq
 import dpq.session as session
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples, capture_block_inputs
+from tests.conftest import ForwardFault
 
 LAYERS = 16
 FAILING = (3, 8, 9, 13)  # blocks whose lane 1 fails mid-tune
@@ -94,25 +95,11 @@ def quiet_process():
         torch.set_num_threads(threads)
 
 
-class _LaneFault:
-    """A forward pre-hook on lane 1's mirror that raises from its call ``after + 1`` on: a lane
-    running out of memory in its forward. An object, not a closure, so that the error's traceback
-    holds nothing of the test's own."""
-
-    def __init__(self, after: int) -> None:
-        self.after, self.calls = after, 0
-
-    def __call__(self, module, args):
-        self.calls += 1
-        if self.calls > self.after:
-            raise RuntimeError("injected lane failure")
-
-
 class _FaultyReplicas(session.ReplicaSet):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         if self.world > 1:
-            self.modules[1].register_forward_pre_hook(_LaneFault(after=1))
+            self.modules[1].register_forward_pre_hook(ForwardFault(after=1))
 
 
 def test_parallel_tune_block_loop_keeps_memory_flat(monkeypatch, quiet_process):
