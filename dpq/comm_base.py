@@ -13,6 +13,11 @@ communicators derive from):
   "bus bytes" convention), computed by :func:`ring_wire_bytes` from the logical call,
   so benchmarks of different communicators compare.
 * World 1: every call is a no-op, except reduce_scatter / all_gather, which copy.
+* **Canonical order** (DESIGN.md, contract 3): every element of a sum is folded over the
+  global lanes left to right, ``acc = x0 + x1; acc += x2; ...`` in the buffer dtype
+  (:func:`ordered_sum`), so the bits depend on the world alone, not on the communicator or
+  on how lanes are spread over processes. A communicator that cannot keep it says so in
+  ``canonical_order = False`` and ``order_note`` (why), for the plan's reason.
 
 The communicators themselves: in-process NCCL in :mod:`dpq.nccl_comm`; device copies, host
 staging and the process-group communicator in :mod:`dpq.fallback_p2p` / :mod:`dpq.process_group`.
@@ -28,7 +33,7 @@ from torch import Tensor
 
 from dpq.streams import Lane
 
-__all__ = ["SUPPORTED_DTYPES", "Communicator", "CommunicatorBase", "ring_wire_bytes"]
+__all__ = ["SUPPORTED_DTYPES", "Communicator", "CommunicatorBase", "chunk_bounds", "ordered_sum", "ring_wire_bytes"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 
@@ -76,6 +81,34 @@ def ring_wire_bytes(op: str, world: int, numel: int, itemsize: int) -> int:
     return _RING_FACTOR[op] * (world - 1) * numel * itemsize // world
 
 
+def ordered_sum(parts: Sequence[Tensor], out: Tensor) -> Tensor:
+    """``out = ((parts[0] + parts[1]) + parts[2]) + ...``: the canonical order, returns ``out``.
+
+    Elementwise, in the parts' dtype (bf16 rounds after every add, as the local communicator
+    does), the exact ops of :class:`dpq.fallback_p2p.LocalCommunicator`, so the same bits on any
+    device. Issued on the caller's current stream. ``out`` may share memory with the parts (an
+    in-place collective): the fold then runs into a fresh accumulator, copied into ``out`` last,
+    because ``out`` is written after the first add while later parts are still to be read.
+    """
+    if len(parts) == 1:
+        return out.copy_(parts[0])
+    storage = out.untyped_storage().data_ptr()
+    shared = any(p.untyped_storage().data_ptr() == storage for p in parts)
+    acc = torch.empty_like(out) if shared else out
+    torch.add(parts[0], parts[1], out=acc)
+    for part in parts[2:]:
+        acc.add_(part)
+    return out.copy_(acc) if shared else out
+
+
+def chunk_bounds(numel: int, world: int) -> list[int]:
+    """``world + 1`` offsets splitting ``numel`` elements into ``world`` contiguous chunks, sizes
+    differing by at most one (the larger first): chunk ``c`` is ``[b[c], b[c + 1])``, owned by
+    global lane ``c`` in an all_reduce."""
+    size, extra = divmod(numel, world)
+    return [c * size + min(c, extra) for c in range(world + 1)]
+
+
 class CommunicatorBase:
     """Argument checks, wire-byte accounting and the world-1 shortcuts shared by all communicators.
 
@@ -85,6 +118,10 @@ class CommunicatorBase:
     """
 
     name = "base"
+    # Contract 3: sums fold in global lane order (ordered_sum). A subclass that cannot sets
+    # False and says why in order_note (the plan shows it).
+    canonical_order = True
+    order_note = "sums fold over the lanes in global lane order (canonical)"
     # World 1 skips the collectives (nothing to exchange). The GPU smoke test sets this
     # False on an instance to push one-rank NCCL collectives through the real library.
     shortcut_world_one = True

@@ -1,8 +1,16 @@
 """The ``torch.distributed`` process-group communicator: lanes of this process plus other processes.
 
 Multi-process and multi-node runs (``torchrun``) compose with in-process lanes: P processes x L
-lanes = world W, global lane order process rank major, local lane minor (DESIGN.md, contract 7).
-The in-process legs use the communicator :func:`dpq.fallback_p2p.select_communicator` picks.
+lanes = world W, global lane order process rank major, local lane minor (DESIGN.md, contract 7):
+global lane ``g = process_rank * L + k`` (:attr:`ProcessGroupCommunicator.lane_offset` is this
+process's ``g`` of lane 0).
+
+Canonical order (contract 3), so that 1 x W, P x L and W x 1 give the same bits: every sum is
+folded by the chunk's *owner* over the W global lanes in global lane order
+(:func:`dpq.comm_base.ordered_sum`), exactly as the in-process communicators fold their lanes.
+The owner receives every global lane's contribution to its chunk (an all-to-all): the other
+processes' parts by point-to-point ``torch.distributed`` sends, this process's lanes' parts
+read where they are (they never cross a wire). The results then travel as exact copies.
 """
 
 from __future__ import annotations
@@ -12,29 +20,58 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dpq.comm_base import CommunicatorBase
-from dpq.fallback_p2p import select_communicator
+from dpq.comm_base import CommunicatorBase, chunk_bounds, ordered_sum
+from dpq.fallback_p2p import _copy_between, _join, select_communicator
 from dpq.streams import Lane
 
 __all__ = ["ProcessGroupCommunicator"]
+
+# (tensor, peer process index in the group, tag): one point-to-point message
+_Message = tuple[Tensor, int, int]
 
 
 class ProcessGroupCommunicator(CommunicatorBase):
     """Lanes of this process plus ``torch.distributed`` across processes (gloo / nccl / xccl / hccl).
 
     World: every process runs the same number L of lanes (checked at construction); global
-    lane index ``g = process_rank * L + k``; ``world`` = L * processes, and the ``root`` of
-    broadcast is a global lane index.
+    lane index ``g = lane_offset + k`` with ``lane_offset = process_rank * L``; ``world`` =
+    L * processes, and the ``root`` of broadcast is a global lane index.
 
-    all_reduce: ``inner.reduce`` onto lane 0, ``dist.all_reduce`` of lane 0's buffer (issued
-    on lane 0's stream), ``inner.broadcast`` back. Across processes the summation order is
-    the backend's, still identical on every rank. reduce_scatter and all_gather are
-    fallbacks built on that all_reduce: reduce_scatter all-reduces a W*n copy of the send
-    buffer and keeps its chunk; all_gather zeroes the receive buffer, writes its own chunk
-    and all-reduces the raw bytes as uint8 (one non-zero contributor per byte, so the
-    result is exact for any dtype, -0.0 and NaN payloads included). Their ``wire_bytes``
-    are counted as what runs, an all_reduce of W*n elements: twice the ring
-    reduce-scatter / all-gather bytes. ``inner.wire_bytes`` counts the in-process legs.
+    The process's *place* is lane 0: it issues every ``torch.distributed`` call (under lane
+    0's stream, after the lanes joined, R4), holds the staging buffer and folds the sums of
+    this process's chunks. Lanes on another device than lane 0 are copied there first
+    (CPU lanes and lanes sharing one GPU are read in place).
+
+    * reduce_scatter (``send[k]`` = W chunks of n): this process owns chunks
+      ``lane_offset .. lane_offset + L - 1``, one contiguous range. Each lane sends that
+      range of its buffer to every other process (a point-to-point message of L*n, one
+      per lane and peer, tag = local lane); the place folds, per element, the W
+      contributions in global lane order, its own lanes' read in place; chunk k goes to
+      ``recv[k]``.
+    * all_reduce: the same with W chunks of sizes differing by at most one
+      (:func:`dpq.comm_base.chunk_bounds`: no zero padding is needed, because the
+      chunks travel point to point, not through an equal-count collective), the sums
+      written into lane 0's buffer, sent to every other process, then copied to the lanes.
+    * all_gather: exact copies; each process sends its lanes' parts (one message of L*n)
+      to every other process, lane 0's buffer receives, the lanes get copies.
+    * broadcast: ``dist.broadcast`` of the root lane's buffer (exact copies).
+
+    Wire bytes: ``wire_bytes`` counts, as every communicator does, the ring bytes of one lane
+    (:func:`dpq.comm_base.ring_wire_bytes`), and the canonical path moves exactly as many:
+    each global lane sends every chunk but its own to that chunk's owner, (W-1)/W of the
+    buffer, as a ring reduce-scatter does; the copies back are an all-gather's (W-1)/W.
+    (In an all_reduce the lanes own chunks one element apart, so one lane may send up to
+    W-1 elements more than another; the sum over lanes is exact.) Parts between lanes of
+    one process are logical wire bytes here, as in every in-process communicator.
+    ``p2p_bytes_sent`` counts what this process really handed to ``torch.distributed``
+    point-to-point sends (reduce_scatter, all_reduce, all_gather): per lane (W - L)/W of a
+    reduce-scatter, the rest being in-process reads. ``inner.wire_bytes`` counts the
+    in-process copies of results (the ``inner`` communicator's broadcasts and copies).
+
+    Backends: every transfer is ``P2POp`` + ``batch_isend_irecv`` (gloo and MPI: async
+    sends and receives; NCCL, XCCL, HCCL: one coalesced group). Tested with gloo on CPU
+    lanes; with ``nccl`` each process should run lanes on one GPU (ProcessGroupNCCL binds a
+    rank to one device), which the place (lane 0) is. Not run on GPUs here.
     """
 
     def __init__(
@@ -54,11 +91,17 @@ class ProcessGroupCommunicator(CommunicatorBase):
         self.processes = dist.get_world_size(group)
         self.process_rank = dist.get_rank(group)
         self.name = f"pg-{dist.get_backend(group)}"
+        self.p2p_bytes_sent = 0
         self._check_same_lane_count()
 
     @property
     def world(self) -> int:
         return len(self.lanes) * self.processes
+
+    @property
+    def lane_offset(self) -> int:
+        """Global lane index of this process's lane 0 (``process_rank * len(lanes)``)."""
+        return self.process_rank * len(self.lanes)
 
     def _check_same_lane_count(self) -> None:
         count = len(self.lanes)
@@ -71,38 +114,96 @@ class ProcessGroupCommunicator(CommunicatorBase):
                 f"dpq: every process must run the same number of lanes; they run {fewest}..{most} (this one {count})"
             )
 
-    def _count(self, op: str, numel: int, itemsize: int) -> None:
-        # The fallbacks run an all_reduce of the whole W*n buffer; count what runs.
-        super()._count("all_reduce" if op in ("reduce_scatter", "all_gather") else op, numel, itemsize)
-
     def _global_rank(self, process: int) -> int:
         return process if self.group is None else self._dist.get_global_rank(self.group, process)
 
-    def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
-        self.inner.reduce(bufs, root=0)
-        with self.lanes[0].issue():
-            self._dist.all_reduce(bufs[0], group=self.group)
-        self.inner.broadcast(bufs, root=0)
+    def _others(self) -> list[int]:
+        return [q for q in range(self.processes) if q != self.process_rank]
+
+    # -- moving data ---------------------------------------------------------------------
+
+    def _p2p(self, sends: Sequence[_Message], recvs: Sequence[_Message]) -> None:
+        """Every message sent and received; returns when all have completed. Call under lane 0's
+        stream context (NCCL-type backends order their work after it and ``wait`` orders it back).
+
+        Zero-length messages are skipped on both sides (their sizes come from the same
+        arithmetic on every process, so sender and receiver agree)."""
+        dist = self._dist
+        ops = [dist.P2POp(dist.isend, t, self._global_rank(q), self.group, tag) for t, q, tag in sends if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, self._global_rank(q), self.group, tag) for t, q, tag in recvs if t.numel()]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        self.p2p_bytes_sent += sum(t.numel() * t.element_size() for t, _, _ in sends)
+
+    def _at_place(self, bufs: Sequence[Tensor]) -> list[Tensor]:
+        """Every lane's buffer readable on lane 0's stream: in place where it is on lane 0's
+        device (after the join), else a copy there. Call after :func:`_join` of the lanes."""
+        home = self.lanes[0]
+        out = list(bufs)
+        moves = []
+        for k, (b, lane) in enumerate(zip(bufs, self.lanes, strict=True)):
+            if b.device != bufs[0].device:
+                with home.issue():
+                    out[k] = torch.empty_like(b, device=bufs[0].device)
+                moves.append((out[k], home, b, lane))
+        _copy_between(moves)
+        return out
+
+    def _scatter_sum(self, bufs: Sequence[Tensor], bounds: Sequence[int]) -> Tensor:
+        """The canonical sums of this process's chunks, one tensor on lane 0's device.
+
+        ``bounds`` (W + 1 offsets) cut every buffer into the W global chunks; this process
+        owns chunks ``lane_offset .. lane_offset + L - 1``, i.e. ``[bounds[base], bounds[base + L])``.
+        Every element's W contributions are folded in global lane order by one
+        :func:`ordered_sum` over the whole range (elementwise: the same bits as per chunk).
+        """
+        lanes, L, base = self.lanes, len(self.lanes), self.lane_offset
+        lo, hi = bounds[base], bounds[base + L]
+        _join(lanes)  # R4: the lanes' writes of bufs are done before lane 0 reads or sends them
+        parts = self._at_place(bufs)
+        others = self._others()
+        with lanes[0].issue():
+            staging = torch.empty(len(others) * L, hi - lo, dtype=bufs[0].dtype, device=parts[0].device)
+            row = {(q, k): i * L + k for i, q in enumerate(others) for k in range(L)}
+            sends = [(p[bounds[q * L] : bounds[(q + 1) * L]], q, k) for q in others for k, p in enumerate(parts)]
+            self._p2p(sends, [(staging[r], q, k) for (q, k), r in row.items()])
+            contributions = [
+                parts[k][lo:hi] if q == self.process_rank else staging[row[q, k]]
+                for q in range(self.processes)
+                for k in range(L)
+            ]  # global lane order: process major, local lane minor
+            return ordered_sum(contributions, torch.empty(hi - lo, dtype=bufs[0].dtype, device=parts[0].device))
+
+    # -- collectives ---------------------------------------------------------------------
 
     def _reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
-        full = []
-        for s, lane in zip(send, self.lanes, strict=True):
-            with lane.issue():
-                full.append(s.clone())
-        self._all_reduce(full)
-        n, base = recv[0].numel(), self.process_rank * len(self.lanes)
-        for k, (r, lane) in enumerate(zip(recv, self.lanes, strict=True)):
-            with lane.issue():
-                r.copy_(full[k][(base + k) * n : (base + k + 1) * n])
+        n, home = recv[0].numel(), self.lanes[0]
+        acc = self._scatter_sum(send, [g * n for g in range(self.world + 1)])
+        lanes = zip(recv, self.lanes, strict=True)
+        _copy_between([(r, lane, acc[k * n : (k + 1) * n], home) for k, (r, lane) in enumerate(lanes)])
+
+    def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
+        bounds, L = chunk_bounds(bufs[0].numel(), self.world), len(self.lanes)
+        acc = self._scatter_sum(bufs, bounds)  # every read of bufs is queued on lane 0's stream
+        mine = slice(bounds[self.lane_offset], bounds[self.lane_offset + L])
+        with self.lanes[0].issue():
+            bufs[0][mine].copy_(acc)
+            others = self._others()
+            theirs = [(bufs[0][bounds[q * L] : bounds[(q + 1) * L]], q, L) for q in others]
+            self._p2p([(bufs[0][mine], q, L) for q in others], theirs)
+        self.inner.broadcast(bufs, root=0)
 
     def _all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
-        nbytes, base = send[0].numel() * send[0].element_size(), self.process_rank * len(self.lanes)
-        raw = [r.view(torch.uint8) for r in recv]
-        for k, (s, lane) in enumerate(zip(send, self.lanes, strict=True)):
-            with lane.issue():
-                raw[k].zero_()
-                raw[k][(base + k) * nbytes : (base + k + 1) * nbytes].copy_(s.view(torch.uint8))
-        self._all_reduce(raw)
+        n, L, base, home = send[0].numel(), len(self.lanes), self.lane_offset, self.lanes[0]
+        gathered = recv[0]
+        _copy_between([(gathered[(base + k) * n : (base + k + 1) * n], home, s, lane)
+                       for k, (s, lane) in enumerate(zip(send, self.lanes, strict=True))])
+        with home.issue():
+            others = self._others()
+            theirs = [(gathered[q * L * n : (q + 1) * L * n], q, 0) for q in others]
+            self._p2p([(gathered[base * n : (base + L) * n], q, 0) for q in others], theirs)
+        self.inner.broadcast(recv, root=0)
 
     def _broadcast(self, bufs: Sequence[Tensor], root: int) -> None:
         process, lane = divmod(root, len(self.lanes))
@@ -113,4 +214,4 @@ class ProcessGroupCommunicator(CommunicatorBase):
         self.inner.broadcast(bufs, root=0)
 
     def reduce(self, bufs: Sequence[Tensor], root: int = 0) -> None:
-        raise NotImplementedError("dpq: reduce is an in-process helper; a process group runs all_reduce")
+        raise TypeError("dpq: reduce is an in-process helper; across processes use all_reduce")

@@ -9,7 +9,6 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dpq import nccl_comm
 from dpq.fallback_p2p import (
@@ -30,7 +29,6 @@ from dpq.nccl_comm import (
 )
 from dpq.streams import Lane, make_lanes
 from tests import fake_cupy_nccl
-from tests.numerics import reassociation_bound
 
 WORLDS = [1, 2, 3, 4]
 SIZES = [1, 37, 1000]
@@ -130,10 +128,7 @@ def test_reduce_scatter(make_comm, world):
             assert_sum([recv[k]], [x[chunk] for x in originals])
             assert torch.equal(recv[k], full[chunk])
         assert all(torch.equal(s, o) for s, o in zip(send, originals, strict=True)), "send buffers changed"
-        expected = (world - 1) * world * n * 4 // world
-        if comm.name.startswith("pg-"):
-            expected = 2 * expected  # documented: runs as an all_reduce of the W*n buffer
-        assert comm.wire_bytes - before == expected
+        assert comm.wire_bytes - before == (world - 1) * world * n * 4 // world
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -151,7 +146,7 @@ def test_all_gather(make_comm, world, dtype):
         for r in recv:
             assert torch.equal(r.view(torch.uint8), expected)
         nbytes = (world - 1) * world * n * send[0].element_size() // world
-        assert comm.wire_bytes - before == (2 * nbytes if comm.name.startswith("pg-") else nbytes)
+        assert comm.wire_bytes - before == nbytes
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -221,80 +216,7 @@ def test_rejects_bad_buffers():
         LocalCommunicator([Lane(0, torch.device("cpu")), Lane(1, torch.device("cuda", 0))])
 
 
-# -- the process-group communicator across two real processes -------------------------------
-
-
-def _pg_worker(rank: int, store_path: str, out_dir: str, lanes_per_proc: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    try:
-        comm = ProcessGroupCommunicator(make_lanes(["cpu"] * lanes_per_proc))
-        world, mine = comm.world, [rank * lanes_per_proc + k for k in range(lanes_per_proc)]
-        data = _pg_data(world)
-        out = {"world": world, "name": comm.name}
-        bufs = [data["ar"][g].clone() for g in mine]
-        comm.all_reduce(bufs)
-        out["ar"] = bufs
-        bufs = [data["ar16"][g].clone() for g in mine]
-        comm.all_reduce(bufs)
-        out["ar16"] = bufs
-        recv = [torch.empty(5) for _ in mine]
-        comm.reduce_scatter([data["rs"][g] for g in mine], recv)
-        out["rs"] = recv
-        recv = [torch.empty(7 * world, dtype=torch.uint8) for _ in mine]
-        comm.all_gather([data["ag"][g] for g in mine], recv)
-        out["ag"] = recv
-        bufs = [data["bc"][g].clone() for g in mine]
-        comm.broadcast(bufs, root=world - 1)
-        out["bc"] = bufs
-        out["wire_bytes"] = comm.wire_bytes
-        torch.save(out, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _pg_data(world: int) -> dict[str, list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(7)
-    return {
-        "ar": [torch.randn(33, generator=gen) for _ in range(world)],
-        "ar16": [torch.randn(33, generator=gen).bfloat16() for _ in range(world)],
-        "rs": [torch.randn(5 * world, generator=gen) for _ in range(world)],
-        "ag": [torch.randint(0, 256, (7,), generator=gen, dtype=torch.uint8) for _ in range(world)],
-        "bc": [torch.randn(9, generator=gen) for _ in range(world)],
-    }
-
-
-def test_process_group_two_processes(tmp_path):
-    lanes_per_proc = 2
-    mp.spawn(_pg_worker, args=(str(tmp_path / "store"), str(tmp_path), lanes_per_proc), nprocs=2, join=True)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    world = results[0]["world"]
-    assert world == 4 and results[0]["name"] == "pg-gloo"
-    data = _pg_data(world)
-    lanes = [t for r in results for t in r["ar"]]
-    assert_sum(lanes, data["ar"], exact_order=False)
-    assert_sum([t for r in results for t in r["ar16"]], data["ar16"], exact_order=False)
-    # reduce-scatter across processes: the order of the W terms is gloo's, so held to the float64
-    # sum within the any-order bound (W - 1) u sum|x| (tests/numerics.py), not to bits
-    full = sum(x.double() for x in data["rs"])
-    abs_sum = sum(x.double().abs() for x in data["rs"])
-    rs = [t for r in results for t in r["rs"]]
-    for g in range(world):
-        chunk = slice(g * 5, (g + 1) * 5)
-        bound = reassociation_bound(world, abs_sum[chunk]) / 2  # one evaluation vs exact: half of two orders
-        assert bool(((rs[g].double() - full[chunk]).abs() <= bound).all())
-    for t in (t for r in results for t in r["ag"]):
-        assert torch.equal(t, torch.cat(data["ag"]))
-    for t in (t for r in results for t in r["bc"]):
-        assert torch.equal(t, data["bc"][world - 1])
-    expected = (
-        ring_wire_bytes("all_reduce", world, 33, 4)
-        + ring_wire_bytes("all_reduce", world, 33, 2)
-        + ring_wire_bytes("all_reduce", world, 5 * world, 4)
-        + ring_wire_bytes("all_reduce", world, 7 * world, 1)
-        + ring_wire_bytes("broadcast", world, 9, 4)
-    )
-    assert results[0]["wire_bytes"] == results[1]["wire_bytes"] == expected
+# -- the process-group communicator (layouts across real processes: tests/test_process_group.py) ---
 
 
 def test_process_group_needs_init():
