@@ -17,13 +17,13 @@ from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, c
 from dpq.plan import PlanRefused, PlanRequest, resolve
 
 
-def quantize(world, devices=None, iters=6, fail_lane_at=None, return_model=False, **ar_kwargs):
+def quantize(world, devices=None, iters=6, fail_lane_at=None, return_model=False, auto_world=None, **ar_kwargs):
     """Quantize the tiny Llama with AutoRound; returns (state_dict, block records, fp model)."""
     from auto_round import AutoRound
 
     model = build_tiny_llama(TinyLlamaConfig())
     fp = copy.deepcopy(model)
-    integration.enable(world, devices, debug_identical=True)
+    integration.enable(world, devices, debug_identical=True, auto_world=auto_world)
     fault = session.inject_fault(block=fail_lane_at[0], after=fail_lane_at[1]) if fail_lane_at else None
     try:
         ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(16, 64), device_map="cpu",
@@ -128,10 +128,10 @@ def test_lane_failure_under_explicit_world_raises_and_loses_nothing():
                        enable_torch_compile=False, iters=6, nsamples=16, seqlen=64, batch_size=8, seed=42)
         real_parallel = integration._parallel_block
 
-        def spy(q, plan, block, *a, **k):
+        def spy(cfg, q, plan, block, *a, **k):
             seen[a[-3].block_index] = {n: t.clone() for n, t in block.state_dict().items()}
             attrs[a[-3].block_index] = {n: set(m.__dict__) for n, m in block.named_modules()}
-            return real_parallel(q, plan, block, *a, **k)
+            return real_parallel(cfg, q, plan, block, *a, **k)
 
         integration._parallel_block = spy
         with pytest.raises(integration.ParallelLaneError, match=r"lane failed while tuning model\.layers\.1"):
@@ -388,11 +388,14 @@ def test_multi_gpu_device_map_keeps_fitting_blocks_whole(recorded_blocks, monkey
     monkeypatch.setattr(integration, "_auto_split_requested", lambda: True)
     monkeypatch.setattr(integration, "_ORIGINAL_DISPATCH", lambda self, b, i, o: calls.append("split") or b)
     block = rec.fresh_block()
-    out = integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)
-    assert out is block and calls == [] and q._loss_device == integration.device_manager.device
-    monkeypatch.setattr(integration, "backend_free", lambda d: 1024)  # does not fit: auto-round's split
-    integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)
-    assert calls == ["split"]
+    with integration.parallel_quantization("auto", "cpu,cpu"):  # the dispatch reads the enabled config
+        out = integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)
+        assert out is block and calls == [] and q._loss_device == integration.device_manager.device
+        monkeypatch.setattr(integration, "backend_free", lambda d: 1024)  # does not fit: auto-round's split
+        integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)
+        assert calls == ["split"]
+    integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)  # not enabled: auto-round's
+    assert calls == ["split", "split"]
 
 
 def test_refusal_unsupported_home_device_type():
@@ -408,6 +411,49 @@ def test_auto_records_every_reason_a_lane_was_dropped():
     _, records, _ = quantize("auto", "cpu,cpu,cuda:99", iters=2)  # cuda:99 cannot exist anywhere
     assert [r.world for r in records] == [2, 2]
     assert all(any("cuda:99 does not exist" in x for x in r.reasons) for r in records), [r.reasons for r in records]
+    # the default cost model does not choose for lanes sharing one device: every fitting lane ran, and it says so
+    assert all(any("share cpu" in x and "Fix:" in x for x in r.reasons) for r in records)
+    assert all(r.predicted_s == {} and r.measured_s is None for r in records)
+
+
+# -- issue 10: 'auto' chooses the world by predicted time through enable() and the CLI's report --
+
+@pytest.mark.parametrize("bandwidth_GBps,compute_s,world", [
+    (2e-4, 1e-3, 1),  # a 200 KB/s link, 1 ms of compute: the exchange dominates, one lane
+    (10.0, 100.0, 2),  # a fast link, 100 s of compute: both lanes
+])
+def test_auto_chooses_the_world_by_predicted_time(tmp_path, bandwidth_GBps, compute_s, world):
+    import json
+
+    from dpq.autoround import cli
+    from dpq.cost_model import AutoWorld
+    from dpq.simulated_link import SimulatedLink
+
+    links = []
+
+    def wrap(comm):  # the run's communicator as the probe and the lanes see it (session._communicator)
+        links.append(SimulatedLink(comm, bandwidth_GBps=bandwidth_GBps, latency_s=1e-4))
+        return links[-1]
+
+    auto = AutoWorld(compute_s=compute_s, probe_sizes=(2**10, 2**14), wrap=wrap)
+    try:
+        _, records, _ = quantize("auto", "cpu,cpu", iters=2, auto_world=auto)
+    finally:
+        for link in links:
+            link.close()
+    assert links, "the cost model probed the simulated link"
+    assert [r.world for r in records] == [world, world]
+    for r in records:
+        assert any(x.startswith("auto: predicted") and f"world {world} is fastest" in x for x in r.reasons), r.reasons
+        assert set(r.predicted_s) == {1, 2} and r.measured_s > 0
+        assert min(r.predicted_s, key=r.predicted_s.get) == world
+    path = tmp_path / "report.json"
+    cli.write_report(str(path), "auto", "cpu,cpu", integration.run_summary(), {})  # after disable(): the last run's
+    body = json.loads(path.read_text())
+    assert [b["predicted_s"] for b in body["blocks"]] == [{str(k): v for k, v in r.predicted_s.items()}
+                                                          for r in records]
+    assert [(a["block"], a["world"], a["measured_s"]) for a in body["auto_world"]] == \
+        [(r.name, world, r.measured_s) for r in records]
 
 
 def test_enable_nests_and_disable_restores_what_it_replaced():
@@ -418,9 +464,9 @@ def test_enable_nests_and_disable_restores_what_it_replaced():
     before = {n: Q.__dict__.get(n) for n in ("quantize_block", "dispatch_block")}
     with integration.parallel_quantization(2, "cpu,cpu") as outer:
         with integration.parallel_quantization("auto", "cpu,cpu"):
-            assert integration._state.world == "auto"
+            assert integration._current().world == "auto"
         assert Q.quantize_block is integration._delegated_quantize_block and shard_seams.installed()
-        assert integration._state.world == 2 and integration._state.records is outer
+        assert integration._current().world == 2 and integration._current().records is outer
     assert {n: Q.__dict__.get(n) for n in before} == before and not shard_seams.installed()
 
     integration.enable(2, "cpu,cpu")

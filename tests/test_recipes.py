@@ -44,8 +44,8 @@ def test_recipe_accepts_the_dp_flags(monkeypatch, recipe):
 
     def fake_runner():
         seen["argv"] = list(sys.argv)
-        seen["world"] = integration._state.world
-        seen["devices"] = integration._state.devices
+        seen["world"] = integration._current().world
+        seen["devices"] = integration._current().devices
         seen["active"] = integration._active()
 
     monkeypatch.setattr(cli, "runner_for", lambda r: seen.setdefault("recipe", r) and fake_runner)

@@ -107,11 +107,10 @@ def write_report(path: str, world, devices, records, phases: dict, error: str | 
     out.parent.mkdir(parents=True, exist_ok=True)
     body = {"world": world, "devices": devices, "phase_seconds": phases, "blocks": [asdict(r) for r in records]}
     # 'auto': the world chosen per block by predicted time, predicted vs measured seconds
-    # (dpq.cost_model.AutoWorld.report, kept by the run's enable(); [] until it keeps one)
+    # (dpq.cost_model.AutoWorld.report, kept by the run's enable(); [] when the model chose nothing)
     from dpq.autoround import integration
 
-    auto_report = getattr(integration, "auto_world_report", None)
-    body["auto_world"] = auto_report() if auto_report is not None else []
+    body["auto_world"] = integration.auto_world_report()
     if error is not None:
         body["error"] = error
     out.write_text(json.dumps(body, indent=1))

@@ -21,26 +21,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpq import session
+from dpq import refusals, session
+from dpq.cost_model import AutoWorld
 from dpq.fallback_p2p import close_communicators
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
 
 from . import patches
-from .compat import check_auto_round_version, prepare_block_for_tuning, tuner_refusals
+from .compat import check_auto_round_version
 from .seams_common import ParallelLaneError
 
 check_auto_round_version()
 
 from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer  # noqa: E402
 from auto_round.logger import logger  # noqa: E402
-from auto_round.utils import set_amax_for_all_moe_layers  # noqa: E402
 from auto_round.utils.device_manager import device_manager  # noqa: E402
-from auto_round.wrapper import unwrapper_block  # noqa: E402
 
-from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec  # noqa: E402
+from .block_task import AutoRoundBlock, lane_error  # noqa: E402
+from .block_task import feature_refusals as _feature_refusals  # noqa: E402,F401 (tests call it here)
+from .block_task import task_plan_fields as _task_plan_fields  # noqa: E402
 
-__all__ = ["BlockRecord", "ParallelLaneError", "disable", "enable", "lane_error", "parallel_quantization",
-           "run_summary"]
+__all__ = ["BlockRecord", "ParallelLaneError", "auto_world_report", "disable", "enable", "lane_error",
+           "parallel_quantization", "run_summary"]
 
 
 def _ORIGINAL(self, *args, **kwargs):
@@ -66,33 +67,55 @@ class BlockRecord:
     algorithm: str = ""  # the quantizer class that ran (SignRoundQuantizer, SignRoundV2Quantizer, ...)
     losses: list[float] = field(default_factory=list)  # per iteration (engine runs only)
     best_iter: int | None = None
+    # 'auto' with the cost model (dpq.cost_model): the predicted seconds of the lanes' run per candidate
+    # world (the chosen one is ``world``) and the measured seconds of the same span (mirrors + loop)
+    predicted_s: dict[int, float] = field(default_factory=dict)
+    measured_s: float | None = None
 
 
 @dataclass
 class _State:
+    """One ``enable()``: its settings and its run's records. It lives in its frame of the patch
+    table's stack (:mod:`dpq.autoround.patches`): ``enable()`` pushes, ``disable()`` pops, and the
+    code below reads the innermost one with :func:`_current` and passes it on as an argument."""
+
     world: int | str = "off"
     devices: object = None
     debug_identical: bool = False
+    auto_world: AutoWorld | None = None  # 'auto': the run's cost model (one per enable())
+    auto_given: bool = False  # the caller gave it: used even where lanes share a device
     records: list[BlockRecord] = field(default_factory=list)
     shapes_logged: set = field(default_factory=set)
     cpu_logged: bool = False
 
 
-_state = _State()  # the innermost enabled state; once every enable() is undone, the last run's
-# The enabled states themselves are the patch table's stack (dpq.autoround.patches): enable() pushes,
-# disable() pops; _state mirrors its innermost _State for the code below.
+# The last run's state once its disable() popped it, so that its records stay readable
+# (run_summary(), auto_world_report(), the CLI's report). Only those read it: nothing that runs a
+# block does (they read _current(), None after disable()).
+_finished: _State | None = None
 
 
-def _enabled() -> list[_State]:
-    return [f.config for f in patches.frames() if isinstance(f.config, _State)]
+def _current() -> _State | None:
+    """The innermost enabled config on the patch stack (None: no enable() in effect; ours, left
+    under someone else's patch, then passes calls through)."""
+    for f in reversed(patches.frames()):
+        if isinstance(f.config, _State):
+            return f.config
+    return None
 
 
 def _active() -> bool:
-    """An enable() is in effect (ours left under someone else's patch passes calls through when not)."""
-    return bool(_enabled())
+    return _current() is not None
 
 
-def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False) -> None:
+def _run_state() -> _State | None:
+    """The run whose records are read: the innermost enabled one, else the last one finished."""
+    cfg = _current()
+    return cfg if cfg is not None else _finished
+
+
+def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False,
+           auto_world: AutoWorld | None = None) -> None:
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
 
     ``parallel_quantization``: 'off', 'auto' (use what fits; never refuses) or an int world
@@ -101,31 +124,40 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     else every visible device of the home device's type. Malformed arguments raise
     ``ValueError`` naming every problem, before anything is patched.
 
+    ``auto_world`` (``'auto'`` only): the cost model that picks each block's world by predicted
+    time (:class:`dpq.cost_model.AutoWorld`); default: a fresh one for this ``enable()``, used
+    where the lanes are on distinct devices (lanes sharing one device keep every fitting lane:
+    the model divides compute over devices). A given one is used for any lanes.
+
     Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
     back the settings of the ``enable()`` before it (or, after the outermost, auto-round's
-    methods as they were when the outermost ``enable()`` patched them).
+    methods as they were when the outermost ``enable()`` patched them). The records of the
+    last run stay readable after it (:func:`run_summary`, :func:`auto_world_report`).
     """
-    global _state
     problems = check_arguments(parallel_quantization, devices)
+    if auto_world is not None and not (isinstance(parallel_quantization, str)
+                                       and parallel_quantization.strip().lower() == "auto"):
+        problems.append(refusals.auto_world_needs_auto(parallel_quantization))
     if problems:
         raise ValueError("dpq: bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     world = validate_world(parallel_quantization)
-    new = _State(world=world, devices=devices, debug_identical=debug_identical)
+    model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
+    new = _State(world=world, devices=devices, debug_identical=debug_identical, auto_world=model,
+                 auto_given=auto_world is not None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
-    _state = new
 
 
 def disable() -> None:
     """Undo the innermost ``enable()``; a no-op when nothing is enabled."""
-    global _state
-    if not _active():
+    global _finished
+    cfg = _current()
+    if cfg is None:
         return
-    while not isinstance(patches.uninstall().config, _State):
+    while patches.uninstall().config is not cfg:
         pass  # a seams-only install above this enable() ends with it
-    if _active():
-        _state = _enabled()[-1]
-        return
-    _release_run_resources()
+    _finished = cfg
+    if not _active():
+        _release_run_resources()
 
 
 def _release_run_resources() -> None:
@@ -145,11 +177,12 @@ def _whole_block_dispatch(self, block, input_ids, input_others):
     With dpq on, those GPUs are lanes instead: a block whose mirror fits the home device stays
     whole there (and runs data-parallel); a block that does not fit keeps auto-round's split
     placement, and the plan then runs it serially (weights span several devices)."""
-    if _state.world == "off" or (not _active() and patches.chained(SignRoundQuantizer, "dispatch_block")):
+    cfg = _current()
+    if cfg is None or cfg.world == "off":
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     block = _dispatch(self, block, input_ids, input_others)
-    if isinstance(_state.world, int):
-        _preflight(self, block, input_ids)
+    if isinstance(cfg.world, int):
+        _preflight(cfg, self, block, input_ids)
     return block
 
 
@@ -176,275 +209,126 @@ def backend_free(device: torch.device) -> int:
 
 @contextlib.contextmanager
 def parallel_quantization(world: int | str = "auto", devices=None, **kw) -> Iterator[list[BlockRecord]]:
-    """``with parallel_quantization(2): AutoRound(...).quantize()``; yields the block records."""
+    """``with parallel_quantization(2): AutoRound(...).quantize()``; yields the block records
+    (the run's own list: still readable after the ``with``)."""
     enable(world, devices, **kw)
     try:
-        yield _state.records
+        yield _current().records
     finally:
         disable()
 
 
 def run_summary() -> list[BlockRecord]:
-    return list(_state.records)
+    """The block records of the innermost enabled run, or after it, of the last run."""
+    cfg = _run_state()
+    return list(cfg.records) if cfg is not None else []
 
 
-def _feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) -> list[str]:
-    """What this quantizer/block uses that the delegated loop cannot split, each with the fix."""
-    reasons = []
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        reasons.append("a torch.distributed group is active (multi-process lanes are not supported yet); "
-                       "run one process, or --parallel_quantization off")
-    if not isinstance(fp_inputs, list) or not all(isinstance(t, torch.Tensor) for t in fp_inputs):
-        reasons.append("calibration inputs are not a flat list of tensors (diffusion-style dict pool); "
-                       "use --parallel_quantization off for this model")
-    reasons.extend(tuner_refusals(fp_inputs))  # what this auto-round version does that lanes cannot follow yet
-    if q._get_scaler() is not None:
-        reasons.append("a gradient scaler is in use (AdamRound under fp16 amp); use --disable_amp or "
-                       "--parallel_quantization off")
-    if q.enable_lfq:
-        reasons.append("LFQ loss (--enable_lfq) needs the lm_head on every lane; turn it off or use "
-                       "--parallel_quantization off")
-    if _loss_scale(q) is None:
-        reasons.append(f"{type(q).__name__} overrides the backward step; dpq only knows SignRound's and "
-                       "AdamRound's; use --parallel_quantization off")
-    devices = {p.device for p in block.parameters()}
-    if len(devices) > 1:
-        reasons.append(f"the block's weights span {len(devices)} devices ({sorted(map(str, devices))}): a block "
-                       "that does not fit one device keeps auto-round's split placement, serially")
-    return reasons
+def auto_world_report() -> list[dict]:
+    """``'auto'``'s predicted vs measured seconds per block of that run (``AutoWorld.report``;
+    [] when no block chose its world by the cost model)."""
+    cfg = _run_state()
+    return cfg.auto_world.report() if cfg is not None and cfg.auto_world is not None else []
 
 
-def _loss_scale(q: SignRoundQuantizer) -> float | None:
-    from auto_round.algorithms.quantization.adam_round.adam import AdamRoundQuantizer
-
-    impl = type(q)._scale_loss_and_backward
-    if impl is SignRoundQuantizer._scale_loss_and_backward:
-        return 1000.0
-    if impl is AdamRoundQuantizer._scale_loss_and_backward:
-        return 1.0
-    return None
-
-
-def _preflight(q, block, inputs) -> None:
+def _preflight(cfg: _State, q, block, inputs) -> None:
     """An explicit world's plan for this block, resolved before any of the block's work (the
     collection passes come first): raises :class:`dpq.plan.PlanRefused` with every reason at
     once, the tuner's feature reasons included."""
-    resolve(_tuner_request(q, block, inputs))
+    resolve(_tuner_request(cfg, q, block, inputs))
 
 
-def _lane_devices(home: torch.device):
-    if _state.devices is not None:
-        return _state.devices
+def _lane_devices(cfg: _State):
+    if cfg.devices is not None:
+        return cfg.devices
     dl = [d for d in (device_manager.device_list or []) if d is not None]
     if len(dl) > 1:
         return [str(d) for d in dl]
     return None
 
 
-def _task_plan_fields(q, block, fp_inputs) -> dict:
-    """What the plan needs from the tuner for this block (the session task's plan fields)."""
-    home = torch.device(device_manager.device)
-    per_iter = min(len(fp_inputs) if isinstance(fp_inputs, list) else 1,
-                   q.calibration_context.batch_size * q.gradient_accumulate_steps)
-    return dict(
-        samples_per_iter=per_iter,
-        home=home,
-        extra_reasons=_feature_refusals(q, block, fp_inputs),
-        mirror_bytes=price_mirror(block, fp_inputs, per_iter) if isinstance(fp_inputs, list) else None,
-        pure_sign=is_pure_sign(q.optimizer, q.momentum),
-    )
+def _session_config(cfg: _State, plan: Plan) -> session.SessionConfig:
+    return session.SessionConfig(world=cfg.world, devices=_lane_devices(cfg), debug_identical=cfg.debug_identical,
+                                 auto_world=_auto_world_for(cfg, plan))
 
 
-def _session_config() -> session.SessionConfig:
-    return session.SessionConfig(world=_state.world, devices=_lane_devices(torch.device(device_manager.device)),
-                                 debug_identical=_state.debug_identical)
+def _auto_world_for(cfg: _State, plan: Plan) -> AutoWorld | None:
+    """The run's cost model for this block's lanes. The default one models one device per lane
+    (compute divided by W): for lanes sharing a device it has no basis, so every fitting lane runs
+    (as without it), and the plan notes why."""
+    if cfg.auto_world is None or plan.world < 2:
+        return None
+    if not cfg.auto_given and len(set(plan.devices)) < len(plan.devices):
+        plan.notes.append(refusals.auto_shared_device(len(plan.devices), sorted({str(d) for d in plan.devices})))
+        return None
+    return cfg.auto_world
 
 
-def _tuner_request(q, block, fp_inputs) -> PlanRequest:
-    return PlanRequest(world=_state.world, devices=_session_config().devices, **_task_plan_fields(q, block, fp_inputs))
+def _tuner_request(cfg: _State, q, block, fp_inputs) -> PlanRequest:
+    return PlanRequest(world=cfg.world, devices=_lane_devices(cfg), **_task_plan_fields(q, block, fp_inputs))
 
 
-def _plan_for(q, block, fp_inputs, block_ctx) -> Plan:
-    plan = resolve(_tuner_request(q, block, fp_inputs))
+def _plan_for(cfg: _State, q, block, fp_inputs, block_ctx) -> Plan:
+    plan = resolve(_tuner_request(cfg, q, block, fp_inputs))
     key = (type(block).__name__, tuple(p.shape for p in block.parameters()))
-    if key not in _state.shapes_logged:
-        _state.shapes_logged.add(key)
+    if key not in cfg.shapes_logged:
+        cfg.shapes_logged.add(key)
         lanes = ", ".join(map(str, plan.devices))
         logger.info(f"dpq plan for {block_ctx.block_name} ({type(block).__name__}): world {plan.world} on [{lanes}]"
                     + "".join(f"\n  - {r}" for r in plan.reasons + plan.notes))
-    if plan.world > 1 and plan.devices[0].type == "cpu" and not _state.cpu_logged:
-        _state.cpu_logged = True
+    if plan.world > 1 and plan.devices[0].type == "cpu" and not cfg.cpu_logged:
+        cfg.cpu_logged = True
         logger.info("dpq: CPU lanes share the CPU: no speedup, but the parallel path and its parity run here")
     return plan
 
 
 def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
                               input_ids=None, **kwargs):
-    if not _active():  # left under someone else's patch after disable(): pass through
+    cfg = _current()
+    if cfg is None:  # left under someone else's patch after disable(): pass through
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
     t0 = time.perf_counter()
-    plan = _plan_for(self, block, fp_inputs, block_ctx)  # PlanRefused propagates: nothing started
+    plan = _plan_for(cfg, self, block, fp_inputs, block_ctx)  # PlanRefused propagates: nothing started
 
     def serial():
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
 
-    run = _parallel_block(self, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids,
-                          serial)
+    chosen = len(cfg.auto_world.records) if cfg.auto_world is not None else 0
+    run = _parallel_block(cfg, self, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
+                          input_ids, serial)
     name, algorithm = block_ctx.block_name, type(self).__name__
     if run.fell_back:
-        _state.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=[f"lane failure: {run.failure}"],
-                                          fell_back=True, algorithm=algorithm))
+        cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=[refusals.lane_failure(run.failure)],
+                                       fell_back=True, algorithm=algorithm))
     elif run.serial:
-        _state.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=plan.reasons + plan.notes,
-                                          algorithm=algorithm))
+        cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=plan.reasons + plan.notes,
+                                       algorithm=algorithm))
     elif run.outcome is not None:
         out = run.outcome
-        _state.records.append(BlockRecord(name, plan.world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
-                                          plan.communicator, [*plan.reasons, *plan.notes, plan.communicator_reason],
-                                          algorithm=algorithm, losses=out.losses, best_iter=out.best_iter))
+        cfg.records.append(BlockRecord(name, plan.world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
+                                       plan.communicator, [*plan.reasons, *plan.notes, plan.communicator_reason],
+                                       algorithm=algorithm, losses=out.losses, best_iter=out.best_iter,
+                                       **_prediction(cfg, chosen)))
     return run.result
 
 
-def lane_error(block: str, world: int, err: BaseException, where: str = "while tuning") -> ParallelLaneError:
-    """The error an explicit world raises when a lane fails in ``block``, saying exactly what is
-    kept: ``block`` is back as it was before its work started; the blocks finished before it are
-    quantized in place in the model object (this process only: auto-round saves at the end), and
-    auto-round cannot continue a run from the middle."""
-    done = [r.name for r in _state.records if r.name != block]
-    kept = (f"The {len(done)} block(s) finished before it ({_names(done)}) stay quantized in place in the "
-            "model object, in this process only (auto-round writes a complete model only when the whole run "
-            "ends, and a run cannot resume from the middle).") if done else "No block had been finished before it."
-    return ParallelLaneError(
-        f"dpq: a lane failed {where} {block} at world {world}: {err!r}. {block} is back as it was before its "
-        f"work started. {kept} Fix: rerun the quantization with --parallel_quantization auto (a block whose lane "
-        "fails is redone serially) or off",
-        block=block, completed=done)
+def _prediction(cfg: _State, before: int) -> dict:
+    """The cost model's prediction and measurement for the block just run: the record its
+    choice added after the first ``before`` (none: the block's world was not chosen by it)."""
+    new = cfg.auto_world.records[before:] if cfg.auto_world is not None else []
+    if not new:
+        return {}
+    return {"predicted_s": dict(new[-1]["predicted_s"]), "measured_s": new[-1]["measured_s"]}
 
 
-def _names(names: list[str], limit: int = 4) -> str:
-    return ", ".join(names) if len(names) <= limit else f"{', '.join(names[:2])}, ..., {names[-1]}"
-
-
-def _parallel_block(q, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids,
-                    serial) -> session.BlockRun:
+def _parallel_block(cfg: _State, q, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
+                    input_ids, serial) -> session.BlockRun:
     """The block through the session: auto-round's own ``serial`` when the plan says one lane
     (an explicit world 1 runs the engine: bitwise serial, the CLI's '1 == off' test checks the
     engine end to end), else the lanes; on a lane failure the session restores the block, then
     reruns ``serial`` (auto) or raises :func:`lane_error` (explicit world)."""
-    task = _Task(q, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids)
+    task = AutoRoundBlock(q, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids)
     try:
-        return session.run(_session_config(), task.describe(serial), plan=plan)
+        return session.run(_session_config(cfg, plan), task.describe(serial, cfg.records), plan=plan)
     finally:
         task.close()
-
-
-class _Task:
-    """One auto-round block as the session's task: auto-round's wrapper in ``start``, its unwrap
-    (and logging) in ``finish``; the quantizer's own lr per layer, loss, runner, optimizer class,
-    lr schedule and early-stop settings."""
-
-    def __init__(self, q, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids) -> None:
-        self.q, self.block, self.fp_inputs, self.input_others = q, block, fp_inputs, input_others
-        self.fp_outputs, self.q_inputs, self.block_ctx, self.input_ids = fp_outputs, q_inputs, block_ctx, input_ids
-        self.progress: _Progress | None = None
-        self.layers: tuple = ([], [])
-
-    def describe(self, serial) -> session.BlockTask:
-        name = self.block_ctx.block_name
-        return session.BlockTask(
-            name=name, block=self.block, start=self.start, finish=self.finish, serial=serial,
-            lane_error=lambda err, plan: lane_error(name, plan.world, err, "while tuning"),
-            on_fallback=lambda err: logger.warning(f"dpq: a lane failed on {name} ({err!r}); block restored, "
-                                                   "rerunning serially"),
-            index=self.block_ctx.block_index, **_task_plan_fields(self.q, self.block, self.fp_inputs),
-        )
-
-    def start(self, plan: Plan):
-        q, block, device = self.q, self.block, device_manager.device
-        valid_token_mask = None
-        if self.input_ids is not None:
-            if not hasattr(q, "_cached_valid_token_mask"):
-                q._cached_valid_token_mask = q._compute_valid_token_mask(self.input_ids)
-            valid_token_mask = q._cached_valid_token_mask
-        active_inputs = self.q_inputs if (self.q_inputs is not None and q.enable_quanted_input) else self.fp_inputs
-        self.layers = q.wrapper_block(
-            block, q.enable_minmax_tuning, q.enable_norm_bias_tuning,
-            enable_torch_compile=q.compress_context.enable_torch_compile, device=device,
-            enable_neuqi=getattr(q.config, "enable_neuqi", False),
-        )
-        if not any(hasattr(m, "orig_layer") and m.params for m in block.modules()):
-            return None
-        # 0.17: serial switches the MoE experts implementation here; the mirrors must copy the same block
-        prepare_block_for_tuning(q, block, active_inputs, q.calibration_context.batch_size)
-        settings = SignRoundSettings(
-            iters=q.iters, batch_size=q.calibration_context.batch_size,
-            gradient_accumulate_steps=q.gradient_accumulate_steps, enable_minmax_tuning=q.enable_minmax_tuning,
-            not_use_best_mse=q.not_use_best_mse, dynamic_max_gap=q.dynamic_max_gap, momentum=q.momentum,
-            optimizer_cls=q.optimizer, lr_scheduler=q.lr_scheduler, loss_scale=_loss_scale(q),
-            amp=q.model_context.amp, amp_dtype=q.model_context.amp_dtype,
-            cache_device=q.compress_context.cache_device, low_gpu_mem_usage=q.compress_context.low_gpu_mem_usage,
-            dq_cur_iter=bool(q.enable_alg_ext and q.scheme.data_type.endswith("dq")),
-        )
-
-        def lr_of(m):
-            bits = getattr(m.orig_layer, "bits", None)
-            lr = q._config.compute_lr(bits)
-            mm = q._config.compute_minmax_lr(bits)
-            q._maybe_log_low_bit_lr(bits)
-            return (q.lr if lr is None else lr), (q.minmax_lr if mm is None else mm)
-
-        self.progress = _Progress(self.block_ctx.block_name, q.iters, plan.world)
-        return signround_spec(
-            block, BlockData(active_inputs, self.input_others, self.fp_outputs, valid_token_mask), settings,
-            q.block_forward, lr_of,
-            loss_fn=lambda pred, ref, idx, mse, dev: q._get_loss(pred, ref, idx, mse, dev, valid_token_mask),
-            progress=self.progress.update,
-        )
-
-    def finish(self, outcome, plan: Plan) -> dict:
-        self.close()
-        q, block = self.q, self.block
-        if outcome is None:  # nothing to tune in this block
-            unwrapper_block(block, {})
-            return {}
-        q.compress_context.clear_memory()
-        with torch.no_grad():
-            unwrapper_block(block, outcome.best_params)
-        if q.config.is_act_nv_fp:
-            set_amax_for_all_moe_layers(block, attr_name="orig_layer.act_max")
-        quantized, unquantized = self.layers
-        if unquantized:
-            logger.info(f"Unquantized layers: {unquantized}")
-        logger.infoclean(
-            f"quantized {len(quantized)}/{len(quantized) + len(unquantized)} layers in the block, loss iter 0: "
-            f"{outcome.init_loss:.3e} -> iter {outcome.best_iter}: {outcome.best_loss:.3e} "
-            f"[dpq world {plan.world}, {plan.communicator}]"
-        )
-        return outcome.best_params
-
-    def close(self) -> None:
-        progress, self.progress = self.progress, None
-        if progress is not None:
-            progress.close()
-
-
-class _Progress:
-    """Per-block iteration bar, shown only once a block has run for a few seconds."""
-
-    def __init__(self, name: str, iters: int, world: int) -> None:
-        self.name, self.iters, self.world = name, iters, world
-        self.t0 = time.perf_counter()
-        self.bar = None
-
-    def update(self, i: int, loss: float) -> None:
-        if self.bar is None and time.perf_counter() - self.t0 > 5.0:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=self.iters, initial=i, desc=f"{self.name} (dpq world {self.world})", leave=False)
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3e}", refresh=False)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -1,0 +1,410 @@
+"""Every text a user sees when dpq refuses, falls back or rejects an argument, in one place.
+
+Convention (``tests/test_refusals.py`` holds every entry of ``__all__`` to it): a text names the
+problem, then ``Fix: `` and what to do about it (for a pass that merely runs on home alone: that
+nothing is needed, and how to shard it if wanted). Constants for fixed texts, small functions
+for texts that carry values; their parameters are plain strings, numbers and lists of strings,
+so this module imports nothing, serves the runtime (``dpq.plan``, ``dpq.fallback_p2p``) and the
+auto-round adapter (``dpq.autoround``) alike, and the rest of dpq builds no such text inline
+(the same test checks the source).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "DEVICE_LIST_FIX", "DICT_POOL", "DIST_ACTIVE", "EMPTY_DEVICE_LIST", "GRAD_SCALER", "HPU_MULTI_LANE",
+    "LFQ_LOSS", "ONE_LANE", "PARALLEL_OFF", "auto_round_missing", "auto_round_unsupported", "auto_shared_device",
+    "auto_world_needs_auto", "awq_lane_failed", "bad_count", "bad_world", "block_already_quantized",
+    "block_already_wrapped", "block_no_linear", "block_no_params", "block_on_devices", "block_on_meta",
+    "block_spans_devices", "collection_lane_failed", "custom_backward", "debug_while_off",
+    "device_index_too_large", "device_missing", "devices_while_off", "dispatch_hooks", "forward_replaced",
+    "home_alone", "inputs_not_tensors", "lane0_not_home", "lane_failed", "lane_failed_rerun", "lane_failure",
+    "malformed_device_entry", "mirror_does_not_fit", "no_accelerator_for_index", "no_quantized_layer",
+    "not_a_cpu_index", "on_meta", "others_count", "others_device", "others_on_meta", "outputs_count",
+    "outputs_not_tensors", "outputs_shape", "pass_lane_failed_rerun", "patch_mismatch", "pool_device",
+    "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread", "pool_spread_devices",
+    "pool_spread_over", "report_is_dir", "report_path_empty", "report_unwritable", "run_stopped",
+    "samples_mismatched", "too_few_devices", "too_few_samples", "unknown_scheme", "unsupported_home",
+    "unused_devices", "weights_span",
+]
+
+
+def _list(names: Sequence[str], limit: int = 3) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+# -- the world and the lane devices (dpq.plan) ----------------------------------------------------
+
+DEVICE_LIST_FIX = "Fix: --parallel_devices with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
+EMPTY_DEVICE_LIST = f"the lane device list is empty. {DEVICE_LIST_FIX}"
+PARALLEL_OFF = ("parallel quantization is off. Fix: --parallel_quantization auto (or a world N) to tune blocks on "
+                "lanes")
+ONE_LANE = ("only one lane available. Fix: --parallel_devices with one device per lane (e.g. 0,1 or cpu,cpu) to "
+            "run more")
+HPU_MULTI_LANE = (
+    "Gaudi's bridge allows one device per process; multi-lane hpu needs a torch.distributed process group "
+    "(HCCL), which dpq does not run in-process yet. Fix: a single hpu lane (--parallel_quantization off)"
+)
+
+
+def bad_world(world: object) -> str:
+    return (f"world must be 'off', 'auto' or an integer >= 1, got {world!r}. "
+            "Fix: pass e.g. --parallel_quantization 2 (or auto, or off).")
+
+
+def device_index_too_large(spec: object, item: str, index: int, limit: int) -> str:
+    return (f"lane device list {spec!r}: {item!r} names device index {index}, above {limit}: torch keeps a device "
+            f"index in 8 bits, so it would silently become another device. {DEVICE_LIST_FIX}")
+
+
+def malformed_device_entry(spec: object, item: object) -> str:
+    """``item``: the entry as written (a string, or e.g. a float)."""
+    if isinstance(item, str) and not item.strip():
+        what = "an empty entry (two commas, or a comma at an end)"
+    else:
+        what = f"{item.strip()!r} is not a device" if isinstance(item, str) else f"{item!r} is not a device"
+    return (f"lane device list {spec!r}: {what}. A lane device is an index (0), a type (cpu) or type:index "
+            f"(cuda:1). {DEVICE_LIST_FIX}")
+
+
+def no_accelerator_for_index(raw: str) -> str:
+    return (f"lane device {raw!r} names accelerator {raw}, but this machine has no cuda, xpu or hpu device (dpq will "
+            "not quietly run it on the CPU). Fix: write cpu for a CPU lane, e.g. cpu,cpu")
+
+
+def not_a_cpu_index(device: str) -> str:
+    return f"lane device {device}: the CPU is one device (cpu or cpu:0). Fix: write cpu, e.g. cpu,cpu"
+
+
+def device_missing(problem: str) -> str:
+    """``problem``: what the device query found (e.g. 'cuda:99 does not exist ...')."""
+    return f"{problem}. {DEVICE_LIST_FIX}"
+
+
+def lane0_not_home(device: str, home: str) -> str:
+    return (f"lane 0 is {device}, but the block is on {home}: lane 0 is the block itself (no copy), so the lane "
+            f"device list must start with the block's device. Fix: list {home} first, e.g. --parallel_devices "
+            f"{home},... (or move the model with --device_map)")
+
+
+def mirror_does_not_fit(lane: int, device: str, price: int, margin: float, free: int) -> str:
+    return (f"lane {lane} on {device}: a mirror needs ~{price / 2**30:.2f} GiB (weights + fp32 tuning values + "
+            f"activations + {margin - 1:.0%} margin) but only {free / 2**30:.2f} GiB is free for it. Fix: fewer "
+            "lanes, a smaller --batch_size, or --low_gpu_mem_usage")
+
+
+def unsupported_home(device_type: str) -> str:
+    return (f"home device type {device_type!r} is not supported (cuda, xpu, hpu, cpu). Fix: load the model on one "
+            "of those (--device_map), or --parallel_quantization off")
+
+
+def unused_devices(world: int, given: int, unused: str) -> str:
+    return (f"world {world} runs on the first {world} of the {given} lane devices given; {unused} not used. "
+            f"Fix: --parallel_quantization {given} to use them all")
+
+
+def too_few_devices(world: int, named: Sequence[str], given: bool) -> str:
+    n = len(named)
+    return (f"world {world} needs {world} lane devices but {n} {'was' if n == 1 else 'were'} "
+            f"{'given' if given else 'found'}{' (' + ', '.join(named) + ')' if named else ''}. Fix: "
+            "--parallel_devices with one device per lane (e.g. cpu,cpu or 0,1), or a smaller --parallel_quantization")
+
+
+def too_few_samples(lanes: int, samples: int) -> str:
+    return (f"{lanes} lanes but only {samples} samples per iteration (batch_size x gradient_accumulate_steps): "
+            "every lane needs at least one sample. Fix: a smaller world or a larger --batch_size")
+
+
+def devices_while_off() -> str:
+    return ("lane devices were given but parallel quantization is off, so they would be ignored. "
+            "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_devices")
+
+
+# -- what the tuner or a block uses that lanes cannot split (dpq.autoround) ---------------------
+
+DIST_ACTIVE = ("a torch.distributed group is active (multi-process lanes are not supported yet). Fix: run one "
+               "process, or --parallel_quantization off")
+DICT_POOL = ("calibration inputs are not a flat list of tensors (diffusion-style dict pool). Fix: "
+             "--parallel_quantization off for this model")
+GRAD_SCALER = ("a gradient scaler is in use (AdamRound under fp16 amp). Fix: --disable_amp or "
+               "--parallel_quantization off")
+LFQ_LOSS = ("LFQ loss (--enable_lfq) needs the lm_head on every lane. Fix: turn --enable_lfq off, or "
+            "--parallel_quantization off")
+
+
+def custom_backward(quantizer: str) -> str:
+    """``quantizer``: the class name of a quantizer whose ``_scale_loss_and_backward`` dpq does not know."""
+    return (f"{quantizer} overrides the backward step; dpq only knows SignRound's and AdamRound's. Fix: "
+            "--parallel_quantization off")
+
+
+def block_spans_devices(n: int, devices: Sequence[str]) -> str:
+    """``--device_map`` split a block that did not fit one device (``integration._dispatch``)."""
+    return (f"the block's weights span {n} devices ({devices}): a block that does not fit one device keeps "
+            "auto-round's split placement, serially. Fix: none needed; for lanes, a device with room for the whole "
+            "block (a smaller --batch_size, --low_gpu_mem_usage)")
+
+
+def pool_spread(n: int, devices: Sequence[str]) -> str:
+    """The tuner's form (the no-grad passes': :func:`pool_spread_devices`)."""
+    return (f"the calibration pool is spread over {n} devices ({devices}, auto-round 0.17's "
+            "--calibration_data_device): dpq stages lane slices from one pool device only. Fix: "
+            "--calibration_data_device with a single device, or --parallel_quantization off")
+
+
+def auto_world_needs_auto(world: object) -> str:
+    """``enable(world, auto_world=...)`` with a world other than 'auto'."""
+    return (f"auto_world was given but the world is {world!r}: only 'auto' chooses the world by predicted time, so "
+            "it would be ignored. Fix: parallel_quantization='auto', or drop auto_world")
+
+
+def auto_shared_device(lanes: int, devices: Sequence[str]) -> str:
+    """A plan note (not a refusal): 'auto''s default cost model did not choose for these lanes."""
+    return (f"auto: the {lanes} lanes share {', '.join(devices)}; the cost model divides compute over devices, so it "
+            "has no basis here and every fitting lane runs. Fix: none needed; to let it choose anyway, "
+            "enable(..., auto_world=dpq.cost_model.AutoWorld(compute_s=...))")
+
+
+# -- a pass that runs on home alone (dpq.autoround's seams): same result, not sharded ------------
+
+
+def home_alone(problem: str, fix: str = "") -> str:
+    """A no-grad pass's reason to run on home alone: nothing to fix for the result (bitwise the
+    same), ``fix`` to shard it."""
+    return f"{problem}: this pass runs on home alone (same result). Fix: none needed{'; ' + fix if fix else ''}"
+
+
+def weights_span(label: str, n: int) -> str:
+    return home_alone(f"the {label}'s weights span {n} devices (auto-round's split placement)",
+                      "room for the whole block on one device shards it")
+
+
+def on_meta(label: str) -> str:
+    return home_alone(f"the {label} is on the meta device (disk streaming)", "load the model into memory to shard it")
+
+
+def dispatch_hooks(label: str) -> str:
+    return home_alone(f"the {label} carries accelerate dispatch hooks",
+                      "load the model without offloading (--device_map with one device) to shard it")
+
+
+def forward_replaced(name: str, kind: str) -> str:
+    return home_alone(f"{name} has its forward replaced by {kind}", "nothing dpq can do: the replacement owns it")
+
+
+def pool_spread_devices(n: int, devices: Sequence[str]) -> str:
+    """The no-grad passes' form of :func:`pool_spread`."""
+    return home_alone(f"the calibration pool is spread over {n} devices ({devices})",
+                      "--calibration_data_device with a single device to shard it")
+
+
+# -- dpq.parallel_tune's arguments (dpq.autoround.api) ------------------------------------------
+
+
+def pool_not_float(name: str, dtypes: str) -> str:
+    return (f"{name} are {dtypes}: parallel_tune takes the block's hidden states (floating point), not token ids. "
+            "Fix: capture the layer's inputs and outputs, e.g. with dpq.demo.model.capture_block_inputs or from "
+            "auto-round's cache")
+
+
+def pool_dtype(name: str, dtypes: str) -> str:
+    return (f"{name} are {dtypes}: blocks are tuned in float32, float16 or bfloat16. Fix: cast them to the block's "
+            f"dtype, e.g. [t.to(torch.float32) for t in {name}]")
+
+
+def pool_on_meta(name: str) -> str:
+    return (f"{name} are on the meta device: they have no values. Fix: pass the tensors captured from a real forward "
+            "of the model")
+
+
+def pool_spread_over(name: str, devices: str) -> str:
+    return f"{name} are spread over {devices}. Fix: put every sample on one device: the block's, or the CPU"
+
+
+def pool_device(name: str, device: str, home: str) -> str:
+    return (f"{name} are on {device} but the block is on {home}. Fix: move them to {home}, or keep them on the CPU "
+            "(each batch is copied to the lanes)")
+
+
+def pool_nonfinite(name: str, bad: Sequence[int], total: int) -> str:
+    return (f"{name} {list(bad[:5])}{' ...' if len(bad) > 5 else ''} contain NaN or inf ({len(bad)} of {total} "
+            "samples): every loss would be NaN. Fix: recompute them from the fp model (an fp16 overflow upstream? "
+            "run it in bfloat16 or float32)")
+
+
+def inputs_not_tensors() -> str:
+    return "inputs must be a non-empty list of tensors. Fix: pass one [1, seq, hidden] tensor per sample"
+
+
+def samples_mismatched(shape0: Sequence[int], bad: Sequence[int], example: Sequence[int]) -> str:
+    return (f"inputs have mismatched shapes: sample 0 is {tuple(shape0)} but samples {list(bad[:5])} differ "
+            f"(e.g. {tuple(example)}). Fix: pad or truncate every sample to one sequence length")
+
+
+def outputs_not_tensors() -> str:
+    return "outputs must be a list of tensors. Fix: one reference output per input, or None to compute them from " \
+        "the fp block"
+
+
+def outputs_count(outputs: int, inputs: int) -> str:
+    return f"outputs has {outputs} samples but inputs has {inputs}. Fix: give one output per input"
+
+
+def outputs_shape(bad: Sequence[int]) -> str:
+    return (f"outputs {list(bad[:5])} do not match their inputs' batch/sequence shape. Fix: pass each input's own "
+            "block output, in the same order")
+
+
+def others_count(key: str, n: int) -> str:
+    return f"input_others[{key!r}] has {n} entries. Fix: give one per sample, or one shared"
+
+
+def others_on_meta(key: str) -> str:
+    return f"input_others[{key!r}] is on the meta device. Fix: pass the values captured from a real forward"
+
+
+def others_device(key: str, devices: str, device: str) -> str:
+    return f"input_others[{key!r}] is on {devices} but the inputs are on {device}. Fix: move it to {device}"
+
+
+def block_no_params() -> str:
+    return ("the block has no parameters: there is nothing to tune. Fix: pass a block with its weights, e.g. a "
+            "decoder layer (model.model.layers[i])")
+
+
+def block_on_meta() -> str:
+    return ("the block's weights are on the meta device (not loaded: an empty-weights or offloaded model). Fix: "
+            "load the block's weights onto its device first")
+
+
+def block_on_devices(devices: str) -> str:
+    return f"the block's weights span {devices}. Fix: move the block to one device, e.g. block.to('cuda:0')"
+
+
+def block_already_wrapped(names: Sequence[str]) -> str:
+    return (f"the block is already wrapped for tuning ({_list(names)}: auto-round's wrapper_block put wrappers "
+            "around them). Fix: pass the block as it was before wrapping (each wrapper's .orig_layer is the "
+            "original layer)")
+
+
+def block_already_quantized(names: Sequence[str], packed: bool) -> str:
+    what = "are packed (qweight)" if packed else "carry the scale/zp that auto-round's unwrap leaves"
+    return (f"the block is already quantized ({_list(names)} {what}): tuning it again would round already rounded "
+            "weights. Fix: pass the fp block (a copy taken before quantizing, or the reloaded model's layer)")
+
+
+def block_no_linear(kinds: Sequence[str]) -> str:
+    return (f"the block has no Linear layer to quantize (its weights are in {', '.join(kinds[:5])}): SignRound "
+            "tunes Linear weights. Fix: pass a block with Linear layers, e.g. a decoder layer")
+
+
+def unknown_scheme(scheme: str) -> str:
+    return f"unknown scheme {scheme!r}. Fix: one of auto-round's preset names, e.g. 'W4A16'"
+
+
+def no_quantized_layer(bits: Sequence[str]) -> str:
+    return (f"no layer of the block would be quantized: bits {sorted(bits)} (auto-round quantizes bits <= 8 only). "
+            "Fix: bits <= 8, e.g. scheme='W4A16'")
+
+
+def bad_count(iters: object = None, batch_size: object = None, accumulate: object = None) -> str:
+    """``iters`` < 1, or ``batch_size`` / ``accumulate`` (gradient_accumulate_steps) < 1."""
+    if iters is not None:
+        return f"iters must be >= 1, got {iters!r}. Fix: e.g. iters=200 (auto-round's default)"
+    return (f"batch_size and gradient_accumulate_steps must be >= 1, got {batch_size} and {accumulate}. Fix: e.g. "
+            "batch_size=8, gradient_accumulate_steps=1")
+
+
+# -- auto-round-dp's flags (dpq.autoround.cli) --------------------------------------------------
+
+_REPORT_FIX = "Fix: --parallel_report with a file path in a writable folder, e.g. ./dpq_report.json"
+
+
+def debug_while_off() -> str:
+    return ("--parallel_debug has no effect with --parallel_quantization off (the default). "
+            "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
+
+
+def report_path_empty() -> str:
+    return f"--parallel_report is empty. {_REPORT_FIX}"
+
+
+def report_is_dir(path: str, suggestion: str) -> str:
+    return f"--parallel_report {path} is a directory; the report is one JSON file. Fix: e.g. --parallel_report " \
+        f"{suggestion}"
+
+
+def report_unwritable(path: str, why: str) -> str:
+    return f"--parallel_report {path} cannot be written ({why}). {_REPORT_FIX}"
+
+
+def run_stopped() -> str:
+    return ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process and "
+            "--output_dir holds no complete model. Fix: rerun the command with --parallel_quantization auto or off")
+
+
+# -- lane failures (the failure policy, contract 6) ----------------------------------------------
+
+_RERUN_FIX = "Fix: rerun the quantization with --parallel_quantization auto (a block whose lane fails is redone " \
+             "serially) or off"
+
+
+def lane_failed(where: str, block: str, world: int, err: str, done: Sequence[str]) -> str:
+    """An explicit world's lane failure in ``block``; ``done``: the blocks finished before it."""
+    shown = ", ".join(done) if len(done) <= 4 else f"{', '.join(done[:2])}, ..., {done[-1]}"
+    kept = (f"The {len(done)} block(s) finished before it ({shown}) stay quantized in place in the model object, in "
+            "this process only (auto-round writes a complete model only when the whole run ends, and a run cannot "
+            "resume from the middle).") if done else "No block had been finished before it."
+    return (f"dpq: a lane failed {where} {block} at world {world}: {err}. {block} is back as it was before its work "
+            f"started. {kept} {_RERUN_FIX}")
+
+
+def lane_failed_rerun(block: str, err: str) -> str:
+    """``auto``: a lane failed, the block was restored and is rerun serially."""
+    return (f"dpq: a lane failed on {block} ({err}); block restored, rerunning serially. Fix: none needed for this "
+            "block; if lanes fail on every block, --parallel_quantization off skips the attempts")
+
+
+def collection_lane_failed(block: str, world: int, err: str) -> str:
+    return (f"dpq: a lane failed in a collection pass of {block} at world {world}: {err}. The home block's statistics "
+            "were restored; nothing already quantized was lost. Fix: rerun with --parallel_quantization auto (falls "
+            "back to serial per pass) or off")
+
+
+def awq_lane_failed(what: str, block: str, world: int, err: str) -> str:
+    return (f"dpq: a lane failed in the {what} of {block} at world {world}: {err}. The balance weights were restored. "
+            "Fix: rerun with --parallel_quantization auto (falls back to serial) or off")
+
+
+def pass_lane_failed_rerun(what: str, err: str, restored: str) -> str:
+    """``auto``: a lane failed in a no-grad pass (``what``), ``restored`` was put back, the pass reruns on home."""
+    return (f"dpq: a lane failed in {what} ({err}); {restored} restored, rerunning it on home. Fix: none needed (same "
+            "result); if lanes fail on every pass, --parallel_quantization off skips the attempts")
+
+
+def lane_failure(err: str) -> str:
+    """A record's reason when ``auto`` reran a block or a pass serially after a lane failure."""
+    return f"lane failure: {err}. Fix: none needed (rerun serially, same result as auto-round's own)"
+
+
+# -- the installed auto-round (dpq.autoround.compat, dpq.autoround.patches) ----------------------
+
+
+def auto_round_missing(pip_bound: str) -> str:
+    return f"dpq.autoround needs auto-round 0.16.x or 0.17.x. Fix: pip install '{pip_bound}'"
+
+
+def auto_round_unsupported(supported: Sequence[str], version: str, pip_bound: str) -> str:
+    return (f"dpq.autoround supports auto-round {' and '.join(s + '.x' for s in supported)} (it replaces auto-round "
+            f"internals listed in dpq.autoround.patches), but auto-round {version} is installed. "
+            f"Fix: pip install '{pip_bound}', or run plain auto-round without dpq.")
+
+
+def patch_mismatch(version: str, checked: Sequence[str], problems: Sequence[str]) -> str:
+    return (f"dpq: auto-round {version} is installed, and these functions dpq replaces differ from the ones dpq "
+            f"checked (auto-round {', '.join(checked)}):\n" + "\n".join(f"  - {x}" for x in problems)
+            + "\ndpq does not run a changed upstream function through its copy. Fix: install a checked auto-round "
+            "(pip install 'auto-round==0.16.1', or auto-round-nightly==0.17.0.dev20261026 with dpq installed "
+            "--no-deps), or run without dpq (--parallel_quantization off)")
