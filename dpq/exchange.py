@@ -11,10 +11,11 @@ identical reduced gradient:
 * :class:`SignExchange` - pure SignSGD needs only ``sign(sum)``: reduce-scatter in fp32,
   each lane signs its own chunk, an all-gather of 2 bits per element.
 
-Stream order (rules in ``dpq.streams``): a lane's buffer and every temporary of a lane are
-allocated, zeroed, filled and read under that lane's ``issue()``, so they belong to its
-stream; the only cross-lane uses are inside a communicator's collective, which joins the
-lanes it touches before and after (R4), so the last join also precedes the temporaries' free.
+Stream order (rules in ``dpq.streams``): a lane's buffer and every scratch buffer of a lane
+(``dpq.sign_bits.SignBuffers``, kept across iterations) are allocated, zeroed, filled and read
+under that lane's ``issue()``, so they belong to its stream; the only cross-lane uses are
+inside a communicator's collective, which joins the lanes it touches before and after (R4).
+Lanes without streams (CPU) share one set of scratch buffers: nothing to order there.
 
 Overlap (:meth:`_Exchange.during_backward`): instead of exchanging every bucket after the
 backward, a post-accumulate-grad hook on every tuned parameter of every lane counts, per
@@ -58,7 +59,7 @@ import torch
 from torch import Tensor
 
 from dpq.nccl_comm import Communicator
-from dpq.sign_bits import pack_bits, unpack_signs
+from dpq.sign_bits import SignBuffers, pack_signs, sign_groups, sign_padded_length, take, unpack_signs
 from dpq.streams import Lane
 
 __all__ = ["BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange", "sign_padded_length"]
@@ -111,6 +112,9 @@ class GradBuckets:
         for b, ids in enumerate(self.bucket_params):
             for i in ids:
                 self.bucket_of[i] = b
+        # Exchange policies' buffers, reused across buckets and iterations (the policy owns the
+        # entry under its name; e.g. SignExchange's SignBuffers). Freed with the buckets.
+        self.scratch: dict[str, object] = {}
         self.buffers = []
         for k, dev in enumerate(devices):
             with self._issue(k):  # allocated for the lane's stream, where all its uses are queued
@@ -252,7 +256,7 @@ class _Exchange:
 
     def exchange_bucket(self, buckets: GradBuckets, i: int) -> None:
         before = self.comm.wire_bytes
-        self._exchange(buckets.bucket(i))
+        self._exchange(buckets, i)
         self.total_wire_bytes += self.comm.wire_bytes - before
 
     def wait(self) -> None:
@@ -267,7 +271,7 @@ class _Exchange:
         if buckets.world != len(self.comm.lanes):
             raise ValueError(f"dpq: {buckets.world} gradient buffers for {len(self.comm.lanes)} lanes")
 
-    def _exchange(self, grads: list[Tensor]) -> None:
+    def _exchange(self, buckets: GradBuckets, i: int) -> None:
         raise NotImplementedError
 
 
@@ -354,14 +358,8 @@ class FullSumExchange(_Exchange):
 
     name = "full"
 
-    def _exchange(self, grads: list[Tensor]) -> None:
-        self.comm.all_reduce(grads)
-
-
-def sign_padded_length(n: int, world: int) -> int:
-    """The sign path's bucket length: ``n`` rounded up to a multiple of 8*W (whole bytes per lane chunk)."""
-    step = 8 * world
-    return -(-n // step) * step
+    def _exchange(self, buckets: GradBuckets, i: int) -> None:
+        self.comm.all_reduce(buckets.bucket(i))
 
 
 class SignExchange(_Exchange):
@@ -389,7 +387,8 @@ class SignExchange(_Exchange):
 
     name = "sign"
 
-    def _exchange(self, grads: list[Tensor]) -> None:
+    def _exchange(self, buckets: GradBuckets, i: int) -> None:
+        grads = buckets.bucket(i)
         comm, lanes, world = self.comm, self.comm.lanes, self.comm.world
         if world == 1:
             with lanes[0].issue():
@@ -397,29 +396,41 @@ class SignExchange(_Exchange):
             return
         n = grads[0].numel()
         m = sign_padded_length(n, world)
-        chunk = m // world
-        # Temporaries are allocated under each lane's context: the caching allocator then
-        # ties them to the lane's stream, where all their uses are queued.
-        send, recv = [], []
-        for g, lane in zip(grads, lanes, strict=True):
+        c = m // world  # world counts every rank (a process group spans more ranks than these lanes)
+        groups = self._groups(buckets)
+        send, recv, packed, gathered = [], [], [], []
+        for ks, buf, lane in groups:  # one group per lane, or one for all lanes (SignBuffers)
             with lane.issue():
-                send.append(g if m == n else _zero_padded(g, m))  # reduce_scatter only reads send
-                recv.append(torch.empty(chunk, dtype=torch.float32, device=g.device))
+                if m != n:  # zero-padded copies; reduce_scatter only reads send
+                    pad = take(buf.pad, len(ks), m)
+                    for row, k in enumerate(ks):
+                        pad[row, :n].copy_(grads[k])
+                    pad[:, n:].zero_()
+                    send += list(pad)
+                else:
+                    send += [grads[k] for k in ks]
+                recv += list(take(buf.recv, len(ks), c))
+                packed += list(take(buf.packed, len(ks), c // 4))
+                gathered += list(take(buf.gathered, len(ks), m // 4))
         comm.reduce_scatter(send, recv)
-        packed, gathered = [], []
-        for r, lane in zip(recv, lanes, strict=True):
+        for ks, buf, lane in groups:
             with lane.issue():
-                # (negative, nonzero): 0 and NaN -> (0,0), +1 -> (0,1), -1 -> (1,1), as torch.sign
-                negative = r < 0
-                packed.append(torch.cat([pack_bits(negative), pack_bits(negative | (r > 0))]))
-                gathered.append(torch.empty(m // 4, dtype=torch.uint8, device=r.device))
+                rows = len(ks)
+                pack_signs(take(buf.recv, rows, c), take(buf.planes, rows, 2, c), take(buf.words, rows * c // 4),
+                           take(buf.tmp, rows * c // 4), take(buf.packed, rows, c // 4))
         comm.all_gather(packed, gathered)
-        for g, q, lane in zip(grads, gathered, lanes, strict=True):
+        for ks, buf, lane in groups:
             with lane.issue():
-                g.copy_(unpack_signs(q, world)[:n])  # int8 -> fp32: exactly -1.0, 0.0, +1.0
+                # Every lane gathered the same bytes: a group of lanes without streams unpacks once.
+                signs = unpack_signs(gathered[ks[0]], world, buf.idx, buf.signs)[:n]
+                for k in ks:
+                    grads[k].copy_(signs)  # int8 -> fp32: exactly -1.0, 0.0, +1.0
 
-
-def _zero_padded(g: Tensor, m: int) -> Tensor:
-    out = torch.zeros(m, dtype=g.dtype, device=g.device)
-    out[: g.numel()].copy_(g)
-    return out
+    def _groups(self, buckets: GradBuckets) -> list[tuple[list[int], SignBuffers, Lane]]:
+        """The lanes' buffer groups (:func:`dpq.sign_bits.sign_groups`), made on first use per buckets and lanes."""
+        lanes = self.comm.lanes
+        cached = buckets.scratch.get(self.name)
+        if cached is None or [id(a) for a in cached[0]] != [id(b) for b in lanes]:
+            lengths = [e - s for s, e in buckets.bucket_ranges]
+            cached = buckets.scratch[self.name] = (list(lanes), sign_groups(lanes, self.comm.world, lengths))
+        return cached[1]  # keyed by the lanes held in the entry (identity)

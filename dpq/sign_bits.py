@@ -1,46 +1,101 @@
-"""The sign path's wire format: two bit planes per element (negative, nonzero), 8 elements a byte.
+"""The sign path's wire format and its buffers: two bit planes per element (negative, nonzero), 8 elements a byte.
 
 Sign is three-valued and exact zeros are common, so one bit per element cannot carry it
-(see :class:`dpq.exchange.SignExchange`). ``pack_bits`` packs one bool plane;
-``unpack_signs`` turns the gathered [negative plane | nonzero plane] chunks back into int8
-signs in {-1, 0, +1}, exactly what ``torch.sign`` gives for the summed gradient.
+(see :class:`dpq.exchange.SignExchange`). :func:`pack_signs` turns rows of summed fp32
+gradients into [negative plane | nonzero plane] bytes per row; :func:`unpack_signs` turns the
+gathered chunks back into int8 signs in {-1, 0, +1}, exactly what ``torch.sign`` gives for the
+summed gradient. :class:`SignBuffers` holds every buffer one group of lanes needs for it,
+allocated once and reused for every bucket and iteration (the exchange's host work per
+bucket is then a fixed, small number of ops, none of them an allocation).
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
-__all__ = ["pack_bits", "unpack_signs"]
+from dpq.streams import Lane
+
+__all__ = [
+    "SignBuffers",
+    "lanes_share_buffers",
+    "pack_signs",
+    "sign_groups",
+    "sign_padded_length",
+    "take",
+    "unpack_by_shifts",
+    "unpack_signs",
+]
+
+# pack_signs reads 8 bools as one int64 word, bool b in byte b: that is the little-endian order.
+# Every device torch runs on is little-endian; a big-endian host would need another packing.
+if sys.byteorder != "little":  # pragma: no cover - no such machine in CI
+    raise ImportError("dpq: the sign exchange's bit packing assumes a little-endian host")
 
 
-def _bit_shifts(device: torch.device) -> Tensor:
-    # Built on the device each call (one tiny kernel), never cached: a tensor cached per
-    # device would be shared by lanes on different streams of one device.
-    return torch.arange(8, dtype=torch.uint8, device=device)
+def sign_padded_length(n: int, world: int) -> int:
+    """The sign path's bucket length: ``n`` rounded up to a multiple of 8*W (whole bytes per lane chunk)."""
+    step = 8 * world
+    return -(-n // step) * step
 
 
-def pack_bits(bits: Tensor) -> Tensor:
-    """bool (8*k,) -> uint8 (k,); element 8*i + b is bit b of byte i."""
-    b = bits.view(-1, 8).view(torch.uint8)  # bools are bytes holding 0 or 1
-    out = b[:, 0].clone()
-    for shift in range(1, 8):  # over bit positions, not elements
-        out |= b[:, shift] << shift
-    return out
+def take(buf: Tensor, *shape: int) -> Tensor:
+    """The first ``prod(shape)`` elements of the flat buffer ``buf``, viewed as ``shape`` (contiguous)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return buf[:numel].view(shape)
 
 
-def unpack_signs(packed: Tensor, world: int) -> Tensor:
-    """uint8 (W * 2 * c/8,) of [negative plane | nonzero plane] per chunk -> int8 signs (W*c,)."""
-    planes = packed.view(world, 2, -1, 1)
+def pack_signs(r: Tensor, planes: Tensor, words: Tensor, tmp: Tensor, out: Tensor) -> None:
+    """Rows of fp32 sums ``r`` (L, c), c a multiple of 8 -> ``out`` (L, c/4) uint8: per row the
+    negative plane then the nonzero plane, element 8*i + b in bit b of byte i of its plane.
+
+    (negative, nonzero): 0 and NaN -> (0, 0), +x -> (0, 1), -x -> (1, 1), as ``torch.sign``.
+    Scratch: ``planes`` bool (L, 2, c), ``words`` and ``tmp`` int64 (L*c/4,). Ten ops whatever
+    L is: each word holds 8 bools (bytes 0 or 1), and three shift-or-mask steps gather them
+    into its low byte (bit i of byte i moves to bit i of byte 0: pairs, then nibbles, then the
+    byte), which the final copy keeps.
+    """
+    torch.lt(r, 0, out=planes[:, 0])
+    torch.gt(r, 0, out=planes[:, 1])
+    planes[:, 1].logical_or_(planes[:, 0])  # nonzero = negative or positive: NaN is neither
+    x = planes.view(-1).view(torch.uint8).view(torch.int64)  # bools are bytes holding 0 or 1
+    torch.bitwise_right_shift(x, 7, out=tmp)
+    torch.bitwise_or(x, tmp, out=words).bitwise_and_(0x0003000300030003)  # bits 2j, 2j+1 in each 16-bit lane
+    torch.bitwise_right_shift(words, 14, out=tmp)
+    words.bitwise_or_(tmp).bitwise_and_(0x0000000F0000000F)  # 4 bits in each 32-bit lane
+    torch.bitwise_right_shift(words, 28, out=tmp)
+    words.bitwise_or_(tmp).bitwise_and_(0xFF)  # the 8 bits in the low byte, nothing above
+    out.view(-1).copy_(words)
+
+
+def unpack_signs(packed: Tensor, world: int, idx: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """uint8 (W * 2 * c/8,) of [negative plane | nonzero plane] per chunk -> int8 signs (W*c,).
+
+    On the CPU ``idx`` and ``out`` (int64, W*c/8 each) may be given to reuse their memory."""
+    planes = packed.view(world, 2, -1)
     if packed.device.type == "cpu":
         # One table lookup per 8 elements: (negative byte, nonzero byte) -> the 8 signs as one int64.
         # CPU only: the table lives in host memory (no stream to order), and the shifts below run
         # ~10x slower on CPU than this. The values are identical.
-        idx = (planes[:, 0].to(torch.int64) << 8) | planes[:, 1]
-        return _sign_table()[idx.view(-1)].view(torch.int8)
-    shifts = _bit_shifts(packed.device)
-    negative = ((planes[:, 0] >> shifts) & 1).view(torch.int8)
-    nonzero = ((planes[:, 1] >> shifts) & 1).view(torch.int8)
+        words = planes.shape[2] * world
+        idx = torch.empty(words, dtype=torch.int64) if idx is None else idx[:words]
+        rows = idx.view(world, -1)
+        rows.copy_(planes[:, 0])
+        rows.bitwise_left_shift_(8).add_(planes[:, 1])
+        out = torch.empty(words, dtype=torch.int64) if out is None else out[:words]
+        return torch.index_select(_SIGN_TABLE, 0, idx, out=out).view(torch.int8)
+    return unpack_by_shifts(planes)
+
+
+def unpack_by_shifts(planes: Tensor) -> Tensor:
+    """The accelerators' unpack (same values as the CPU's table): uint8 (W, 2, c/8) -> int8 (W*c,)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=planes.device)  # per call: never shared across streams
+    negative = ((planes[:, 0].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
+    nonzero = ((planes[:, 1].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
     return nonzero.sub_(negative).sub_(negative).view(-1)  # negative implies nonzero: -1, +1 or 0
 
 
@@ -59,5 +114,49 @@ def _build_sign_table() -> Tensor:
 _SIGN_TABLE = _build_sign_table()
 
 
-def _sign_table() -> Tensor:
-    return _SIGN_TABLE
+class SignBuffers:
+    """Every buffer of the sign path for one group of ``rows`` lanes, sized for the largest
+    bucket (padded length ``m_max``; ``pad_max``: the largest padded length of a bucket that
+    needs padding, 0 if none does) of a ``world``-rank exchange.
+
+    A bucket of padded length m uses the leading part of each buffer (:func:`take`). A group
+    is either one lane (its own buffers, allocated under its ``issue()``: they belong to its
+    stream, where every use is queued; reuse from bucket to bucket and iteration to iteration
+    is ordered by that stream and by the collectives' joins) or every lane when no lane has a
+    stream (CPU: one op then covers all lanes' rows, a view instead of a per-lane loop).
+    """
+
+    def __init__(self, lane: Lane, rows: int, world: int, m_max: int, pad_max: int) -> None:
+        c = m_max // world
+        dev = lane.device
+        with lane.issue():
+            self.pad = torch.empty(rows * pad_max, dtype=torch.float32, device=dev)
+            self.recv = torch.empty(rows * c, dtype=torch.float32, device=dev)
+            self.planes = torch.empty(rows * 2 * c, dtype=torch.bool, device=dev)
+            self.words = torch.empty(rows * c // 4, dtype=torch.int64, device=dev)
+            self.tmp = torch.empty(rows * c // 4, dtype=torch.int64, device=dev)
+            self.packed = torch.empty(rows * c // 4, dtype=torch.uint8, device=dev)
+            self.gathered = torch.empty(rows * m_max // 4, dtype=torch.uint8, device=dev)
+            on_cpu = dev.type == "cpu"  # the table lookup's index and result (CPU only)
+            self.idx = torch.empty(m_max // 8, dtype=torch.int64) if on_cpu else None
+            self.signs = torch.empty(m_max // 8, dtype=torch.int64) if on_cpu else None
+
+
+def lanes_share_buffers(lanes: list[Lane]) -> bool:
+    """True when no lane has a stream and all are on one device: one op may then cover every lane."""
+    return all(lane.stream is None for lane in lanes) and len({lane.device for lane in lanes}) == 1
+
+
+def sign_groups(lanes: list[Lane], world: int, lengths: list[int]) -> list[tuple[list[int], SignBuffers, Lane]]:
+    """(lane indices, their :class:`SignBuffers`, the lane to issue under) per group, for buckets
+    of ``lengths`` elements exchanged over ``world`` ranks.
+
+    Lanes without streams on one device (CPU lanes) form one group: their ops then run once
+    over all lanes' rows, on the one issuing thread, with nothing to order. Otherwise (streams:
+    accelerators, or the CPU stream-order checker's logical streams) each lane is a group.
+    """
+    padded = [(sign_padded_length(n, world), n) for n in lengths]
+    m_max = max(m for m, _ in padded)
+    pad_max = max((m for m, n in padded if m != n), default=0)
+    parts = [list(range(len(lanes)))] if lanes_share_buffers(lanes) else [[k] for k in range(len(lanes))]
+    return [(ks, SignBuffers(lanes[ks[0]], len(ks), world, m_max, pad_max), lanes[ks[0]]) for ks in parts]

@@ -79,7 +79,11 @@ class _Timer:
     def add(self, c: Completion) -> None:
         with self._cv:
             heapq.heappush(self._heap, (c.done_at, next(self._seq), c))
-            self._cv.notify()
+            if self._heap[0][2] is c:
+                # Only a new earliest deadline needs the thread awake sooner. The link completes in
+                # issue order, so usually the thread already sleeps until an earlier deadline and
+                # is left alone: no wake-up (GIL hand-off, core switch) per collective issued.
+                self._cv.notify()
 
     def _run(self) -> None:
         with self._cv:

@@ -256,3 +256,92 @@ def test_buckets_with_lanes():
     cuda_lane.device = torch.device("cuda", 1)  # placement check only; nothing runs on it
     with pytest.raises(ValueError, match="parameters are on cpu but the lane is on cuda:1"):
         GradBuckets(lane_params(1, [(3,)]), lanes=[cuda_lane])
+
+
+# -- the sign path's buffers and kernels (dpq.sign_bits) -----------------------------------------
+
+# Buckets of several padded lengths, aligned (m == n) and not: cap 40 -> [23 | 17+5 | 40 | 31 | 9]
+MIXED = [(9,), (31,), (40,), (5,), (17,), (23,)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sign_buffers_reused_across_iterations_and_bucket_sizes(world):
+    """One set of buffers serves every bucket (sizes differ, some padded) and every iteration:
+    each exchange is still exactly sign(lane-order sum), with nothing reallocated."""
+    ex = SignExchange(comm_for(world))
+    b = GradBuckets(lane_params(world, MIXED), bucket_cap_elems=40)
+    assert len({sign_padded_length(e - s, world) for s, e in b.bucket_ranges}) >= 2
+    assert any(sign_padded_length(e - s, world) != e - s for s, e in b.bucket_ranges)
+    ptrs = None
+    for it in range(3):
+        b.attach()
+        grads = fill_grads(b, seed=100 * world + it)
+        ex.exchange(b)
+        assert_same_bits_everywhere(b)
+        assert torch.equal(b.buffers[0], torch.sign(lane_order_sum(grads)))
+        groups = b.scratch["sign"][1]
+        assert len(groups) == 1 and groups[0][0] == list(range(world))  # CPU lanes: one shared group
+        now = [t.data_ptr() for t in vars(groups[0][1]).values() if isinstance(t, torch.Tensor)]
+        assert ptrs is None or now == ptrs  # the same memory every iteration
+        ptrs = now
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sign_per_lane_buffers_give_the_shared_bits(world, monkeypatch):
+    """Lanes with streams get their own buffers and unpack each their own gathered bytes: the
+    same bits as CPU lanes sharing one group."""
+    import dpq.sign_bits as sb
+
+    def exchanged():
+        out = []
+        for sizes, cap in ((MIXED, 40), (MIXED, 2**22), ([(4099,), (7,)], 1000)):
+            b = GradBuckets(lane_params(world, sizes), bucket_cap_elems=cap)
+            for it in range(2):
+                b.attach()
+                fill_grads(b, seed=7 * world + it)
+                SignExchange(comm_for(world)).exchange(b)
+                out.append([t.clone() for t in b.buffers])
+        return out, len(b.scratch["sign"][1])
+
+    shared, n_shared = exchanged()
+    monkeypatch.setattr(sb, "lanes_share_buffers", lambda lanes: False)
+    own, n_own = exchanged()
+    assert (n_shared, n_own) == (1, world)
+    for xs, ys in zip(shared, own, strict=True):
+        assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(xs, ys, strict=True))
+
+
+def test_sign_buffers_follow_the_lanes():
+    """Buckets exchanged over other lanes get buffers of their own (the entry is keyed by the lanes)."""
+    b = GradBuckets(lane_params(2, [(40,)]))
+    b.attach()
+    fill_grads(b, seed=1)
+    SignExchange(comm_for(2)).exchange(b)
+    first = b.scratch["sign"]
+    grads = fill_grads(b, seed=2)
+    SignExchange(comm_for(2)).exchange(b)  # new lanes
+    assert b.scratch["sign"] is not first
+    assert torch.equal(b.buffers[1], torch.sign(grads[0] + grads[1]))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pack_and_unpack_signs_are_torch_sign(world):
+    """pack_signs over rows, then the CPU table and the accelerators' shifts: both exactly torch.sign
+    (NaN -> 0, +-inf -> +-1, -0.0 -> 0, subnormals -> +-1)."""
+    from dpq.sign_bits import pack_signs, take, unpack_by_shifts, unpack_signs
+
+    c = 8 * 37
+    gen = torch.Generator().manual_seed(world)
+    r = torch.randn(world, c, generator=gen)
+    r[torch.rand(world, c, generator=gen) < 0.3] = 0.0
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 1e-45, -1e-45, 0.0, 3.0])
+    r[:, :8] = special
+    planes = torch.empty(2 * world * c, dtype=torch.bool)
+    words, tmp = torch.empty(2, world * c // 4, dtype=torch.int64)
+    packed = torch.empty(world, c // 4, dtype=torch.uint8)
+    pack_signs(r, take(planes, world, 2, c), words, tmp, packed)
+    expected = torch.sign(r).view(-1).to(torch.int8)
+    assert torch.equal(unpack_signs(packed.view(-1), world), expected)
+    assert torch.equal(unpack_by_shifts(packed.view(world, 2, -1)), expected)
+    idx, out = torch.empty(2, world * c // 8 + 5, dtype=torch.int64)  # reused memory, longer than needed
+    assert torch.equal(unpack_signs(packed.view(-1), world, idx, out), expected)
