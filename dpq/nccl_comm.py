@@ -5,11 +5,18 @@ identical results on every lane, ring wire bytes, world-1 shortcuts) are in
 :mod:`dpq.comm_base` (:class:`CommunicatorBase`); re-exported here.
 
 NCCL communicators here use one process driving several GPUs: communicators from
-``ncclCommInitAll`` and every rank's call inside one ``groupStart/groupEnd``, which is the
+``ncclCommInitAll`` and every rank's calls inside one ``groupStart/groupEnd``, which is the
 only way a single thread can issue a collective to several ranks without deadlocking
-(a lone rank's call would wait for its peers, which are never issued).
+(a lone rank's call would wait for its peers, which are never issued). One group per
+collective, except CuPy's canonical all_reduce: two groups (send/recv to the chunks'
+owners, then back), the owners' ordered sums queued between them on their streams.
 
-NCCL lifecycle (kept here):
+Canonical order (contract 3): the CuPy communicator sums with send/recv to each chunk's
+owner and a fold in rank order, so its bits are the local communicator's;
+``torch.cuda.nccl`` has no send/recv, so :class:`TorchNcclCommunicator` keeps NCCL's own
+order and says so (``canonical_order = False``, ``order_note``).
+
+NCCL lifecycle (kept in :mod:`dpq.nccl_lifecycle`, re-exported here):
 
 * **One communicator set per device tuple per run.** ``ncclCommInitAll`` costs seconds on
   8 GPUs, so the NCCL handles are an :class:`NcclCommSet` cached by (kind, device ids)
@@ -27,13 +34,23 @@ NCCL lifecycle (kept here):
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from dpq.comm_base import SUPPORTED_DTYPES, Communicator, CommunicatorBase, ring_wire_bytes
+from dpq.comm_base import SUPPORTED_DTYPES, Communicator, CommunicatorBase, chunk_bounds, ordered_sum, ring_wire_bytes
+from dpq.nccl_lifecycle import (
+    NcclAborted,
+    NcclCollectiveError,
+    NcclCommSet,
+    aborted_comm_set,
+    close_communicators,
+    fail_group,
+    shared_comm_set,
+)
 from dpq.streams import Lane
 
 __all__ = [
@@ -45,6 +62,7 @@ __all__ = [
     "NcclCollectiveError",
     "NcclCommSet",
     "TorchNcclCommunicator",
+    "aborted_comm_set",
     "close_communicators",
     "cupy_nccl_available",
     "cupy_nccl_version",
@@ -87,126 +105,11 @@ def multi_rank_gpu_enabled(version: Sequence[int] | None) -> bool:
     )
 
 
-# -- the lifecycle: one set of NCCL handles per device tuple per run -----------------------
-
-
-class NcclCollectiveError(RuntimeError):
-    """An NCCL call failed; the group was closed and the communicators of its devices aborted."""
-
-
-class NcclAborted(RuntimeError):
-    """A communicator whose NCCL handles were aborted (after an earlier error) was used again."""
-
-
-class NcclCommSet:
-    """The NCCL handles of one device tuple: ``comms[k]`` is rank k's (a CuPy ``NcclCommunicator``;
-    empty for torch-nccl, whose communicators torch caches per device list itself).
-
-    States: open -> aborted (an NCCL error: ``abort()`` on every handle) or closed (``destroy()``).
-    ``library`` is the module the handles came from: a cached set is reused only with the same one.
-    """
-
-    def __init__(self, kind: str, device_ids: Sequence[int], comms: Sequence[object], library: object) -> None:
-        self.kind = kind
-        self.device_ids = tuple(device_ids)
-        self.comms = list(comms)
-        self.library = library
-        self.state = "open"
-        self.failure = ""  # what failed, for the refusal of later use
-
-    def where(self) -> str:
-        return f"{self.kind} communicators for cuda devices {list(self.device_ids)}"
-
-    def check_usable(self) -> None:
-        if self.state == "aborted":
-            raise NcclAborted(
-                f"dpq: the {self.where()} were aborted after {self.failure}; they cannot be used again. "
-                "select_communicator picks device copies (p2p/host) for these GPUs for the rest of this run; "
-                "dpq.fallback_p2p.close_communicators() (called by disable()) forgets them"
-            )
-        if self.state == "closed":
-            raise RuntimeError(f"dpq: the {self.where()} were destroyed by close_communicators()")
-
-    def abort(self, failure: str) -> list[str]:
-        """``abort()`` every handle (ends queued work waiting for peers); returns the aborts' own errors."""
-        problems = []
-        if self.state == "open":
-            for rank, comm in enumerate(self.comms):
-                try:
-                    comm.abort()
-                except Exception as e:  # keep aborting the others; the caller reports these
-                    problems.append(f"rank {rank}: {type(e).__name__}: {e}")
-        self.state, self.failure = "aborted", failure
-        return problems
-
-    def destroy(self) -> None:
-        if self.state == "open":
-            for comm in self.comms:
-                comm.destroy()
-        self.state = "closed"
-        self.comms = []
-
-
-_SETS: dict[tuple[str, tuple[int, ...]], NcclCommSet] = {}
-
-
-def shared_comm_set(
-    kind: str, device_ids: Sequence[int], library: object, create: Callable[[], Sequence[object]]
-) -> NcclCommSet:
-    """The cached set for (kind, device_ids), made by ``create()`` on first use.
-
-    An aborted set stays cached (its devices stay off NCCL) until :func:`close_communicators`;
-    a set made with another ``library`` object (a test's fake, a reloaded module) is
-    forgotten, not destroyed, and a new one is made.
-    """
-    key = (kind, tuple(device_ids))
-    cached = _SETS.get(key)
-    if cached is not None and cached.library is library:
-        return cached
-    made = NcclCommSet(kind, device_ids, create(), library)
-    _SETS[key] = made
-    return made
-
-
-def aborted_comm_set(kind: str, device_ids: Sequence[int]) -> NcclCommSet | None:
-    """The cached set for (kind, device_ids) when an NCCL error aborted it in this run, else None."""
-    cached = _SETS.get((kind, tuple(device_ids)))
-    return cached if cached is not None and cached.state == "aborted" else None
-
-
-def close_communicators() -> int:
-    """Destroy every cached NCCL communicator set and forget them all (aborted ones included).
-
-    Returns how many sets were destroyed. dpq's ``disable()`` calls this; the next run makes
-    fresh communicators.
-    """
-    sets = list(_SETS.values())
-    _SETS.clear()
-    destroyed = 0
-    for s in sets:
-        if s.state == "open":
-            s.destroy()
-            destroyed += 1
-    return destroyed
-
-
-def _fail_group(comm_set: NcclCommSet, call: str, error: BaseException) -> None:
-    """Abort ``comm_set`` after ``call`` raised ``error``, then raise the clear error (a
-    KeyboardInterrupt or other BaseException is re-raised as it is, after the abort)."""
-    problems = comm_set.abort(f"{call} failed ({type(error).__name__}: {error})")
-    if not isinstance(error, Exception):
-        raise error
-    extra = f" Aborting also reported: {'; '.join(problems)}." if problems else ""
-    raise NcclCollectiveError(
-        f"dpq: NCCL {call} over cuda devices {list(comm_set.device_ids)} ({comm_set.kind}) failed: "
-        f"{type(error).__name__}: {error}. The NCCL group was closed and these communicators aborted, so "
-        "nothing waits on them; this block's parallel tuning stops here (with --parallel_quantization auto "
-        "the block reruns serially) and later blocks use device copies (p2p/host) for these GPUs. "
-        f"Rerun with NCCL_DEBUG=WARN to see NCCL's own reason.{extra}"
-    ) from error
-
-
 # -- CuPy --------------------------------------------------------------------------------
+
+
+def _sizes(bounds: Sequence[int]) -> list[int]:
+    return [hi - lo for lo, hi in itertools.pairwise(bounds)]
 
 
 def _import_cupy_nccl():
@@ -262,10 +165,23 @@ class CupyNcclCommunicator(CommunicatorBase):
     ``close()`` only detaches, and :func:`close_communicators` destroys. ``shared=False``
     (the default) owns a fresh set: ``close()`` destroys it.
 
-    Every collective is one ``groupStart()``, each rank's call on its lane's stream, one
+    Every NCCL exchange is one ``groupStart()``, each rank's calls on its lane's stream, one
     ``groupEnd()`` in a ``finally``; arguments are built before ``groupStart``. If a call
     (or ``groupEnd``) raises, the group is still closed, every rank's handle is aborted and
     :class:`NcclCollectiveError` names the collective; later use raises :class:`NcclAborted`.
+
+    Canonical order (contract 3), so the bits equal the CPU-tested local communicator's:
+    sums do not use NCCL's reductions (ring or tree: their order depends on the topology).
+    reduce_scatter and reduce are one group of ``send``/``recv`` to each chunk's owner, then
+    the owner's fold in rank order on its own stream (:meth:`_to_owners`); all_reduce is
+    that over W chunks differing by at most one element, then a second group of
+    ``send``/``recv`` from each owner to every rank (an all-gather: no padding needed). Wire
+    bytes are a ring reduce-scatter's and all-gather's: each rank sends every chunk but its
+    own once. all_gather (``allGather``) and broadcast move exact copies. Staging: (W-1)
+    received parts of the own chunk per rank, allocated for the lane's stream.
+    **Not run on hardware**: the send/recv sequence and the sums are tested on CPU through a
+    recording fake of ``cupy.cuda.nccl`` that performs the transfers
+    (``tests/fake_cupy_nccl.py``); no multi-GPU machine was available.
 
     Two ranks on one GPU are refused before any NCCL call unless NCCL >= 2.30 runs with
     ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (``allow_shared_gpu=None`` checks exactly that).
@@ -305,22 +221,25 @@ class CupyNcclCommunicator(CommunicatorBase):
             raise TypeError(f"dpq: this CuPy's NCCL binding has no {name}; upgrade cupy for {dtype} collectives")
         return getattr(self._nccl, name)
 
-    def _grouped(self, method: str, args_per_rank: list[tuple]) -> None:
+    def _grouped(self, what: str, calls_per_rank: Sequence[Sequence[tuple[str, tuple]]]) -> None:
+        """One NCCL group: rank k's calls ``(method, args)``, in order, on lane k's stream, rank by rank."""
         if self._set is None:
             raise RuntimeError("dpq: cupy-nccl communicator used after close()")
         self._set.check_usable()
-        calls = [getattr(comm, method) for comm in self._set.comms]
+        bound = [[(getattr(comm, m), m, args) for m, args in calls]
+                 for comm, calls in zip(self._set.comms, calls_per_rank, strict=True)]
         try:
             self._nccl.groupStart()
         except BaseException as e:
-            _fail_group(self._set, f"groupStart before {method}", e)
+            fail_group(self._set, f"groupStart before {what}", e)
         error: BaseException | None = None
-        where = method
+        where = what
         try:
-            for k, (call, lane, args) in enumerate(zip(calls, self.lanes, args_per_rank, strict=True)):
-                where = f"{method} (rank {k} of {self.world})"
+            for k, (calls, lane) in enumerate(zip(bound, self.lanes, strict=True)):
                 with lane.issue():
-                    call(*args)
+                    for call, method, args in calls:
+                        where = f"{'' if method == what else what + ': '}{method} (rank {k} of {self.world})"
+                        call(*args)
         except BaseException as e:
             error = e
         finally:
@@ -328,37 +247,77 @@ class CupyNcclCommunicator(CommunicatorBase):
                 self._nccl.groupEnd()
             except BaseException as e:
                 if error is None:
-                    error, where = e, f"groupEnd after {method}"
+                    error, where = e, f"groupEnd after {what}"
         if error is not None:
-            _fail_group(self._set, where, error)
+            fail_group(self._set, where, error)
+
+    def _collective(self, method: str, args_per_rank: Sequence[tuple]) -> None:
+        self._grouped(method, [[(method, args)] for args in args_per_rank])
 
     def _stream(self, k: int) -> int:
         return self.lanes[k].stream_handle
 
+    def _sendrecv(self, k: int, dt: int, sends: list[tuple], recvs: list[tuple]) -> list[tuple[str, tuple]]:
+        """Rank k's calls for messages ``(ptr, count, peer)``; empty ones are skipped (by both ends:
+        the counts come from the same bounds)."""
+        stream = self._stream(k)
+        return [(m, (ptr, count, dt, peer, stream))
+                for m, msgs in (("send", sends), ("recv", recvs)) for ptr, count, peer in msgs if count]
+
+    def _to_owners(self, what: str, bufs: Sequence[Tensor], bounds: Sequence[int], outs: Sequence[Tensor]) -> None:
+        """Canonical reduce-scatter over the chunks ``[bounds[c], bounds[c + 1])`` (rank c owns chunk c).
+
+        One group: rank k sends chunk j of ``bufs[k]`` to rank j and receives every other rank's
+        part of chunk k into a staging buffer (allocated for lane k's stream, where NCCL writes it
+        and the sum reads it). Then, on lane k's stream, ``outs[k]`` = the fold over ranks in rank
+        order (:func:`dpq.comm_base.ordered_sum`), its own part read in place.
+        """
+        dtype, world, isz, size = bufs[0].dtype, self.world, bufs[0].element_size(), _sizes(bounds)
+        staging, calls = [], []
+        for k, lane in enumerate(self.lanes):
+            with lane.issue():
+                staging.append(torch.empty(world - 1, size[k], dtype=dtype, device=bufs[k].device))
+            peers = [j for j in range(world) if j != k]
+            sends = [(bufs[k].data_ptr() + bounds[j] * isz, size[j], j) for j in peers]
+            recvs = [(row.data_ptr(), size[k], j) for row, j in zip(staging[k], peers, strict=True)]
+            calls.append(self._sendrecv(k, self._dtype(dtype), sends, recvs))
+        self._grouped(what, calls)
+        for k, lane in enumerate(self.lanes):
+            parts = [*staging[k][:k], bufs[k][bounds[k] : bounds[k + 1]], *staging[k][k:]]  # rank order
+            with lane.issue():
+                ordered_sum(parts, outs[k])
+
     def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
-        dt, n, op = self._dtype(bufs[0].dtype), bufs[0].numel(), self._nccl.NCCL_SUM
-        ptrs = [b.data_ptr() for b in bufs]
-        self._grouped("allReduce", [(ptrs[k], ptrs[k], n, dt, op, self._stream(k)) for k in range(self.world)])
+        """Canonical: the owners' sums (:meth:`_to_owners`), then each owner's chunk to every rank
+        (a second group of send/recv: an all-gather of chunks that differ by one element, so no padding)."""
+        b, world, isz = chunk_bounds(bufs[0].numel(), self.world), self.world, bufs[0].element_size()
+        self._to_owners("all_reduce (to owners)", bufs, b, [x[b[k] : b[k + 1]] for k, x in enumerate(bufs)])
+        dt, size, calls = self._dtype(bufs[0].dtype), _sizes(b), []
+        for k in range(world):
+            ptr, peers = bufs[k].data_ptr(), [j for j in range(world) if j != k]
+            calls.append(self._sendrecv(k, dt, [(ptr + b[k] * isz, size[k], j) for j in peers],
+                                        [(ptr + b[j] * isz, size[j], j) for j in peers]))
+        self._grouped("all_reduce (from owners)", calls)
 
     def _reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
-        dt, n, op = self._dtype(recv[0].dtype), recv[0].numel(), self._nccl.NCCL_SUM
-        args = [(send[k].data_ptr(), recv[k].data_ptr(), n, dt, op, self._stream(k)) for k in range(self.world)]
-        self._grouped("reduceScatter", args)
+        n = recv[0].numel()
+        self._to_owners("reduce_scatter", send, [c * n for c in range(self.world + 1)], recv)
 
     def _all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
         dt, n = self._dtype(send[0].dtype), send[0].numel()
         args = [(send[k].data_ptr(), recv[k].data_ptr(), n, dt, self._stream(k)) for k in range(self.world)]
-        self._grouped("allGather", args)
+        self._collective("allGather", args)
 
     def _broadcast(self, bufs: Sequence[Tensor], root: int) -> None:
         dt, n = self._dtype(bufs[0].dtype), bufs[0].numel()
         ptrs = [b.data_ptr() for b in bufs]
-        self._grouped("broadcast", [(ptrs[k], ptrs[k], n, dt, root, self._stream(k)) for k in range(self.world)])
+        self._collective("broadcast", [(ptrs[k], ptrs[k], n, dt, root, self._stream(k)) for k in range(self.world)])
 
     def _reduce(self, bufs: Sequence[Tensor], root: int) -> None:
-        dt, n, op = self._dtype(bufs[0].dtype), bufs[0].numel(), self._nccl.NCCL_SUM
-        ptrs = [b.data_ptr() for b in bufs]
-        self._grouped("reduce", [(ptrs[k], ptrs[k], n, dt, op, root, self._stream(k)) for k in range(self.world)])
+        # the root owns the whole buffer, every other rank an empty chunk
+        n, world = bufs[0].numel(), self.world
+        b = [0] * (root + 1) + [n] * (world - root)
+        self._to_owners("reduce (to root)", bufs, b, [x[b[k] : b[k + 1]] for k, x in enumerate(bufs)])
 
 
 # -- torch.cuda.nccl ---------------------------------------------------------------------
@@ -393,6 +352,13 @@ class TorchNcclCommunicator(CommunicatorBase):
     """
 
     name = "torch-nccl"
+    canonical_order = False
+    order_note = (
+        "torch.cuda.nccl has no send/recv, so its sums use NCCL's own reduction order (ring or tree, by "
+        "topology): results are identical on every lane but can differ in the last bits from the local, "
+        "host, p2p, cupy-nccl and process-group communicators at 3+ lanes (2 lanes agree: one add "
+        "commutes); install CuPy (pip install dpq[cuda12]) for the canonical order"
+    )
 
     def __init__(self, lanes: Sequence[Lane], *, shared: bool = False) -> None:
         super().__init__(lanes)
@@ -423,7 +389,7 @@ class TorchNcclCommunicator(CommunicatorBase):
         try:
             getattr(self._nccl, op)(*args, streams=self._streams, **kwargs)
         except BaseException as e:
-            _fail_group(self._set, f"torch.cuda.nccl.{op}", e)
+            fail_group(self._set, f"torch.cuda.nccl.{op}", e)
 
     def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
         self._call("all_reduce", list(bufs))

@@ -2,8 +2,19 @@
 
 Every call lands in ``FakeNccl.calls`` in issue order: ``("initAll", devices)``,
 ``("groupStart",)``, ``("groupEnd",)``, ``("destroy", rank)``, ``("abort", rank)`` and, for
-collectives, a :class:`Call` with the arguments normalised to (op, rank, sendptr, recvptr,
-count, dtype, root, stream) in the argument order of CuPy's ``NcclCommunicator`` methods.
+collectives and point-to-point calls, a :class:`Call` with the arguments normalised to (op,
+rank, sendptr, recvptr, count, dtype, root, stream, peer) in the argument order of CuPy's
+``NcclCommunicator`` methods (``send(sendbuf, count, datatype, peer, stream)``,
+``recv(recvbuf, count, datatype, peer, stream)``; unused fields None).
+
+Data: the buffers are CPU tensors standing in for GPU memory, so the fake moves real bytes
+(``ctypes.memmove`` on the pointers) when the group ends, as NCCL runs a group's work after
+``groupEnd``: ``send``/``recv`` are matched per (sender, receiver) pair in issue order (counts
+and types must agree, every call must have its match: an unmatched one would hang NCCL and
+fails here), ``allGather`` and ``broadcast`` copy. Every source is read before any destination
+is written, and a receive range that overlaps a range read in the same group fails (NCCL runs
+them concurrently). ``allReduce``, ``reduceScatter`` and ``reduce`` are recorded only (dpq's
+CuPy communicator sums through send/recv).
 
 Failure injection: ``FakeNccl.fail[(op, rank)] = status`` makes that rank's call (or
 ``("groupEnd", None)``) raise :class:`NcclError` with that status after recording it, as
@@ -13,6 +24,7 @@ after either, the other records nothing. ``get_version()`` returns ``FakeNccl.ve
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import types
@@ -24,6 +36,7 @@ NCCL_UINT8 = 1
 NCCL_FLOAT32 = 7
 NCCL_BFLOAT16 = 9
 NCCL_INVALID_USAGE = 5  # ncclInvalidUsage
+ITEMSIZE = {NCCL_UINT8: 1, NCCL_FLOAT32: 4, NCCL_BFLOAT16: 2}
 
 
 class NcclError(RuntimeError):
@@ -43,6 +56,7 @@ class Call(NamedTuple):
     dtype: int
     root: int | None
     stream: int
+    peer: int | None = None
 
 
 class FakeComm:
@@ -50,11 +64,14 @@ class FakeComm:
         self._nccl, self.rank, self.device = nccl, rank, device
         self.released = False  # CuPy sets _comm = 0 after destroy() or abort()
 
-    def _record(self, op, sendptr, recvptr, count, dtype, root, stream) -> None:
+    def _record(self, op, sendptr, recvptr, count, dtype, root, stream, peer=None) -> None:
         assert not self.released, f"rank {self.rank}'s communicator used after destroy/abort"
-        self._nccl.calls.append(Call(op, self.rank, sendptr, recvptr, count, dtype, root, stream))
+        call = Call(op, self.rank, sendptr, recvptr, count, dtype, root, stream, peer)
+        self._nccl.calls.append(call)
+        self._nccl.pending.append(call)
         status = self._nccl.fail.get((op, self.rank))
         if status is not None:
+            self._nccl.group_failed = True  # NCCL runs nothing of a group whose call failed
             raise NcclError(status)
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
@@ -74,6 +91,12 @@ class FakeComm:
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
         self._record("broadcast", sendbuff, recvbuff, count, datatype, root, stream)
+
+    def send(self, sendbuf, count, datatype, peer, stream):
+        self._record("send", sendbuf, None, count, datatype, None, stream, peer)
+
+    def recv(self, recvbuf, count, datatype, peer, stream):
+        self._record("recv", None, recvbuf, count, datatype, None, stream, peer)
 
     def destroy(self):
         if not self.released:
@@ -99,6 +122,8 @@ class FakeNccl(types.ModuleType):
     def __init__(self, version_code: int = 22703) -> None:
         super().__init__("cupy.cuda.nccl")
         self.calls: list = []
+        self.pending: list[Call] = []  # this group's calls, run at groupEnd
+        self.group_failed = False
         self.fail: dict = {}
         self.version_code = version_code
         nccl = self
@@ -117,15 +142,55 @@ class FakeNccl(types.ModuleType):
 
     def groupStart(self):
         self.calls.append(("groupStart",))
+        self.pending, self.group_failed = [], False
 
     def groupEnd(self):
         self.calls.append(("groupEnd",))
+        pending, self.pending = self.pending, []
         status = self.fail.get(("groupEnd", None))
         if status is not None:
             raise NcclError(status)
+        if not self.group_failed:
+            _run(pending)
 
     def get_version(self) -> int:
         return self.version_code
+
+
+def _transfers(pending: list[Call]) -> list[tuple[int, int, int]]:
+    """(src ptr, dst ptr, nbytes) of a group's calls; asserts what NCCL would hang or fail on."""
+    moves = []
+    sends: dict[tuple[int, int], list[Call]] = {}
+    for c in pending:
+        if c.op == "send":
+            sends.setdefault((c.rank, c.peer), []).append(c)
+    by_rank = {c.rank: c for c in pending}
+    for c in pending:
+        nbytes = c.count * ITEMSIZE[c.dtype]
+        if c.op == "recv":
+            queue = sends.get((c.peer, c.rank))
+            assert queue, f"rank {c.rank} receives from {c.peer}, which sends nothing more: NCCL would hang"
+            s = queue.pop(0)
+            assert (s.count, s.dtype) == (c.count, c.dtype), f"send {s} and recv {c} disagree"
+            moves.append((s.sendptr, c.recvptr, nbytes))
+        elif c.op == "allGather":
+            moves += [(by_rank[j].sendptr, c.recvptr + j * nbytes, nbytes) for j in sorted(by_rank)]
+        elif c.op == "broadcast":
+            moves.append((by_rank[c.root].sendptr, c.recvptr, nbytes))
+    left = [c for queue in sends.values() for c in queue]
+    assert not left, f"sends nobody receives: {left} (NCCL would hang)"
+    return moves
+
+
+def _run(pending: list[Call]) -> None:
+    """Run a group's transfers: every source read before any destination is written."""
+    moves = [(src, dst, n) for src, dst, n in _transfers(pending) if src != dst and n]
+    for _, dst, n in moves:
+        for other, _, m in moves:
+            assert dst + n <= other or other + m <= dst, "a receive overlaps a buffer read in the same group"
+    payloads = [ctypes.string_at(src, n) for src, _, n in moves]
+    for (_, dst, n), data in zip(moves, payloads, strict=True):
+        ctypes.memmove(dst, data, n)
 
 
 def install(monkeypatch, version_code: int = 22703) -> FakeNccl:

@@ -359,49 +359,130 @@ NCCL_DTYPES = [
 ]
 
 
+def sendrecv(k, dt, stream, sends, recvs):
+    """Rank k's expected calls: sends ``(ptr, count, peer)``, then recvs ``(ptr, count, peer)``
+    (ptr None: a staging buffer, address not known to the test); empty messages are not issued."""
+    out = [fake_cupy_nccl.Call("send", k, p, None, c, dt, None, stream, j) for p, c, j in sends if c]
+    return out + [fake_cupy_nccl.Call("recv", k, None, p, c, dt, None, stream, j) for p, c, j in recvs if c]
+
+
+def expect_sendrecv_group(fake, per_rank):
+    """One groupStart, rank 0's calls, rank 1's, ..., one groupEnd; staging addresses wildcarded."""
+    calls = [c for rank in per_rank for c in rank]
+    got = fake.calls[: len(calls) + 2]
+    got = [c._replace(recvptr=None) if isinstance(c, fake_cupy_nccl.Call) and e.recvptr is None else c
+           for c, e in zip(got, [None, *calls, None], strict=True) if c is not None]
+    assert got == [("groupStart",), *calls, ("groupEnd",)]
+    del fake.calls[: len(calls) + 2]
+
+
+def bounds_of(numel, world):
+    size, extra = divmod(numel, world)
+    return [c * size + min(c, extra) for c in range(world + 1)]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(("dtype", "code"), NCCL_DTYPES)
 def test_cupy_nccl_call_sequence(fake_cupy_comm, world, dtype, code):
+    """The canonical send/recv groups, and what they compute (the fake moves the bytes): the
+    lane-order sums, bitwise, the local communicator's."""
     comm, fake = fake_cupy_comm(world)
-    n = 6
-    bufs = [torch.zeros(n, dtype=dtype) for _ in range(world)]
-    ptr = [b.data_ptr() for b in bufs]
+    n, isz = 6, torch.tensor([], dtype=dtype).element_size()
     stream = [1000 + k for k in range(world)]
+    local, _ = select_communicator(make_lanes(["cpu"] * world), prefer="local")
 
+    def rank(k, sends, recvs):
+        return sendrecv(k, code, stream[k], sends, recvs)
+
+    inputs = lane_data(world, n, dtype)
+    bufs = [x.clone() for x in inputs]
+    ptr = [b.data_ptr() for b in bufs]
+    b, peers = bounds_of(n, world), [[j for j in range(world) if j != k] for k in range(world)]
     comm.all_reduce(bufs)
-    expect_group(fake, "allReduce", [(ptr[k], ptr[k], n, code, None, stream[k]) for k in range(world)])
+    size = [b[c + 1] - b[c] for c in range(world)]  # world 4: 2, 2, 1, 1 (6 is not a multiple of 4)
+    expect_sendrecv_group(fake, [rank(k, [(ptr[k] + b[j] * isz, size[j], j) for j in peers[k]],
+                                      [(None, size[k], j) for j in peers[k]]) for k in range(world)])
+    expect_sendrecv_group(fake, [rank(k, [(ptr[k] + b[k] * isz, size[k], j) for j in peers[k]],
+                                      [(ptr[k] + b[j] * isz, size[j], j) for j in peers[k]]) for k in range(world)])
+    assert fake.calls == []
+    expected = [x.clone() for x in inputs]
+    local.all_reduce(expected)
+    assert all(torch.equal(t, expected[0]) for t in bufs) and torch.equal(bufs[0], lane_order_sum(inputs))
 
-    send = [torch.zeros(world * n, dtype=dtype) for _ in range(world)]
-    comm.reduce_scatter(send, bufs)
-    args = [(send[k].data_ptr(), ptr[k], n, code, None, stream[k]) for k in range(world)]
-    expect_group(fake, "reduceScatter", args)  # count = recvcount = n
+    send = lane_data(world, world * n, dtype, seed=1)
+    recv = [torch.zeros(n, dtype=dtype) for _ in range(world)]
+    comm.reduce_scatter(send, recv)
+    expect_sendrecv_group(fake, [rank(k, [(send[k].data_ptr() + j * n * isz, n, j) for j in peers[k]],
+                                      [(None, n, j) for j in peers[k]]) for k in range(world)])
+    full = lane_order_sum(send)
+    assert all(torch.equal(recv[k], full[k * n : (k + 1) * n]) for k in range(world))
 
     recv = [torch.zeros(world * n, dtype=dtype) for _ in range(world)]
     comm.all_gather(bufs, recv)
     args = [(ptr[k], recv[k].data_ptr(), n, code, None, stream[k]) for k in range(world)]
     expect_group(fake, "allGather", args)  # count = sendcount = n
+    assert all(torch.equal(r, torch.cat(bufs)) for r in recv)
 
+    bufs = lane_data(world, n, dtype, seed=2)
+    ptr, keep = [x.data_ptr() for x in bufs], [x.clone() for x in bufs]
     comm.broadcast(bufs, root=1)
     expect_group(fake, "broadcast", [(ptr[k], ptr[k], n, code, 1, stream[k]) for k in range(world)])
+    assert all(torch.equal(x, keep[1]) for x in bufs)
 
-    comm.reduce(bufs, root=world - 1)
-    expect_group(fake, "reduce", [(ptr[k], ptr[k], n, code, world - 1, stream[k]) for k in range(world)])
+    bufs, root = [x.clone() for x in keep], world - 1
+    comm.reduce(bufs, root=root)
+    expect_sendrecv_group(fake, [rank(k, [(bufs[k].data_ptr(), n if j == root else 0, j) for j in peers[k]],
+                                      [(None, n if k == root else 0, j) for j in peers[k]]) for k in range(world)])
+    assert torch.equal(bufs[root], lane_order_sum(keep))
+    assert all(torch.equal(bufs[k], keep[k]) for k in range(world) if k != root)
 
-    s = bufs[0].element_size()
-    assert comm.wire_bytes == sum(
-        ring_wire_bytes(op, world, numel, s)
-        for op, numel in [
-            ("all_reduce", n),
-            ("reduce_scatter", world * n),
-            ("all_gather", world * n),
-            ("broadcast", n),
-            ("reduce", n),
-        ]
+    assert comm.wire_bytes == local.wire_bytes + sum(
+        ring_wire_bytes(op, world, numel, isz)
+        for op, numel in [("reduce_scatter", world * n), ("all_gather", world * n), ("broadcast", n), ("reduce", n)]
     )
     comm.close()
     assert fake.calls == [("destroy", k) for k in range(world)]
     with pytest.raises(RuntimeError, match="after close"):
         comm.all_reduce(bufs)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_cupy_nccl_sums_in_the_canonical_order(fake_cupy_comm, world):
+    """Cancelling inputs, where another order gives other bits (shown): reduce_scatter and
+    all_reduce give the local communicator's bits exactly, in place too."""
+    comm, _ = fake_cupy_comm(world)
+    local, _ = select_communicator(make_lanes(["cpu"] * world), prefer="local")
+    gen = torch.Generator().manual_seed(world)
+    big = torch.randn(world * 40, generator=gen) * 1e6
+    inputs = [torch.randn(world * 40, generator=gen) + torch.randint(-1, 2, big.shape, generator=gen) * big
+              for _ in range(world)]
+    backwards = inputs[-1].clone()
+    for x in reversed(inputs[:-1]):
+        backwards += x
+    assert not torch.equal(backwards, lane_order_sum(inputs)), "the data cannot tell orders apart"
+    got, want = [x.clone() for x in inputs], [x.clone() for x in inputs]
+    comm.all_reduce(got)
+    local.all_reduce(want)
+    assert all(torch.equal(g, want[0]) for g in got)
+    got, want = [torch.empty(40) for _ in range(world)], [torch.empty(40) for _ in range(world)]
+    comm.reduce_scatter(inputs, got)
+    local.reduce_scatter(inputs, want)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    # in place: each lane's receive buffer is its own chunk of the send buffer (the fold must not
+    # overwrite its own part before reading it)
+    send = [x.clone() for x in inputs]
+    comm.reduce_scatter(send, [s[k * 40 : (k + 1) * 40] for k, s in enumerate(send)])
+    assert all(torch.equal(s[k * 40 : (k + 1) * 40], want[k]) for k, s in enumerate(send))
+
+
+def test_fake_nccl_fails_on_an_unmatched_send(fake_cupy_comm):
+    """The fake is strict: a send nobody receives (NCCL would hang) fails the group."""
+    comm, fake = fake_cupy_comm(2)
+    buf = torch.zeros(4)
+    fake.groupStart()
+    comm.comm_set.comms[0].send(buf.data_ptr(), 4, fake_cupy_nccl.NCCL_FLOAT32, 1, 1000)
+    with pytest.raises(AssertionError, match="NCCL would hang"):
+        fake.groupEnd()
 
 
 def test_cupy_nccl_world_one_issues_nothing(fake_cupy_comm):

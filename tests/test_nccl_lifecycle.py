@@ -76,7 +76,7 @@ def test_blocks_reuse_one_comm_set_per_device_tuple(fake):
         comm, reason = select_communicator(cuda_lanes(0, 1, block=block))
         assert isinstance(comm, CupyNcclCommunicator) and "CuPy" in reason
         b = bufs(2)
-        comm.all_reduce(b)
+        comm.broadcast(b)
         # the shared handles, this block's streams
         streams = [c.stream for c in fake.calls if isinstance(c, Call)]
         assert streams == [1000 * (block + 1), 1000 * (block + 1) + 1]
@@ -102,7 +102,7 @@ def test_closing_a_shared_wrapper_only_detaches(fake):
     with pytest.raises(RuntimeError, match="after close"):
         first.all_reduce(bufs(2))
     second, _ = select_communicator(cuda_lanes(0, 1, block=1))
-    second.all_reduce(bufs(2))
+    second.broadcast(bufs(2))
     assert [c for c in fake.calls if not isinstance(c, Call)] == [("initAll", [0, 1]), ("groupStart",),
                                                                   ("groupEnd",)]
     # an owned communicator (constructed directly) still destroys its own handles
@@ -126,20 +126,21 @@ def test_torch_nccl_shares_state_per_device_tuple(fake, monkeypatch):
 def test_error_mid_group_closes_group_aborts_and_refuses_later_use(fake):
     comm, _ = select_communicator(cuda_lanes(0, 1, 2))
     fake.calls.clear()
-    fake.fail[("allReduce", 1)] = fake_cupy_nccl.NCCL_INVALID_USAGE
+    fake.fail[("send", 1)] = fake_cupy_nccl.NCCL_INVALID_USAGE
     b = bufs(3)
     with pytest.raises(NcclCollectiveError) as err:
         comm.all_reduce(b)
     msg = str(err.value)
-    assert "allReduce (rank 1 of 3)" in msg and "cuda devices [0, 1, 2]" in msg
+    assert "all_reduce (to owners): send (rank 1 of 3)" in msg and "cuda devices [0, 1, 2]" in msg
     assert "aborted" in msg and "NCCL_DEBUG=WARN" in msg and "serially" in msg
     assert isinstance(err.value.__cause__, fake_cupy_nccl.NcclError)
     ops = [c if not isinstance(c, Call) else (c.op, c.rank) for c in fake.calls]
-    assert ops == [("groupStart",), ("allReduce", 0), ("allReduce", 1), ("groupEnd",),
+    # rank 0's sends and receives, rank 1's first send (fails), the group closed, every handle aborted
+    assert ops == [("groupStart",), ("send", 0), ("send", 0), ("recv", 0), ("recv", 0), ("send", 1), ("groupEnd",),
                    ("abort", 0), ("abort", 1), ("abort", 2)]
     fake.calls.clear()
 
-    with pytest.raises(NcclAborted, match=r"aborted after allReduce \(rank 1 of 3\) failed"):
+    with pytest.raises(NcclAborted, match=r"aborted after all_reduce \(to owners\): send \(rank 1 of 3\) failed"):
         comm.broadcast(b)
     assert fake.calls == []  # refused before any NCCL call: nothing can wait on the aborted handles
     # the next block over these GPUs: device copies, said why; forcing NCCL is refused clearly
@@ -157,7 +158,7 @@ def test_failing_group_end_aborts(fake):
     comm, _ = select_communicator(cuda_lanes(0, 1))
     fake.calls.clear()
     fake.fail[("groupEnd", None)] = 3
-    with pytest.raises(NcclCollectiveError, match="groupEnd after reduceScatter"):
+    with pytest.raises(NcclCollectiveError, match="groupEnd after reduce_scatter"):
         comm.reduce_scatter(bufs(2, 8), bufs(2, 4))
     assert fake.calls[-3:] == [("groupEnd",), ("abort", 0), ("abort", 1)]
 
@@ -240,8 +241,15 @@ def test_world_one_shortcut_can_be_bypassed(fake):
     assert fake.calls == []
     comm.shortcut_world_one = False
     comm.all_reduce(bufs(1))
-    comm.reduce_scatter(bufs(1), bufs(1))
-    assert [c.op for c in fake.calls if isinstance(c, Call)] == ["allReduce", "reduceScatter"]
+    comm.broadcast(bufs(1))
+    send, recv = [torch.arange(4.0)], bufs(1)
+    comm.reduce_scatter(send, recv)
+    # one rank has no peer to send to: the canonical sums issue empty groups (the all_reduce two);
+    # broadcast still runs through NCCL; the reduce-scatter copies the one part
+    assert [c if not isinstance(c, Call) else c.op for c in fake.calls] == [
+        ("groupStart",), ("groupEnd",), ("groupStart",), ("groupEnd",),
+        ("groupStart",), "broadcast", ("groupEnd",), ("groupStart",), ("groupEnd",)]
+    assert torch.equal(recv[0], send[0])
 
 
 # -- 12: the mirror price ----------------------------------------------------------------

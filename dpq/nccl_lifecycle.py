@@ -1,0 +1,133 @@
+"""The lifecycle of dpq's in-process NCCL handles (split out of :mod:`dpq.nccl_comm`, which
+re-exports everything here; the rules are in that module's docstring): one handle set per device
+tuple per run, an NCCL error aborts the set, and :func:`close_communicators` destroys them all."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+__all__ = [
+    "NcclAborted",
+    "NcclCollectiveError",
+    "NcclCommSet",
+    "aborted_comm_set",
+    "close_communicators",
+    "fail_group",
+    "shared_comm_set",
+]
+
+
+class NcclCollectiveError(RuntimeError):
+    """An NCCL call failed; the group was closed and the communicators of its devices aborted."""
+
+
+class NcclAborted(RuntimeError):
+    """A communicator whose NCCL handles were aborted (after an earlier error) was used again."""
+
+
+class NcclCommSet:
+    """The NCCL handles of one device tuple: ``comms[k]`` is rank k's (a CuPy ``NcclCommunicator``;
+    empty for torch-nccl, whose communicators torch caches per device list itself).
+
+    States: open -> aborted (an NCCL error: ``abort()`` on every handle) or closed (``destroy()``).
+    ``library`` is the module the handles came from: a cached set is reused only with the same one.
+    """
+
+    def __init__(self, kind: str, device_ids: Sequence[int], comms: Sequence[object], library: object) -> None:
+        self.kind = kind
+        self.device_ids = tuple(device_ids)
+        self.comms = list(comms)
+        self.library = library
+        self.state = "open"
+        self.failure = ""  # what failed, for the refusal of later use
+
+    def where(self) -> str:
+        return f"{self.kind} communicators for cuda devices {list(self.device_ids)}"
+
+    def check_usable(self) -> None:
+        if self.state == "aborted":
+            raise NcclAborted(
+                f"dpq: the {self.where()} were aborted after {self.failure}; they cannot be used again. "
+                "select_communicator picks device copies (p2p/host) for these GPUs for the rest of this run; "
+                "dpq.fallback_p2p.close_communicators() (called by disable()) forgets them"
+            )
+        if self.state == "closed":
+            raise RuntimeError(f"dpq: the {self.where()} were destroyed by close_communicators()")
+
+    def abort(self, failure: str) -> list[str]:
+        """``abort()`` every handle (ends queued work waiting for peers); returns the aborts' own errors."""
+        problems = []
+        if self.state == "open":
+            for rank, comm in enumerate(self.comms):
+                try:
+                    comm.abort()
+                except Exception as e:  # keep aborting the others; the caller reports these
+                    problems.append(f"rank {rank}: {type(e).__name__}: {e}")
+        self.state, self.failure = "aborted", failure
+        return problems
+
+    def destroy(self) -> None:
+        if self.state == "open":
+            for comm in self.comms:
+                comm.destroy()
+        self.state = "closed"
+        self.comms = []
+
+
+_SETS: dict[tuple[str, tuple[int, ...]], NcclCommSet] = {}
+
+
+def shared_comm_set(
+    kind: str, device_ids: Sequence[int], library: object, create: Callable[[], Sequence[object]]
+) -> NcclCommSet:
+    """The cached set for (kind, device_ids), made by ``create()`` on first use.
+
+    An aborted set stays cached (its devices stay off NCCL) until :func:`close_communicators`;
+    a set made with another ``library`` object (a test's fake, a reloaded module) is
+    forgotten, not destroyed, and a new one is made.
+    """
+    key = (kind, tuple(device_ids))
+    cached = _SETS.get(key)
+    if cached is not None and cached.library is library:
+        return cached
+    made = NcclCommSet(kind, device_ids, create(), library)
+    _SETS[key] = made
+    return made
+
+
+def aborted_comm_set(kind: str, device_ids: Sequence[int]) -> NcclCommSet | None:
+    """The cached set for (kind, device_ids) when an NCCL error aborted it in this run, else None."""
+    cached = _SETS.get((kind, tuple(device_ids)))
+    return cached if cached is not None and cached.state == "aborted" else None
+
+
+def close_communicators() -> int:
+    """Destroy every cached NCCL communicator set and forget them all (aborted ones included).
+
+    Returns how many sets were destroyed. dpq's ``disable()`` calls this; the next run makes
+    fresh communicators.
+    """
+    sets = list(_SETS.values())
+    _SETS.clear()
+    destroyed = 0
+    for s in sets:
+        if s.state == "open":
+            s.destroy()
+            destroyed += 1
+    return destroyed
+
+
+def fail_group(comm_set: NcclCommSet, call: str, error: BaseException) -> None:
+    """Abort ``comm_set`` after ``call`` raised ``error``, then raise the clear error (a
+    KeyboardInterrupt or other BaseException is re-raised as it is, after the abort)."""
+    problems = comm_set.abort(f"{call} failed ({type(error).__name__}: {error})")
+    if not isinstance(error, Exception):
+        raise error
+    extra = f" Aborting also reported: {'; '.join(problems)}." if problems else ""
+    raise NcclCollectiveError(
+        f"dpq: NCCL {call} over cuda devices {list(comm_set.device_ids)} ({comm_set.kind}) failed: "
+        f"{type(error).__name__}: {error}. The NCCL group was closed and these communicators aborted, so "
+        "nothing waits on them; this block's parallel tuning stops here (with --parallel_quantization auto "
+        "the block reruns serially) and later blocks use device copies (p2p/host) for these GPUs. "
+        f"Rerun with NCCL_DEBUG=WARN to see NCCL's own reason.{extra}"
+    ) from error
