@@ -446,11 +446,21 @@ def test_cupy_nccl_call_sequence(fake_cupy_comm, world, dtype, code):
         comm.all_reduce(bufs)
 
 
+def sent_bytes(fake, world):
+    """Bytes each rank's send calls carried since the last call (fp32), then forgets the calls."""
+    sent = [0] * world
+    for c in fake.calls:
+        if isinstance(c, fake_cupy_nccl.Call) and c.op == "send":
+            sent[c.rank] += 4 * c.count
+    fake.calls.clear()
+    return sent
+
+
 @pytest.mark.parametrize("world", [3, 4])
 def test_cupy_nccl_sums_in_the_canonical_order(fake_cupy_comm, world):
     """Cancelling inputs, where another order gives other bits (shown): reduce_scatter and
     all_reduce give the local communicator's bits exactly, in place too."""
-    comm, _ = fake_cupy_comm(world)
+    comm, fake = fake_cupy_comm(world)
     local, _ = select_communicator(make_lanes(["cpu"] * world), prefer="local")
     gen = torch.Generator().manual_seed(world)
     big = torch.randn(world * 40, generator=gen) * 1e6
@@ -464,10 +474,13 @@ def test_cupy_nccl_sums_in_the_canonical_order(fake_cupy_comm, world):
     comm.all_reduce(got)
     local.all_reduce(want)
     assert all(torch.equal(g, want[0]) for g in got)
+    # what the send calls really put on the wire: every rank exactly the ring all-reduce's bytes
+    assert sent_bytes(fake, world) == [ring_wire_bytes("all_reduce", world, world * 40, 4)] * world
     got, want = [torch.empty(40) for _ in range(world)], [torch.empty(40) for _ in range(world)]
     comm.reduce_scatter(inputs, got)
     local.reduce_scatter(inputs, want)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert sent_bytes(fake, world) == [ring_wire_bytes("reduce_scatter", world, world * 40, 4)] * world
     # in place: each lane's receive buffer is its own chunk of the send buffer (the fold must not
     # overwrite its own part before reading it)
     send = [x.clone() for x in inputs]

@@ -195,3 +195,38 @@ def test_layouts_give_the_same_bits(tmp_path):
     assert all(same_bits(t, torch.cat(data4["ag"])) for t in ref4["ag"])
     assert all(same_bits(t, data4["bc"][3]) for t in ref4["bc3"])
     assert all(same_bits(t, data4["bc"][1]) for t in ref4["bc1"])
+
+
+def test_stream_order_in_one_process():
+    """Contract 4 for the process-group communicator's in-process legs (the lanes' parts read at
+    lane 0, the results copied out): 3 lanes of one gloo process under the stream-order checker,
+    each lane writing its inputs on its stream and reading its outputs there, home reading them."""
+    from tests.stream_checker import StreamOrderChecker
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with StreamOrderChecker() as chk:
+            lanes = make_lanes(["cpu"] * 3)
+            comm = ProcessGroupCommunicator(lanes)
+
+            def on_lanes(make):
+                out = []
+                for k, lane in enumerate(lanes):
+                    with lane.issue():
+                        out.append(make(k))
+                return out
+
+            send = on_lanes(lambda k: torch.full((12,), float(k + 1)))
+            recv = on_lanes(lambda k: torch.empty(4))
+            comm.reduce_scatter(send, recv)
+            bufs = on_lanes(lambda k: torch.full((10,), float(k)))
+            comm.all_reduce(bufs)
+            gathered = on_lanes(lambda k: torch.empty(12))
+            comm.all_gather(recv, gathered)
+            comm.broadcast(bufs, root=2)
+            results = on_lanes(lambda k: torch.cat([recv[k], bufs[k], gathered[k]]).sum())
+            home = [lane.hand_home(r) for lane, r in zip(lanes, results, strict=True)]
+            assert [float(h) for h in home] == [4 * 6 + 10 * 3 + 12 * 6] * 3
+        assert chk.violations == []
+    finally:
+        dist.destroy_process_group()
