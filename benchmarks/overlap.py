@@ -241,6 +241,7 @@ def measure_world(case: Case, world: int, args) -> dict:
     exposed_after, exposed_overlap = t["after"] - t["none"], t["overlap"] - t["none"]
     return {
         "world": world,
+        "bucket_cap": cap,
         "buckets": len(modes["after"][0].buckets.bucket_ranges),
         "tuned_numel": case.tuned_numel,
         "wire_bytes_per_iter": wire,
@@ -254,6 +255,127 @@ def measure_world(case: Case, world: int, args) -> dict:
         "T_overlap": t["overlap"],
         "hidden_fraction": 1.0 - exposed_overlap / exposed_after if exposed_after > 0 else float("nan"),
     }
+
+
+class Breakdown:
+    """Per-iteration host and wait times of one engine, measured where they run (``--breakdown``).
+
+    Patched for the duration: the policy's ``exchange_bucket`` (its whole host work), the
+    collectives' calls on the link (the real sums / copies plus the link's bookkeeping), the sign
+    path's pack and unpack, the overlap hooks (their bookkeeping = hook time minus the buckets
+    they issue; each lane's last hook ends that lane's backward on CPU, autograd running the
+    lanes one after another, last lane first), ``policy.wait`` (the step's wait for the link)
+    and ``torch.autograd.backward``."""
+
+    PARTS = ("reduce_scatter", "all_gather", "all_reduce", "pack_signs", "unpack_signs")
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {}
+        self.lane_last: dict[int, float] = {}
+        self.lane_spans: dict[int, list[float]] = {}
+        self.backward_start = 0.0
+
+    def add(self, key: str, dt: float) -> None:
+        self.t[key] = self.t.get(key, 0.0) + dt
+
+    def timed(self, key: str, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.add(key, time.perf_counter() - t0)
+        return run
+
+    @contextlib.contextmanager
+    def patched(self, link):
+        from dpq import exchange as ex
+
+        saved = [(ex, n, getattr(ex, n)) for n in ("pack_signs", "unpack_signs")]
+        saved += [(ex._Exchange, n, getattr(ex._Exchange, n)) for n in ("exchange_bucket", "wait")]
+        saved += [(ex.BackwardExchange, "_hook", ex.BackwardExchange._hook), (torch.autograd, "backward",
+                                                                              torch.autograd.backward)]
+        real_backward = torch.autograd.backward
+        saved += [(link, n, getattr(link, n)) for n in ("reduce_scatter", "all_gather", "all_reduce")]
+        for owner, name, fn in saved:
+            key = {"_hook": None, "backward": None, "exchange_bucket": "exchange host",
+                   "wait": "link wait at step"}.get(name, name)
+            if key is not None:
+                setattr(owner, name, self.timed(key, fn))
+        real_hook = saved[4][2]
+
+        def hook(bx, lane, k, j):
+            ready = real_hook(bx, lane, k, j)
+
+            def timed_ready(p):
+                t0 = time.perf_counter()
+                ready(p)
+                t1 = time.perf_counter()
+                self.add("hooks", t1 - t0)
+                self.lane_last[k] = t1
+            return timed_ready
+
+        def backward(*a, **k):
+            self.backward_start = time.perf_counter()
+            real_backward(*a, **k)
+            self.add("backward call", time.perf_counter() - self.backward_start)
+
+        ex.BackwardExchange._hook = hook
+        torch.autograd.backward = backward
+        try:
+            yield
+        finally:
+            for owner, name, fn in saved:
+                if owner is link:
+                    delattr(link, name)  # the instance attribute goes; the class's method is back
+                else:
+                    setattr(owner, name, fn)
+
+    def iteration(self, engine: TuneEngine, idx: list[int]) -> None:
+        self.lane_last.clear()
+        t0 = time.perf_counter()
+        engine.backward(idx)
+        engine.step()
+        self.add("iteration", time.perf_counter() - t0)
+        prev = self.backward_start  # lane k's backward: from the previous lane's last hook to its own
+        for k in sorted(self.lane_last, reverse=True):
+            self.lane_spans.setdefault(k, []).append(self.lane_last[k] - prev)
+            prev = self.lane_last[k]
+
+
+def breakdown(case: Case, world: int, args, row: dict, cap: int) -> list[str]:
+    """Markdown rows: per-iteration times of the after and overlapped engines at the row's link."""
+    policy = policy_class(args.policy)
+    batch = list(range(len(case.inputs)))
+    out = []
+    for overlap in (False, True):
+        link = None
+
+        def make(lanes, overlap=overlap):
+            nonlocal link
+            link = SimulatedLink(LocalCommunicator(lanes), bandwidth_GBps=row["link_GBps"], latency_s=row["latency_s"])
+            return policy(link, overlap=overlap)
+
+        engine, replicas = make_engine(case, world, make, cap)
+        iterate(engine, [batch] * 2)
+        bd = Breakdown()
+        with bd.patched(link):
+            for _ in range(args.iters * args.rounds):
+                bd.iteration(engine, batch)
+        replicas.close()
+        link.close()
+        n = args.iters * args.rounds
+        ms = {k: v / n * 1e3 for k, v in bd.t.items()}
+        parts = [f"{ms.get(p, 0.0):.2f}" for p in Breakdown.PARTS]
+        sign_parts = ms.get("pack_signs", 0.0) + ms.get("unpack_signs", 0.0)
+        rest = ms.get("exchange host", 0.0) - sum(ms.get(p, 0.0) for p in Breakdown.PARTS[:3]) - sign_parts
+        spans = " / ".join(f"{statistics.median(v) * 1e3:.1f}" for _, v in sorted(bd.lane_spans.items(),
+                                                                                    reverse=True)) or "-"
+        hooks = ms.get("hooks", 0.0) - (ms.get("exchange host", 0.0) if overlap else 0.0)
+        out.append(f"| {world} | {'overlap' if overlap else 'after'} | {ms['iteration']:.1f} "
+                   f"| {ms.get('backward call', 0.0):.1f} | {spans} | {ms.get('exchange host', 0.0):.2f} "
+                   f"| {' | '.join(parts)} | {rest:.2f} | {hooks:.2f} | {ms.get('link wait at step', 0.0):.2f} |")
+    return out
 
 
 def main(argv=None) -> int:
@@ -271,6 +393,9 @@ def main(argv=None) -> int:
     p.add_argument("--exchange-vs-backward", type=float, default=1.0,
                    help="link time of one iteration's exchange / one lane's backward time (default 1.0)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each part of an iteration (after and overlapped engines, --iters x --rounds "
+                        "iterations each, at the measured link): where the exposed time goes")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -296,6 +421,18 @@ def main(argv=None) -> int:
               f"| {r['backward_lane_s'] * 1e3:.1f} | {r['link_s_per_iter'] * 1e3:.1f} | {r['link_GBps']:.4f} "
               f"| {r['T_none'] * 1e3:.1f} | {r['T_after'] * 1e3:.1f} | {r['T_overlap'] * 1e3:.1f} "
               f"| {r['hidden_fraction']:.2f} |")
+    if args.breakdown:
+        print("\nms per iteration (mean); lane backward: from the previous lane's last gradient hook to its own, "
+              "last lane first (lane 0's includes the exchange host work its hooks issue); exchange host: every "
+              "bucket's exchange on the issuing thread, of which the collectives' calls (the real sums and copies "
+              "and the link's bookkeeping), pack and unpack (sign path) and the rest (padding, views); hooks: "
+              "their own bookkeeping; link wait: the step's wait for the last collective\n")
+        print("| world | mode | iteration | backward call | lane backward W-1 .. 0 | exchange host | reduce_scatter "
+              "| all_gather | all_reduce | pack | unpack | rest | hooks | link wait at step |")
+        print("|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            for line in breakdown(case, r["world"], args, r, r["bucket_cap"]):
+                print(line)
     if others is not None:
         print(f"\nother processes used {others:.0%} of the machine's CPU during this run")
     worst = min(rows, key=lambda r: r["hidden_fraction"])

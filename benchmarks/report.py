@@ -140,7 +140,34 @@ def tune_comparison(rec, devices, short: int, iters: int, rounds: int) -> list[d
     for row in rows:
         row["ratio_vs_serial"] = row["s_per_iter"] / serial["s_per_iter"]
         row["whole_call_ratio_vs_serial"] = row["whole_call_s_per_iter"] / serial["whole_call_s_per_iter"]
+        row["round_ratios"] = round_ratios(row["all_s"], serial["all_s"], short, iters)
     return rows
+
+
+def round_ratios(mine: dict, serial: dict, short: int, iters: int) -> dict:
+    """Per interleaved round, this run over serial: marginal ((long - short) over serial's) and
+    whole-call (long over serial's long). Their spread is the measurement's noise."""
+    s, n = str(short), str(iters)
+    marginal = [(ml - ms) / (sl - ss) for ml, ms, sl, ss in zip(mine[n], mine[s], serial[n], serial[s], strict=True)]
+    whole = [ml / sl for ml, sl in zip(mine[n], serial[n], strict=True)]
+    return {"marginal": marginal, "whole_call": whole}
+
+
+def ratio_lines(report: dict, goal: float = 1.02) -> list[str]:
+    """One line per dpq run: its per-iteration cost over serial auto-round's, marginal and whole-call,
+    from the medians, with the range of the per-round ratios; world 1 against the goal."""
+    out = []
+    for r in report["tune"][1:]:
+        rr = r["round_ratios"]
+        verdict = ""
+        if r["world"] == 1:
+            ok = max(r["ratio_vs_serial"], r["whole_call_ratio_vs_serial"]) <= goal
+            verdict = f" goal<={goal:.2f}x: {'met' if ok else 'not met'}"
+        out.append(f"ratio world={r['world']} marginal={r['ratio_vs_serial']:.3f}x "
+                   f"(rounds {min(rr['marginal']):.3f}-{max(rr['marginal']):.3f}) "
+                   f"whole_call={r['whole_call_ratio_vs_serial']:.3f}x "
+                   f"(rounds {min(rr['whole_call']):.3f}-{max(rr['whole_call']):.3f}){verdict}")
+    return out
 
 
 def tuned_numel(rec, device) -> int:
@@ -299,6 +326,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=tune_cases.BATCH_SIZE)
     p.add_argument("--comm-mib", default="1,16,64", help="extra all_reduce sizes in MiB per lane ('' for none)")
     p.add_argument("--no-comm", action="store_true", help="skip the communicator timings")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for every run (default: torch's own); 1 keeps a loaded machine's "
+                        "OpenMP barriers from dominating both serial and dpq")
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "out"), help="output folder (default out/)")
     args = p.parse_args(argv)
     if args.iters <= args.short_iters:
@@ -307,6 +337,8 @@ def main(argv=None) -> int:
     from dpq.streams import parse_devices
 
     devices = parse_devices(args.devices)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.UTC)
@@ -356,6 +388,8 @@ def main(argv=None) -> int:
     if share is not None:
         print(f"other processes used {share:.0%} of the machine's CPU during this run", end="")
         print(": timings are disturbed, rerun on a quiet machine" if share > 0.1 else "")
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("\n".join(ratio_lines(report)))
     return 0
 
 
