@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -228,5 +229,7 @@ def test_stream_order_in_one_process():
             home = [lane.hand_home(r) for lane, r in zip(lanes, results, strict=True)]
             assert [float(h) for h in home] == [4 * 6 + 10 * 3 + 12 * 6] * 3
         assert chk.violations == []
+        with pytest.raises(TypeError, match="across processes use all_reduce"):
+            comm.reduce(bufs)
     finally:
         dist.destroy_process_group()
