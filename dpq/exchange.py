@@ -292,7 +292,7 @@ class BackwardExchange:
         self.remaining = [len(ids) * len(self.active) for ids in buckets.bucket_params]
         self.issued = [False] * len(buckets.bucket_params)
         self.issued_in_backward = 0  # buckets a hook issued (for tests and benchmarks)
-        self._fired: set[tuple[int, int]] = set()
+        self._fired = [[False] * len(buckets.bucket_of) for _ in range(buckets.world)]  # [lane][param]
         self._handles: list = []
         self._lock = threading.Lock()
         self._thread = threading.get_ident()
@@ -309,19 +309,24 @@ class BackwardExchange:
     def _hook(self, lane: Lane, k: int, j: int):
         b = self.buckets.bucket_of[j]
         on_cpu = lane.device.type == "cpu"
+        # R1 (the collective comes after this gradient's accumulation); nothing to order without a stream
+        wait = lane.wait_for_current if lane.stream is not None else None
+        fired = self._fired[k]
 
         def ready(_param: Tensor) -> None:
             # CPU: autograd calls this on the thread that called backward (the issuing thread).
             # Accelerators: on autograd's worker thread for the lane's device (module docstring).
+            # Kept lean: it runs once per tuned parameter per lane per iteration (the issue cost).
             if on_cpu and threading.get_ident() != self._thread:
                 raise RuntimeError("dpq: a CPU lane's gradient hook ran off the issuing thread; overlap assumes "
                                    "autograd runs CPU backward on the calling thread")
-            lane.wait_for_current()  # R1: the collective comes after this gradient's accumulation
+            if wait is not None:
+                wait()
             with self._lock:  # one issuer at a time: a bucket's collective is issued whole, by one thread
-                if (k, j) in self._fired:
+                if fired[j]:
                     raise RuntimeError(f"dpq: tuned parameter {j} of lane {k} accumulated a gradient twice in one "
                                        "backward after its bucket could have been exchanged")
-                self._fired.add((k, j))
+                fired[j] = True
                 self.remaining[b] -= 1
                 if self.remaining[b] == 0:
                     self._issue(b)
