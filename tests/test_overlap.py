@@ -239,3 +239,16 @@ def test_overlap_over_the_simulated_link_is_bitwise_and_issues_during_backward()
         assert during.issued_in_backward == len(buckets.bucket_ranges) - 1
     finally:
         link.close()
+
+
+def test_a_second_gradient_into_a_bucket_in_one_backward_is_refused():
+    """A parameter accumulating again after its hook fired (a second backward inside the context)
+    could land after its bucket was exchanged: refused, naming the lane and the parameter."""
+    nets, xs = lanes_nets(2)
+    lanes = make_lanes(["cpu"] * 2)
+    buckets = GradBuckets([n.tuned() for n in nets], bucket_cap_elems=100, lanes=lanes)
+    buckets.attach()
+    with pytest.raises(RuntimeError, match="parameter 6 of lane 1 accumulated a gradient twice"), \
+            FullSumExchange(LocalCommunicator(lanes)).during_backward(buckets):
+        torch.autograd.backward([n(x) for n, x in zip(nets, xs, strict=True)])
+        torch.autograd.backward([nets[1](xs[1])])
