@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.fallback_p2p import make_communicator, select_communicator
 from dpq.mirror import ReplicaSet
-from dpq.plan import Plan, PlanRequest, resolve, validate_world
+from dpq.plan import Plan, PlanRefused, PlanRequest, resolve, validate_world
+from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
 
@@ -50,7 +52,9 @@ __all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "fault_poi
 @dataclass
 class SessionConfig:
     """What the user asked for: ``world`` ('auto', 'off' or an int), lane ``devices`` (None: the
-    plan's default), ``debug_identical`` (check the lanes bitwise after every step).
+    plan's default), ``debug_identical`` (check the lanes bitwise after every step). With
+    ``processes`` (more than one), ``world``/``devices`` are each process's local lanes and the
+    global world is the processes times the agreed local lane count (:func:`dpq.distributed.agree`).
     ``auto_world``: under 'auto', the run's cost model; after the memory check it keeps the first
     W of the fitting lanes, W by predicted time (None: every fitting lane)."""
 
@@ -58,6 +62,9 @@ class SessionConfig:
     devices: object = None
     debug_identical: bool = False
     auto_world: object = None  # dpq.cost_model.AutoWorld, one per run: 'auto' picks the world by predicted time
+    # Several processes (torchrun): the group this run spans, given explicitly
+    # (dpq.distributed.ProcessSet.detect()); ``world`` and ``devices`` are then this process's lanes.
+    processes: ProcessSet | None = None
 
     def __post_init__(self) -> None:
         self.world = validate_world(self.world)
@@ -103,6 +110,7 @@ class BlockRun:
     serial: bool = False
     fell_back: bool = False
     failure: str = ""  # repr of the lane failure when fell_back
+    layout: ProcessLayout | None = None  # several processes: the agreed layout (``layout.describe()``)
 
 
 def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
@@ -122,17 +130,28 @@ def lanes_for(request: PlanRequest) -> tuple[Plan, list[Lane] | None]:
 def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> BlockRun:
     """Run one block (see the module docstring). ``plan``: one already resolved by the caller."""
     t0 = time.perf_counter()
-    plan = plan if plan is not None else plan_for(config, task)  # PlanRefused: nothing started
-    if plan.world == 1 and task.serial is not None and (config.world != 1 or plan.reasons):
+    procs = config.processes if config.processes is not None and config.processes.size > 1 else None
+    layout = None
+    if procs is not None:  # PlanRefused on every rank, or a lost rank's RankFailure: nothing started
+        plan, layout = _agreed_plan(config, task, procs, plan)
+        if layout is None:
+            procs = None  # serial on every rank: each runs the block alone, the same way
+    else:
+        plan = plan if plan is not None else plan_for(config, task)  # PlanRefused: nothing started
+    if layout is None and plan.world == 1 and task.serial is not None and (config.world != 1 or plan.reasons):
         return BlockRun(plan, task.serial(), None, time.perf_counter() - t0, serial=True)
     rng = (random.getstate(), torch.get_rng_state())
     snapshot = BlockSnapshot(task.block)
     try:
-        outcome, result = _run_lanes(config, plan, task)
+        outcome, result = _run_lanes(config, plan, task, procs)
     except BaseException as err:
         snapshot.restore()
         del snapshot
+        lost = procs is not None and peer_lost(err)  # read before the traceback is released
         release_run(err, task.name if task.name.startswith("dpq") else f"dpq ({task.name})")
+        if procs is not None:  # fatal on every rank: ranks could not agree on a serial rerun
+            del rng
+            _stop_every_rank(procs, err, lost)
         fall_back = isinstance(err, Exception) and config.world == "auto" and task.serial is not None
         if fall_back:
             if task.on_fallback is not None:
@@ -149,18 +168,54 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
         if task.lane_error is not None:
             raise task.lane_error(err, plan) from err
         raise
-    return BlockRun(plan, result, outcome, time.perf_counter() - t0)
+    return BlockRun(plan, result, outcome, time.perf_counter() - t0, layout=layout)
 
 
-def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask) -> tuple[LoopOutcome | None, object]:
+def _stop_every_rank(procs: ProcessSet, err: BaseException, lost: bool) -> None:
+    """Several processes: this rank's failure (or a peer's, seen as a failed collective) stops
+    every rank (dpq.distributed: reports, the rank it started on named). Raises."""
+    failure = procs.stop(err, lost)
+    if not isinstance(err, Exception):
+        raise err  # an interrupt stays an interrupt; the peers were told
+    raise failure from err
+
+
+def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet,
+                 plan: Plan | None) -> tuple[Plan, ProcessLayout | None]:
+    """This rank's plan agreed with every other rank's (dpq.distributed.agree): the same local
+    lane count everywhere, or the same refusal everywhere, or serial everywhere (layout None)."""
+    procs.runs += 1  # every rank runs the same blocks in order: the count names this block's reports
+    try:
+        try:
+            plan = plan if plan is not None else plan_for(config, task)
+            mine = RankPlan(config.world, plan.world, list(plan.reasons),
+                            serial=config.world == "off" or bool(task.extra_reasons))
+        except PlanRefused as err:
+            mine = RankPlan(config.world, 0, err.reasons, refused=True)
+        except Exception as err:  # a rank that cannot plan refuses, so every rank hears why
+            mine = RankPlan(config.world, 0, [f"planning failed: {err!r}"], refused=True)
+        layout, notes = agree(procs, mine, task.samples_per_iter)
+    except PlanRefused:
+        raise
+    except BaseException as err:  # a rank lost while agreeing
+        _stop_every_rank(procs, err, peer_lost(err))
+    plan.notes += notes
+    if layout is not None:
+        plan.world, plan.devices = layout.lanes, plan.devices[: layout.lanes]
+    return plan, layout
+
+
+def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
+               procs: ProcessSet | None = None) -> tuple[LoopOutcome | None, object]:
     """Everything between the plan and the result. Its frame and those below hold the run
     (mirrors, wrappers, optimizers): on failure ``run`` clears them from the traceback."""
     spec = task.start(plan)
     if spec is None:
         return None, task.finish(None, plan)
     lanes = make_lanes(plan.devices)
-    comm = _communicator(config, plan, lanes)
-    auto = config.auto_world if config.world == "auto" and plan.world > 1 else None
+    comm = _communicator(config, plan, lanes, procs)
+    # Across processes the cost model is not run: each rank would choose alone (every agreed lane runs).
+    auto = config.auto_world if config.world == "auto" and plan.world > 1 and procs is None else None
     if auto is not None:
         keep = _choose_world(auto, comm, plan, task, spec)
         if keep < plan.world:  # the first `keep` fitting lanes; the others are not used
@@ -196,11 +251,16 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask) -> tuple[Loop
     return outcome, task.finish(outcome, plan)
 
 
-def _communicator(config: SessionConfig, plan: Plan, lanes: list[Lane]):
-    if plan.communicator:
+def _communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
+    if plan.communicator and not plan.communicator.startswith("pg-"):
         comm = make_communicator(plan.communicator, lanes)
     else:
         comm, plan.communicator_reason = select_communicator(lanes)
+        plan.communicator = comm.name
+    if procs is not None:  # the in-process legs as planned; torch.distributed across processes
+        comm = ProcessGroupCommunicator(lanes, group=procs.group, inner=comm)
+        plan.communicator_reason = (f"{procs.size} processes: {comm.inner.name} inside each, {comm.name} across "
+                                    f"them ({plan.communicator_reason})")
         plan.communicator = comm.name
     wrap = getattr(config.auto_world, "wrap", None) if config.world == "auto" else None
     return wrap(comm) if wrap is not None else comm

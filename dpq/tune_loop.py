@@ -43,6 +43,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from dpq.distributed import lane_offset
 from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
 from dpq.streams import HostCopy, Lane
@@ -143,6 +144,15 @@ class TuneEngine:
             self.schedulers.append(sched)
         self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)], lanes=replicas.lanes)
         self.last = IterationStats()
+        # Global lanes: the exchange's communicator spans every process (dpq.process_group), so
+        # its world is P x L and this process's lanes start at global lane `lane_offset`.
+        comm = getattr(exchange, "comm", None)
+        self.world = comm.world if comm is not None else replicas.world
+        self.lane_offset = lane_offset(comm) if comm is not None else 0
+        if not 0 <= self.lane_offset <= self.world - replicas.world:
+            raise ValueError(f"dpq: local lanes {self.lane_offset}..{self.lane_offset + replicas.world - 1} are not "
+                             f"lanes of world {self.world}")
+        self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
 
     @property
     def lanes(self) -> list[Lane]:
@@ -157,25 +167,28 @@ class TuneEngine:
         """Forward, backward and exchange for one iteration of the serial run's ``indices``.
 
         Returns the loss of each serial micro-batch (what serial would read with ``.item()``,
-        summed over lanes), from a single host readback.
+        the sum over every global lane), from a single host readback; the same bits on every rank.
+
+        Everything that decides work (slices, micro-steps, weights, the lanes each backward
+        reaches) is computed from the *global* split of ``indices`` over ``self.world`` lanes,
+        so every rank agrees; local lane k is global lane ``self.lane_offset + k``.
         """
-        world = self.replicas.world
+        world, offset = self.world, self.lane_offset
         indices = list(indices)
         slices = [indices[a:b] for a, b in contiguous_ranges(len(indices), world)]
-        per_lane = [_chunks(s, self.micro_batch) for s in slices]
+        per_lane = [_chunks(s, self.micro_batch) for s in slices]  # global lanes
         steps = max(len(c) for c in per_lane)
+        # Mean reduction: a lane's chunk weighs its share of the elements of the serial
+        # micro-batch (the whole iteration batch; see __init__).
+        ref_numel = sum(self.sample_numel(i) for i in indices) if world > 1 else 0
         self.buckets.attach()
-        step_losses: list[torch.Tensor] = []
-        readback = None
+        step_losses: list[dict[int, tuple[Lane, torch.Tensor, object]]] = []
         for m in range(steps):
-            # Mean reduction: a lane's chunk weighs its share of the elements of the serial
-            # micro-batch (the whole iteration batch; see __init__).
-            ref_numel = sum(self.sample_numel(i) for i in indices)
-            roots, lane_losses = [], []
+            roots, lane_losses = [], {}
             for k, lane in enumerate(self.lanes):
-                if m >= len(per_lane[k]):
+                if m >= len(per_lane[offset + k]):
                     continue
-                chunk = per_lane[k][m]
+                chunk = per_lane[offset + k][m]
                 with lane.issue():
                     loss = self.lane_loss(lane, self.replicas.modules[k], chunk)
                     w = self._weight(chunk, ref_numel) if world > 1 else 1.0
@@ -183,36 +196,69 @@ class TuneEngine:
                         loss = loss * w
                     roots.append(loss * self.loss_scale)
                     done = lane.mark()  # the loss is final here; backward and the exchange come later
-                lane_losses.append((lane, loss.detach(), done))
-            step_losses.append(self._sum_on_home(lane_losses))
-            if m == steps - 1:
-                # R6: queued now, before backward and the exchange, so the readback waits for the
-                # losses only. (Earlier micro-steps' backwards precede it on lane 0's stream.)
-                readback = HostCopy(torch.stack(step_losses))
-            if m == steps - 1 and world > 1 and hasattr(self.exchange, "during_backward"):
+                lane_losses[offset + k] = (lane, loss.detach(), done)
+            step_losses.append(lane_losses)
+            reached = [g for g in range(world) if m < len(per_lane[g])]
+            if m < steps - 1:
+                _backward(roots)
+                continue
+            # R6: queued now, before the last backward and the exchange, so the readback waits
+            # for the losses only. (Earlier micro-steps' backwards precede it on lane 0's stream.)
+            readback = HostCopy(torch.stack(self._fold_losses(step_losses, per_lane)))
+            before = self._wire_bytes()
+            local = [g - offset for g in reached if 0 <= g - offset < len(self.lanes)]
+            # Across processes, buckets complete in the same order on every rank only when every
+            # rank's lanes all run this backward (the same graphs); else exchange after it, in order.
+            overlap = world > 1 and hasattr(self.exchange, "during_backward") and (
+                world == len(self.lanes) or len(reached) == world)
+            if overlap:
                 # The last backward exchanges buckets as they fill (exchange.py: overlap);
                 # lanes with fewer micro-steps have final gradients already.
-                before = self._wire_bytes()
-                reached = [k for k in range(world) if m < len(per_lane[k])]
-                with self.exchange.during_backward(self.buckets, reached):
-                    torch.autograd.backward(roots)
-                overlapped = True
+                with self.exchange.during_backward(self.buckets, local):
+                    _backward(roots)
             else:
-                torch.autograd.backward(roots)
-                before, overlapped = self._wire_bytes(), False
-        if world > 1 and not overlapped:  # world 1: one lane already holds the full gradient
-            self.exchange.exchange(self.buckets)
+                _backward(roots)
+                if world > 1:  # world 1: one lane already holds the full gradient
+                    self.exchange.exchange(self.buckets)
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
         return readback.tolist()  # the one host sync of the iteration
 
-    def _sum_on_home(self, lane_losses: list[tuple[Lane, torch.Tensor, object]]) -> torch.Tensor:
-        """The micro-step's loss on the current stream: each lane's loss handed over at its
-        event (R2 for that point, R3 for its memory; across devices, copied on the lane)."""
+    def _fold_losses(self, step_losses: list[dict], per_lane: list[list[list[int]]]) -> list[torch.Tensor]:
+        """Each micro-step's loss on the current stream: the sum of the global lanes' losses in
+        global lane order, folded the same way for every layout (so the same bits on every rank).
+
+        A local lane's loss is handed over at its event (R2 for that point, R3 for its memory;
+        across devices, copied on the lane). Lanes of other processes come through one
+        all-gather of every micro-step's losses (exact byte copies)."""
         home = self.lanes[0].device
-        losses = [lane.hand_home(loss, home, mark=done) for lane, loss, done in lane_losses]
-        if len(losses) == 1:
-            return losses[0]
-        return torch.stack(losses).sum()
+        losses = [{g: lane.hand_home(loss, home, mark=done) for g, (lane, loss, done) in s.items()}
+                  for s in step_losses]
+        if self.world > len(self.lanes):
+            losses = self._gather_losses(losses)
+        out = []
+        for m, by_lane in enumerate(losses):
+            terms = [by_lane[g] for g in range(self.world) if m < len(per_lane[g])]
+            out.append(terms[0] if len(terms) == 1 else torch.stack(terms).sum())
+        return out
+
+    def _gather_losses(self, losses: list[dict[int, torch.Tensor]]) -> list[dict[int, torch.Tensor]]:
+        """Every global lane's micro-step losses from every process, as exact copies: each local
+        lane sends its micro-steps' losses as float64 bytes (exact for every float dtype up to 64
+        bits; zero where it has no chunk), and each value is cast back to the losses' dtype."""
+        dtype = next((t.dtype for s in losses for t in s.values()), None) or self._loss_dtype
+        self._loss_dtype = dtype
+        send, recv = [], []
+        for k, lane in enumerate(self.lanes):
+            g = self.lane_offset + k
+            with lane.issue():
+                zero = torch.zeros((), dtype=torch.float64, device=lane.device)
+                mine = [s[g].reshape(()).to(torch.float64) if g in s else zero for s in losses]
+                send.append(torch.stack(mine).view(torch.uint8))
+                recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
+        self.exchange.comm.all_gather(send, recv)
+        steps = len(losses)  # the same on every rank: counted from the global split
+        table = recv[0].view(torch.float64).view(self.world, steps)  # [global lane, micro-step]; on lane 0 (home)
+        return [{g: table[g, m].to(dtype) for g in range(self.world)} for m in range(steps)]
 
     def _wire_bytes(self) -> int:
         comm = getattr(self.exchange, "comm", None)
@@ -230,6 +276,11 @@ class TuneEngine:
                     sched.step()
         if self.debug_identical:
             self.replicas.check_identical()
+
+
+def _backward(roots: list[torch.Tensor]) -> None:
+    if roots:  # across processes, a rank's lanes may all have fewer micro-steps than the longest lane
+        torch.autograd.backward(roots)
 
 
 # -- the loop ---------------------------------------------------------------------------------

@@ -1,0 +1,241 @@
+"""Several processes (``torch.distributed``, launched by ``torchrun``) composed with in-process lanes.
+
+DESIGN.md contract 7: P processes x L local lanes = global world W; global lane
+``g = rank * L + k`` (process rank major, local lane minor); every rank draws the serial
+indices and runs the same plan. This module holds what the session needs for that and knows
+nothing of the tuner:
+
+* :class:`ProcessSet`: the group a run spans, given to the session explicitly
+  (``SessionConfig.processes``; :meth:`ProcessSet.detect` reads an initialised group).
+* :class:`ProcessLayout`: the agreed layout (processes, rank, local lanes, world, lane offset).
+* :func:`agree`: every rank's plan exchanged; a refusal anywhere stops every rank before any
+  work, with every rank's reasons; every rank runs the same local lane count.
+* :meth:`ProcessSet.stop`: the failure policy across processes. Any failure is fatal on every
+  rank (ranks could not agree on a serial rerun). Each rank reports to the store whether it
+  raised or lost contact (a collective failed: gloo says "connection closed by peer" as soon
+  as a peer process is gone, or the group's timeout passes), then every rank that lost contact
+  names the rank the failure started on: one that raised, else one that sent no report within
+  ``grace_s`` (killed, or hung).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["ProcessLayout", "ProcessSet", "RankFailure", "agree", "lane_offset", "peer_lost"]
+
+
+class RankFailure(RuntimeError):
+    """A multi-process run stopped on every rank; the message names the rank it started on."""
+
+
+@dataclass(frozen=True)
+class ProcessLayout:
+    """P processes x L local lanes, and where this process's lanes sit in global lane order."""
+
+    processes: int
+    rank: int
+    lanes: int
+
+    @property
+    def world(self) -> int:
+        return self.processes * self.lanes
+
+    @property
+    def lane_offset(self) -> int:
+        """Global index of this process's lane 0 (rank major, local lane minor)."""
+        return self.rank * self.lanes
+
+    def describe(self) -> str:
+        p, lanes = self.processes, self.lanes
+        return f"world {self.world} = {p} process{'es' if p != 1 else ''} x {lanes} lane{'s' if lanes != 1 else ''}"
+
+
+def lane_offset(comm: object) -> int:
+    """Global lane index of ``comm``'s lane 0: 0 in-process; ``process_rank * len(lanes)`` for a
+    process-group communicator (its ``lane_offset`` when it has one)."""
+    offset = getattr(comm, "lane_offset", None)
+    if offset is not None:
+        return int(offset)
+    return int(getattr(comm, "process_rank", 0)) * len(comm.lanes)
+
+
+@dataclass
+class ProcessSet:
+    """The processes of one ``torch.distributed`` group a run spans.
+
+    ``rank``/``size``: in the group; ``group``: the process group (None: the default group);
+    ``store``: the group's store, which failures are reported through; ``grace_s``: how long a
+    rank that lost contact waits for the others' reports before naming the silent ones;
+    ``global_ranks``: each group rank's global rank (messages name those; None: the same);
+    ``runs``: blocks run so far (every rank runs the same blocks in the same order, so the
+    count names one block's keys in the store)."""
+
+    rank: int
+    size: int
+    store: object
+    group: object = None
+    grace_s: float = 5.0
+    global_ranks: list[int] | None = None
+    runs: int = field(default=0, compare=False)
+
+    @classmethod
+    def detect(cls, group: object = None, *, grace_s: float = 5.0) -> ProcessSet | None:
+        """The initialised group (None: torch.distributed is not initialised)."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        # The store the group rendezvoused through (torchrun's, or the one given to
+        # init_process_group); torch has no public accessor for it.
+        store = c10d._get_default_store() if group is None else c10d._get_process_group_store(group)
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        return cls(dist.get_rank(group), dist.get_world_size(group), store, group, grace_s, ranks)
+
+    def name(self, rank: int) -> int:
+        """The global rank of group rank ``rank`` (what messages say)."""
+        return rank if self.global_ranks is None else self.global_ranks[rank]
+
+    def all_gather_object(self, value: object) -> list:
+        import torch.distributed as dist
+
+        out: list = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _key(self, rank: int) -> str:
+        return f"dpq/run{self.runs}/failed/{rank}"
+
+    def stop(self, err: BaseException, lost: bool) -> RankFailure:
+        """This rank's part of a failure (module docstring); returns the error to raise.
+
+        ``lost``: ``err`` came out of a collective (see :func:`peer_lost`), so another rank
+        started it. The report goes to the store first (it outlives the group); then the group
+        is destroyed: after a failure the ranks are out of step in it, so no later collective may
+        run on it. (That does not wake peers blocked in a collective with this rank: torch keeps
+        other references to the group once torch._dynamo is loaded. They fail when this process
+        exits and its connections close, or at the group's timeout.) A rank that lost contact then
+        reads the others' reports for up to ``grace_s`` to name the rank it started on.
+        """
+        import torch.distributed as dist
+
+        mine = f"{time.time():.6f} {'lost' if lost else 'raised'} {type(err).__name__}: {err}"
+        mine = mine.splitlines()[0][:500]
+        store_ok = _try(lambda: self.store.set(self._key(self.rank), mine))
+        if dist.is_available() and dist.is_initialized():
+            _try(lambda: dist.destroy_process_group(self.group))
+        reports = {self.rank: mine}
+        deadline = time.monotonic() + self.grace_s
+        while lost and store_ok and len(reports) < self.size and time.monotonic() < deadline:
+            for r in range(self.size):
+                if r not in reports and _try(lambda r=r: self.store.check([self._key(r)])):
+                    reports[r] = self.store.get(self._key(r)).decode(errors="replace")
+            if any(v.split(" ", 2)[1] == "raised" for v in reports.values()):
+                break
+            time.sleep(0.05)
+        return RankFailure(_failure_message(self.rank, self.size, reports, self.grace_s, store_ok, self.name))
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` came out of a collective (a peer closed its connection, or the group timed
+    out) rather than from this rank's own work: a ``torch.distributed.DistError``, or raised where
+    collectives are called (``torch.distributed`` or ``dpq.process_group``: a gloo/NCCL wait
+    raises a plain RuntimeError). Call it before the traceback is released."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename.replace("\\", "/") if tb is not None else ""
+    return "torch/distributed/" in where or where.endswith("dpq/process_group.py")
+
+
+def _try(call) -> bool:
+    try:
+        return call() is not False
+    except Exception:
+        return False
+
+
+def _failure_message(me: int, size: int, reports: dict[int, str], grace_s: float, store_ok: bool, name) -> str:
+    """Names ranks by ``name(group rank)``: their global ranks."""
+    parsed = {name(r): v.split(" ", 2) for r, v in reports.items()}  # time, raised|lost, the error
+    me = name(me)
+    raised = [r for r in sorted(parsed) if parsed[r][1] == "raised"]
+    silent = [name(r) for r in range(size) if r not in reports]
+    if raised:
+        first = min(raised, key=lambda r: float(parsed[r][0]))
+        head = f"dpq: the run failed on rank {first}: {parsed[first][2]}"
+    elif not store_ok:
+        head = (f"dpq: rank {me} lost contact with another rank and could not reach the store to learn which "
+                "(the rank hosting it may be gone)")
+    elif silent:
+        head = (f"dpq: rank {', '.join(map(str, silent))} stopped answering (killed, or hung): no report within "
+                f"{grace_s:g} s")
+    else:
+        first = min(parsed, key=lambda r: float(parsed[r][0]))
+        head = f"dpq: the run failed; rank {first} reported first: {parsed[first][2]}"
+    lines = [head, f"every rank stops (no serial rerun across processes); this is rank {me}, its home block restored"]
+    lines += [f"  rank {r} {parsed[r][1]}: {parsed[r][2]}" for r in sorted(parsed)]
+    return "\n".join(lines)
+
+
+@dataclass
+class RankPlan:
+    """What one rank sends to the agreement."""
+
+    requested: object  # the world the config asked for
+    lanes: int  # the local lanes its plan kept (0 when refused)
+    reasons: list[str]  # the refusal's reasons, or why 'auto' kept fewer
+    refused: bool = False
+    serial: bool = False  # the tuner cannot be split here (its own serial run on every rank)
+
+
+def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[ProcessLayout | None, list[str]]:
+    """Every rank's plan, exchanged; the same answer on every rank.
+
+    Returns (layout, notes), layout None when the block runs serially on every rank. Raises
+    :class:`dpq.plan.PlanRefused` on every rank, listing every rank's reasons (each prefixed
+    with its rank), when any rank refused, the ranks asked for different worlds, or the
+    processes outnumber the samples of an iteration. Every rank runs the same local lane count:
+    under 'auto' the fewest any rank has (noted); an explicit world refuses wherever it is short.
+    """
+    from dpq.plan import PlanRefused
+
+    plans: Sequence[RankPlan] = procs.all_gather_object(mine)
+    refusals = [f"rank {procs.name(r)}: {reason}" for r, p in enumerate(plans) if p.refused for reason in p.reasons]
+    asked = {repr(p.requested) for p in plans}
+    if len(asked) > 1:
+        each = ", ".join(f"rank {procs.name(r)}: {q.requested!r}" for r, q in enumerate(plans))
+        refusals.append(f"the ranks asked for different worlds ({each}). Fix: the same --parallel_quantization on "
+                        "every rank")
+    p, explicit = procs.size, isinstance(mine.requested, int)
+    lanes = min((q.lanes for q in plans if not q.refused), default=0)
+    if p > samples_per_iter or (explicit and p * lanes > samples_per_iter):
+        refusals.append(f"{p} processes x {lanes if explicit else 1} lane(s) but only {samples_per_iter} samples per "
+                        "iteration: every lane needs at least one sample. Fix: fewer processes or lanes, or a larger "
+                        "--batch_size")
+    if refusals:
+        raise PlanRefused(refusals)
+    if any(q.serial for q in plans):
+        serial = [r for r, q in enumerate(plans) if q.serial]
+        why = plans[serial[0]].reasons[0] if plans[serial[0]].reasons else "its plan is serial"
+        return None, [f"serial on every rank: rank {', '.join(str(procs.name(r)) for r in serial)} cannot split "
+                      f"this block ({why})"]
+    notes = []
+    if lanes != max(q.lanes for q in plans):
+        fewest = [str(procs.name(r)) for r, q in enumerate(plans) if q.lanes == lanes]
+        notes.append(f"auto: every process runs {lanes} lane{'s' if lanes != 1 else ''}, the fewest any rank has "
+                     f"(rank {', '.join(fewest)})")
+    if p * lanes > samples_per_iter:
+        lanes = samples_per_iter // p
+        notes.append(f"auto: {lanes} lane(s) per process so that every lane gets a sample ({samples_per_iter} per "
+                     "iteration)")
+    layout = ProcessLayout(p, procs.rank, lanes)
+    notes.append(layout.describe())
+    return layout, notes

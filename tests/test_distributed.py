@@ -1,0 +1,296 @@
+"""Several processes x local lanes (dpq.distributed, the session across a gloo group).
+
+One spawn of 4 processes, everything checked from its files: a tiny block tuned through
+``session.run`` for a few iterations, with a pure-sign optimizer (sign exchange, mean
+reduction) and with a full-sum one (momentum SGD, sum reduction with micro-steps, lanes
+reaching different numbers of micro-steps), compared bitwise with the same world as lanes of
+one process (this process, one intra-op thread: CPU kernels may round differently with another
+thread count). Then the failure paths: a refusal on one rank stops every rank with its reason;
+a rank that raises or is killed stops every rank with an error naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dpq.distributed import ProcessLayout, ProcessSet, RankFailure, lane_offset
+from dpq.plan import PlanRefused
+from dpq.session import BlockTask, SessionConfig, run
+from dpq.tune_loop import TuneSpec
+
+NSAMPLES, ITERS = 12, 4
+TIMEOUT_S = 60  # whole spawn; a process group collective times out after 20 s
+
+
+class Block(torch.nn.Module):
+    """Two frozen linear weights, each with a tuned additive value, and a tuned output scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(16, 8, generator=g), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.randn(8, 16, generator=g) / 4, requires_grad=False)
+        self.v1 = torch.nn.Parameter(torch.zeros(16, 8))
+        self.v2 = torch.nn.Parameter(torch.zeros(8, 16))
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ (self.w1 + self.v1).T) @ (self.w2 + self.v2).T * self.scale
+
+
+TUNED = ["v1", "v2", "scale"]
+DATA = [torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(i)) for i in range(NSAMPLES)]
+TARGET = [torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(100 + i)) for i in range(NSAMPLES)]
+
+
+class SignStep(torch.optim.Optimizer):
+    """Pure SignSGD: p -= lr * sign(grad) (the sign exchange hands it sign(sum) already)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(torch.sign(p.grad), alpha=-group["lr"])
+
+
+class Sampler:
+    def __init__(self, n: int, batch: int) -> None:
+        self.rng, self.n, self.batch = random.Random(1234), n, batch
+
+    def next_batch(self) -> list[int]:
+        return self.rng.sample(range(self.n), self.batch)
+
+
+# (pure sign, batch_size, gradient_accumulate_steps): the sign path with mean reduction over an
+# uneven split (7 samples); momentum SGD with sum reduction and micro-steps of one sample over
+# 5 samples, so at W=2 and W=4 some lanes (whole ranks, across processes) skip the last backward.
+CASES = {"sign": (True, 7, 1), "full": (False, 1, 5)}
+
+
+def make_task(case: str, block: Block | None = None, lane_loss=None) -> BlockTask:
+    pure_sign, batch, accumulate = CASES[case]
+    block = block if block is not None else Block()
+    reduction = "sum" if accumulate != 1 else "mean"
+
+    def loss(lane, module, indices):
+        x, y = torch.cat([DATA[i] for i in indices]), torch.cat([TARGET[i] for i in indices])
+        return torch.nn.functional.mse_loss(module(x), y, reduction=reduction)
+
+    def optimizer(module):
+        params = [dict(module.named_parameters())[n] for n in TUNED]
+        return (SignStep(params, 0.01) if pure_sign else torch.optim.SGD(params, lr=0.01, momentum=0.9)), None
+
+    spec = TuneSpec(tuned=TUNED, make_optimizer=optimizer, lane_loss=lane_loss or loss, sampler=Sampler,
+                    best_params=lambda m: {n: dict(m.named_parameters())[n].detach().clone() for n in TUNED},
+                    nsamples=NSAMPLES, sample_numel=lambda i: DATA[i].numel(), iters=ITERS, batch_size=batch,
+                    gradient_accumulate_steps=accumulate)
+
+    def finish(outcome, plan):
+        with torch.no_grad():
+            for n, v in outcome.best_params.items():
+                dict(block.named_parameters())[n].copy_(v)
+        return {n: dict(block.named_parameters())[n].detach().clone() for n in TUNED}
+
+    return BlockTask(name=f"block-{case}", block=block, start=lambda plan: spec, finish=finish,
+                     samples_per_iter=batch * accumulate, pure_sign=pure_sign)
+
+
+def tune(case: str, world: int, processes: ProcessSet | None = None) -> dict:
+    done = run(SessionConfig(world=world, devices=["cpu"] * world, processes=processes), make_task(case))
+    out = done.outcome
+    return {"losses": out.losses, "best_iter": out.best_iter, "values": done.result,
+            "layout": done.layout.describe() if done.layout else None, "communicator": done.plan.communicator}
+
+
+@pytest.fixture(scope="module")
+def reference(request) -> dict:
+    """W=2 and W=4 as lanes of this process, under one intra-op thread as in the workers."""
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    torch.set_num_threads(1)
+    return {world: {case: tune(case, world) for case in CASES} for world in (2, 4)}
+
+
+# -- the processes ---------------------------------------------------------------------------
+
+
+# One spawn of 4 processes holds every layout: W=4 as 4x1 (the default group), then each pair
+# of ranks (a subgroup: ranks 0,1 and ranks 2,3, at the same time) as 2x2 (W=4) and 2x1 (W=2).
+PAIRS = [[0, 1], [2, 3]]
+LAYOUTS = {"4x1": (4, 1), "2x2": (2, 2), "2x1": (2, 1)}
+# How each pair ends, mid-loop: its second rank raises (ranks 0,1) or is killed (ranks 2,3).
+ENDING = {1: "raise", 3: "kill"}
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 4), rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=20))
+    groups = [dist.new_group(ranks) for ranks in PAIRS]  # every rank makes every group, in order
+    procs = {"4x1": ProcessSet.detect(grace_s=2.0), "pair": ProcessSet.detect(groups[rank // 2], grace_s=2.0)}
+    result: dict = {}
+    for name, (processes, lanes) in LAYOUTS.items():
+        result[name] = {case: tune(case, lanes, procs["4x1" if processes == 4 else "pair"]) for case in CASES}
+    # a refusal on a pair's second rank reaches the first before any work; the group goes on
+    devices = ["cpu", "cpu"] if rank % 2 == 0 else ["cpu", "nowhere"]
+    try:
+        run(SessionConfig(world=2, devices=devices, processes=procs["pair"]), make_task("sign"))
+    except PlanRefused as err:
+        result["refused"] = err.reasons
+    torch.save(result, f"{out}/rank{rank}.pt")  # a killed rank's tuning is checked too
+    _failing_run(rank, procs["pair"], result)
+    torch.save(result, f"{out}/rank{rank}.pt")
+    os._exit(3 if "failure" in result else 0)  # what a launcher sees: a rank that stopped exits non-zero
+
+
+def _failing_run(rank: int, procs: ProcessSet, result: dict) -> None:
+    """A pair's second rank raises (or its process dies) at its third lane-loss call: the pair stops."""
+    block, calls = Block(), []
+    before = {n: t.clone() for n, t in block.state_dict().items()}
+
+    def loss(lane, module, indices):
+        calls.append(1)
+        if rank in ENDING and len(calls) == 3:
+            if ENDING[rank] == "kill":
+                os._exit(9)
+            raise RuntimeError(f"boom on rank {rank}")
+        x, y = torch.cat([DATA[i] for i in indices]), torch.cat([TARGET[i] for i in indices])
+        return torch.nn.functional.mse_loss(module(x), y)
+
+    t0 = time.monotonic()
+    try:
+        run(SessionConfig(world=1, devices=["cpu"], processes=procs), make_task("sign", block, loss))
+    except RankFailure as err:
+        result["failure"] = str(err)
+        result["seconds"] = time.monotonic() - t0
+        result["restored"] = all(torch.equal(t, before[n]) for n, t in block.state_dict().items())
+
+
+def _spawn(tmp_path) -> tuple[list[int | None], list[dict], float]:
+    ctx = multiprocessing.get_context("spawn")
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=_worker, args=(r, store, str(tmp_path))) for r in range(4)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(1.0, TIMEOUT_S - (time.monotonic() - t0)))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    results = [torch.load(tmp_path / f"rank{r}.pt") if (tmp_path / f"rank{r}.pt").exists() else {}
+               for r in range(4)]
+    return codes, results, time.monotonic() - t0
+
+
+def _assert_same_run(got: dict, ref: dict) -> None:
+    assert got["losses"] == ref["losses"]  # floats compared exactly: the same bits
+    assert got["best_iter"] == ref["best_iter"]
+    for n in TUNED:
+        assert torch.equal(got["values"][n].view(torch.int32), ref["values"][n].view(torch.int32)), n
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distributed")
+    codes, results, seconds = _spawn(tmp)
+    print(f"\n4 processes (4x1, 2x2, 2x1, refusal, failures): {seconds:.1f} s; the failing runs stopped after "
+          f"{[round(r.get('seconds', 0), 1) for r in results]} s")
+    return codes, results
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_bitwise_equal(spawned, reference, layout):
+    """W = processes x lanes tunes to the bits of W lanes in one process, on every rank."""
+    _, results = spawned
+    processes, lanes = LAYOUTS[layout]
+    reference = reference[processes * lanes]
+    assert reference["sign"]["layout"] is None and reference["sign"]["communicator"] == "local"
+    assert reference["sign"]["losses"] != reference["full"]["losses"]  # two different runs compared
+    for rank, got in enumerate(results):
+        for case in CASES:
+            group_rank = rank if processes == 4 else rank % 2
+            assert got[layout][case]["layout"] == ProcessLayout(processes, group_rank, lanes).describe()
+            assert got[layout][case]["communicator"] == "pg-gloo"
+            _assert_same_run(got[layout][case], reference[case])
+
+
+def test_refusal_on_one_rank_stops_every_rank(spawned):
+    _, results = spawned
+    for rank, got in enumerate(results):  # each pair's second rank refused its device list: both raised its reason
+        first, second = PAIRS[rank // 2]
+        assert any(r.startswith(f"rank {second}: ") and "nowhere" in r for r in got["refused"]), got["refused"]
+        assert not any(r.startswith(f"rank {first}: ") for r in got["refused"])
+
+
+def test_failing_rank_stops_every_rank(spawned):
+    """Ranks 0,1: rank 1 raises; ranks 2,3: rank 3 is killed. The other rank of each pair exits
+    non-zero within the bound, naming the rank (its global rank), its home block restored."""
+    codes, results = spawned
+    assert codes == [3, 3, 3, 9], (codes, [r.get("failure") for r in results])
+    for rank, named in ((0, "the run failed on rank 1: RuntimeError: boom on rank 1"), (1, "the run failed on rank 1"),
+                        (2, "rank 3 stopped answering")):
+        assert results[rank]["failure"].startswith(f"dpq: {named}"), results[rank]["failure"]
+        assert results[rank]["restored"]  # the home block exactly as before the failed run
+        assert results[rank]["seconds"] < 15  # gloo sees a closed peer at once; then up to 2 s for reports
+
+
+def test_lane_offset_without_the_property():
+    class Comm:
+        lanes, process_rank = [object(), object()], 3
+
+    assert lane_offset(Comm()) == 6
+    assert ProcessLayout(2, 1, 2).describe() == "world 4 = 2 processes x 2 lanes"
+    assert ProcessLayout(1, 0, 1).describe() == "world 1 = 1 process x 1 lane"
+
+
+class Gathered(ProcessSet):
+    """The agreement without processes: every rank's plan given."""
+
+    def __init__(self, rank: int, plans: list) -> None:
+        super().__init__(rank, len(plans), store=None, global_ranks=[10 + r for r in range(len(plans))])
+        self.plans = plans
+
+    def all_gather_object(self, value: object) -> list:
+        assert value is self.plans[self.rank]
+        return self.plans
+
+
+def _agree(plans, rank=1, samples=8):
+    from dpq.distributed import agree
+
+    return agree(Gathered(rank, plans), plans[rank], samples)
+
+
+def test_agreement():
+    from dpq.distributed import RankPlan
+
+    layout, notes = _agree([RankPlan("auto", 3, []), RankPlan("auto", 2, ["lane 2 does not fit"])])
+    assert layout == ProcessLayout(2, 1, 2) and layout.lane_offset == 2
+    assert notes == ["auto: every process runs 2 lanes, the fewest any rank has (rank 11)", layout.describe()]
+    layout, notes = _agree([RankPlan("auto", 4, []), RankPlan("auto", 4, [])], samples=6)
+    assert layout.lanes == 3 and "so that every lane gets a sample" in notes[0]
+    layout, notes = _agree([RankPlan("auto", 2, []), RankPlan("auto", 1, ["feature"], serial=True)])
+    assert layout is None and notes == ["serial on every rank: rank 11 cannot split this block (feature)"]
+    with pytest.raises(PlanRefused) as refused:
+        _agree([RankPlan(2, 0, ["a", "b"], refused=True), RankPlan(2, 2, []), RankPlan(2, 0, ["c"], refused=True)])
+    assert refused.value.reasons == ["rank 10: a", "rank 10: b", "rank 12: c"]
+    with pytest.raises(PlanRefused, match=r"different worlds \(rank 10: 2, rank 11: 'auto'\)"):
+        _agree([RankPlan(2, 2, []), RankPlan("auto", 2, [])])
+    with pytest.raises(PlanRefused, match="3 processes x 2 lane"):
+        _agree([RankPlan(2, 2, [])] * 3, samples=5)
+    with pytest.raises(PlanRefused, match="3 processes x 1 lane"):
+        _agree([RankPlan("auto", 2, [])] * 3, samples=2)
