@@ -372,6 +372,10 @@ def breakdown(case: Case, world: int, args, row: dict, cap: int) -> list[str]:
         spans = " / ".join(f"{statistics.median(v) * 1e3:.1f}" for _, v in sorted(bd.lane_spans.items(),
                                                                                     reverse=True)) or "-"
         hooks = ms.get("hooks", 0.0) - (ms.get("exchange host", 0.0) if overlap else 0.0)
+        # The parts the exchange adds on the issuing thread: its host work, the hooks, the step's wait.
+        # Not the whole exposed time (cache effects on the backward, the timer thread are not in it).
+        row[f"direct_{'overlap' if overlap else 'after'}_ms"] = \
+            ms.get("exchange host", 0.0) + hooks + ms.get("link wait at step", 0.0)
         out.append(f"| {world} | {'overlap' if overlap else 'after'} | {ms['iteration']:.1f} "
                    f"| {ms.get('backward call', 0.0):.1f} | {spans} | {ms.get('exchange host', 0.0):.2f} "
                    f"| {' | '.join(parts)} | {rest:.2f} | {hooks:.2f} | {ms.get('link wait at step', 0.0):.2f} |")
@@ -433,6 +437,12 @@ def main(argv=None) -> int:
         for r in rows:
             for line in breakdown(case, r["world"], args, r, r["bucket_cap"]):
                 print(line)
+        print("\nAdded by the exchange, counted directly (exchange host + hooks + link wait at step), a check on "
+              "the timing differences that is less sensitive to other processes:")
+        for r in rows:
+            after, over = r["direct_after_ms"], r["direct_overlap_ms"]
+            print(f"world {r['world']}: after {after:.1f} ms, overlapped {over:.1f} ms per iteration: "
+                  f"1 - overlapped / after = {1 - over / after:.2f}")
     if others is not None:
         print(f"\nother processes used {others:.0%} of the machine's CPU during this run")
     worst = min(rows, key=lambda r: r["hidden_fraction"])
