@@ -20,6 +20,13 @@ anything else runs), then under ``world='auto'`` reruns the block with the tuner
 run from the same RNG state, and under an explicit world raises the task's error (``task.lane_error``;
 the error itself when the task has none). Interrupts are restored and re-raised.
 
+Several processes (``SessionConfig.processes``, torchrun): every rank plans its own lanes and
+the plans are agreed first (:func:`dpq.distributed.agree`: one refusal stops every rank before
+any work, with every rank's reasons); the communicator is ``ProcessGroupCommunicator`` over this
+process's lanes. Any failure there is fatal on every rank: no serial rerun (the ranks could not
+agree on it), home restored exactly as above, and a :class:`dpq.distributed.RankFailure` naming
+the rank it started on (``ProcessSet.stop``).
+
 Test-only fault injection has one entry point: :func:`inject_fault`.
 """
 

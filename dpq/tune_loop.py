@@ -24,6 +24,14 @@ of the elements of the serial micro-batch it replaces; ``reduction="sum"``: weig
 world 1 every weight is exactly 1 and no multiplication is inserted, so the autograd graph,
 the gradients and the losses are bitwise the serial ones.
 
+Several processes (DESIGN.md contract 7): W is the *global* world (the exchange's
+communicator spans P processes x L lanes) and local lane k is global lane ``lane_offset + k``.
+Every decision (slices, micro-steps, weights, which lanes reach the last backward) comes from
+the global split, so every rank agrees; a micro-step's loss is every global lane's loss folded
+in global lane order, the lanes of other processes fetched by one exact all-gather per
+iteration, so the loss read back (best iteration, early stop) is the same bits on every rank
+and for every layout of W. In one process there is nothing to fetch: the same fold, no gather.
+
 No Python worker threads; no host sync inside an iteration except the one readback.
 
 Stream order (rules R0-R6 in ``dpq.streams``): lane 0 is the current stream; each lane's
@@ -227,37 +235,39 @@ class TuneEngine:
         """Each micro-step's loss on the current stream: the sum of the global lanes' losses in
         global lane order, folded the same way for every layout (so the same bits on every rank).
 
-        A local lane's loss is handed over at its event (R2 for that point, R3 for its memory;
-        across devices, copied on the lane). Lanes of other processes come through one
-        all-gather of every micro-step's losses (exact byte copies)."""
-        home = self.lanes[0].device
-        losses = [{g: lane.hand_home(loss, home, mark=done) for g, (lane, loss, done) in s.items()}
-                  for s in step_losses]
+        In one process each lane's loss is handed over at its event (R2 for that point, R3 for
+        its memory; across devices, copied on the lane). Across processes every global lane's
+        losses come from one all-gather (exact copies) instead."""
         if self.world > len(self.lanes):
-            losses = self._gather_losses(losses)
+            losses = self._gather_losses(step_losses)
+        else:
+            home = self.lanes[0].device
+            losses = [{g: lane.hand_home(loss, home, mark=done) for g, (lane, loss, done) in s.items()}
+                      for s in step_losses]
         out = []
         for m, by_lane in enumerate(losses):
             terms = [by_lane[g] for g in range(self.world) if m < len(per_lane[g])]
             out.append(terms[0] if len(terms) == 1 else torch.stack(terms).sum())
         return out
 
-    def _gather_losses(self, losses: list[dict[int, torch.Tensor]]) -> list[dict[int, torch.Tensor]]:
-        """Every global lane's micro-step losses from every process, as exact copies: each local
-        lane sends its micro-steps' losses as float64 bytes (exact for every float dtype up to 64
-        bits; zero where it has no chunk), and each value is cast back to the losses' dtype."""
-        dtype = next((t.dtype for s in losses for t in s.values()), None) or self._loss_dtype
+    def _gather_losses(self, step_losses: list[dict]) -> list[dict[int, torch.Tensor]]:
+        """Every global lane's micro-step losses, on lane 0 (home), as exact copies: each local
+        lane sends its micro-steps' losses from its own stream as float64 bytes (exact for every
+        float dtype up to 64 bits; zero where it has no chunk), each cast back to the losses'
+        dtype. The communicator orders the lanes' streams around the collective (R4)."""
+        dtype = next((loss.dtype for s in step_losses for _, loss, _ in s.values()), None) or self._loss_dtype
         self._loss_dtype = dtype
         send, recv = [], []
         for k, lane in enumerate(self.lanes):
             g = self.lane_offset + k
             with lane.issue():
                 zero = torch.zeros((), dtype=torch.float64, device=lane.device)
-                mine = [s[g].reshape(()).to(torch.float64) if g in s else zero for s in losses]
+                mine = [s[g][1].reshape(()).to(torch.float64) if g in s else zero for s in step_losses]
                 send.append(torch.stack(mine).view(torch.uint8))
                 recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
         self.exchange.comm.all_gather(send, recv)
-        steps = len(losses)  # the same on every rank: counted from the global split
-        table = recv[0].view(torch.float64).view(self.world, steps)  # [global lane, micro-step]; on lane 0 (home)
+        steps = len(step_losses)  # the same on every rank: counted from the global split
+        table = recv[0].view(torch.float64).view(self.world, steps)  # [global lane, micro-step]
         return [{g: table[g, m].to(dtype) for g in range(self.world)} for m in range(steps)]
 
     def _wire_bytes(self) -> int:
