@@ -252,3 +252,23 @@ def test_a_second_gradient_into_a_bucket_in_one_backward_is_refused():
             FullSumExchange(LocalCommunicator(lanes)).during_backward(buckets):
         torch.autograd.backward([n(x) for n, x in zip(nets, xs, strict=True)])
         torch.autograd.backward([nets[1](xs[1])])
+
+
+def test_overlap_benchmark_smoke(capsys):
+    """`python -m benchmarks.overlap` on a toy shape: its table, the breakdown, and the last line
+    exactly `hidden_fraction=<x> world=<w> link_GBps=<b>` (the issue's contract for the benchmark)."""
+    import re
+
+    from benchmarks import overlap
+
+    threads = torch.get_num_threads()
+    try:
+        assert overlap.main(["--worlds", "3", "--hidden", "32", "--intermediate", "64", "--nsamples", "3",
+                             "--seqlen", "8", "--iters", "1", "--rounds", "1", "--breakdown"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"hidden_fraction=-?\d+\.\d\d world=3 link_GBps=\d+\.\d{4}", lines[-1]), lines[-1]
+    rows = [line.split(" | ") for line in lines if line.startswith(("| 3 | after", "| 3 | overlap"))]
+    assert len(rows) == 2 and len(rows[1][4].split(" / ")) == 3  # one backward span per lane
+    assert any(line.startswith("world 3: after") for line in lines)
