@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dpq import nccl_comm
+from dpq import nccl_comm, refusals
 from dpq.nccl_comm import (
     Communicator,
     CommunicatorBase,
@@ -53,10 +53,7 @@ __all__ = [
     "select_communicator",
 ]
 
-HPU_MULTI_LANE = (
-    "Gaudi's bridge allows one device per process; multi-lane hpu needs a torch.distributed process group "
-    "(HCCL), which dpq does not run in-process yet; run a single hpu lane (serial)"
-)
+HPU_MULTI_LANE = refusals.HPU_MULTI_LANE  # the text lives with every other refusal (dpq.refusals)
 
 _HOST = None  # a place index meaning host memory (device places are lane indices)
 

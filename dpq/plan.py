@@ -8,6 +8,9 @@ block starts. The plan also names the communicator for the chosen lanes
 (``dpq.fallback_p2p.choose_communicator``) and the exchange policy (the sign path when the task
 says its optimizer is pure SignSGD, full sums otherwise), each with its reason; the session
 (``dpq.session``) makes them.
+
+Every reason's text (what is wrong and the fix) is in :mod:`dpq.refusals`; this module decides
+which ones apply.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dpq import refusals
 from dpq.fallback_p2p import choose_communicator
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
@@ -90,10 +94,7 @@ def validate_world(world: object) -> int | str:
         if re.fullmatch(r"[0-9]+", w):  # ASCII digits only: '²'.isdigit() is True but int('²') fails
             world = int(w)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(
-            f"dpq: world must be 'off', 'auto' or an integer >= 1, got {world!r}. "
-            "Fix: pass e.g. --parallel_quantization 2 (or auto, or off)."
-        )
+        raise ValueError(f"dpq: {refusals.bad_world(world)}")
     return world
 
 
@@ -152,7 +153,6 @@ def price_mirror(
 
 _DEVICE_RE = re.compile(r"(cuda|xpu|hpu|cpu)(?::([0-9]+))?|([0-9]+)")
 MAX_DEVICE_INDEX = 127  # torch.device stores its index in 8 bits: 'cuda:256' becomes cuda:0
-_FIX = "Fix: --parallel_devices with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
 
 
 @dataclass
@@ -175,17 +175,15 @@ def parse_device_spec(spec: str | Sequence[str | int | torch.device]) -> list[De
     with ``device`` on the CPU and ``bare_index`` set, so that :func:`resolve` can say so."""
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     if not items or (isinstance(spec, str) and not spec.strip()):
-        return [DeviceEntry(str(spec), None, f"the lane device list is empty. {_FIX}")]
+        return [DeviceEntry(str(spec), None, refusals.EMPTY_DEVICE_LIST)]
     out = []
     for item in items:
         index = item if isinstance(item, int) and not isinstance(item, bool) else None
         if isinstance(item, str) and (m := _DEVICE_RE.fullmatch(item.strip())):
             index = int(m.group(2) or m.group(3) or 0)
         if index is not None and index > MAX_DEVICE_INDEX:
-            out.append(DeviceEntry(str(item), None, f"lane device list {spec!r}: {str(item).strip()!r} names device "
-                                                    f"index {index}, above {MAX_DEVICE_INDEX}: torch keeps a device "
-                                                    f"index in 8 bits, so it would silently become another device. "
-                                                    f"{_FIX}"))
+            out.append(DeviceEntry(str(item), None, refusals.device_index_too_large(spec, str(item).strip(), index,
+                                                                                    MAX_DEVICE_INDEX)))
             continue
         if isinstance(item, torch.device):
             dev = item
@@ -200,11 +198,7 @@ def parse_device_spec(spec: str | Sequence[str | int | torch.device]) -> list[De
                 continue
             dev = torch.device(m.group(1), int(m.group(2))) if m.group(2) else torch.device(m.group(1))
         else:
-            shown = repr(item.strip()) if isinstance(item, str) else repr(item)
-            what = "an empty entry (two commas, or a comma at an end)" if isinstance(item, str) and not item.strip() \
-                else f"{shown} is not a device"
-            out.append(DeviceEntry(str(item), None, f"lane device list {spec!r}: {what}. A lane device is an "
-                                                    f"index (0), a type (cpu) or type:index (cuda:1). {_FIX}"))
+            out.append(DeviceEntry(str(item), None, refusals.malformed_device_entry(spec, item)))
             continue
         if dev.type == "cpu" and dev.index == 0:
             dev = torch.device("cpu")
@@ -243,18 +237,15 @@ def _entry_problem(k: int, e: DeviceEntry, home: torch.device, problems: dict) -
         return e.error
     dev = e.device
     if e.bare_index and dev.type == "cpu":
-        return (f"lane device {e.raw!r} names accelerator {e.raw}, but this machine has no cuda, xpu or hpu "
-                "device (dpq will not quietly run it on the CPU). Fix: write cpu for a CPU lane, e.g. cpu,cpu")
+        return refusals.no_accelerator_for_index(e.raw)
     if dev.type == "cpu" and dev.index is not None:
-        return f"lane device {dev}: the CPU is one device (cpu or cpu:0). Fix: write cpu, e.g. cpu,cpu"
+        return refusals.not_a_cpu_index(str(dev))
     if dev not in problems:
         problems[dev] = check_device_exists(dev)
     if problems[dev]:
-        return f"{problems[dev]}. {_FIX}"
+        return refusals.device_missing(problems[dev])
     if k == 0 and dev != home:
-        return (f"lane 0 is {dev}, but the block is on {home}: lane 0 is the block itself (no copy), so the "
-                f"lane device list must start with the block's device. Fix: list {home} first, e.g. "
-                f"--parallel_devices {home},... (or move the model with --device_map)")
+        return refusals.lane0_not_home(str(dev), str(home))
     return None
 
 
@@ -269,9 +260,7 @@ def _memory_refusals(devices: list[torch.device], price: int | None, home: torch
         used[dev] = used.get(dev, 0) + price
         free = backend(dev).mem_get_info(dev)[0]
         if used[dev] > free:
-            out.append((k, f"lane {k} on {dev}: a mirror needs ~{price / 2**30:.2f} GiB (weights + fp32 tuning "
-                           f"values + activations + {MARGIN - 1:.0%} margin) but only {free / 2**30:.2f} GiB is free "
-                           "for it. Fix: fewer lanes, a smaller --batch_size, or --low_gpu_mem_usage"))
+            out.append((k, refusals.mirror_does_not_fit(k, str(dev), price, MARGIN, free)))
     return out
 
 
@@ -283,18 +272,17 @@ def resolve(request: PlanRequest) -> Plan:
     world = validate_world(request.world)
     home = _home(request)
     if world == "off":
-        return _finish(Plan(1, [home], ["parallel quantization is off"]), request)
+        return _finish(Plan(1, [home], [refusals.PARALLEL_OFF]), request)
     reasons = list(request.extra_reasons)
     notes: list[str] = []
     if home.type not in SUPPORTED_HOME_TYPES:
-        reasons.append(f"home device type {home.type!r} is not supported (cuda, xpu, hpu, cpu)")
+        reasons.append(refusals.unsupported_home(home.type))
     given = request.devices is not None
     entries = parse_device_spec(request.devices) if given else \
         [DeviceEntry(str(d), d) for d in _default_devices(world, home)]
     if world != "auto" and len(entries) > world and given:
         unused = ", ".join(e.raw for e in entries[world:])
-        notes.append(f"world {world} runs on the first {world} of the {len(entries)} lane devices given; "
-                     f"{unused} not used. Fix: --parallel_quantization {len(entries)} to use them all")
+        notes.append(refusals.unused_devices(world, len(entries), unused))
     listed = entries if world == "auto" else entries[:world]
     problems: dict = {}
     lane_problems = [(k, p) for k, e in enumerate(listed) if (p := _entry_problem(k, e, home, problems))]
@@ -304,19 +292,13 @@ def resolve(request: PlanRequest) -> Plan:
     devices = [e.device for k, e in enumerate(listed) if k not in bad]
     named = [e.raw.strip() for e in entries if e.raw.strip()]
     if world != "auto" and len(named) < world:
-        reasons.append(f"world {world} needs {world} lane devices but {len(named)} "
-                       f"{'was' if len(named) == 1 else 'were'} {'given' if given else 'found'}"
-                       f"{' (' + ', '.join(named) + ')' if named else ''}. Fix: --parallel_devices with one device "
-                       "per lane (e.g. cpu,cpu or 0,1), or a smaller --parallel_quantization")
+        reasons.append(refusals.too_few_devices(world, named, given))
     n = world if world != "auto" else len(devices)
     if n > request.samples_per_iter:
-        reasons.append(f"{n} lanes but only {request.samples_per_iter} samples per iteration (batch_size x "
-                       "gradient_accumulate_steps): every lane needs at least one sample. Fix: a smaller world "
-                       "or a larger --batch_size")
+        reasons.append(refusals.too_few_samples(n, request.samples_per_iter))
     n = min(n, len(devices), max(1, request.samples_per_iter))
     if home.type == "hpu" and n > 1:
-        reasons.append("Gaudi's bridge allows one device per process; multi-lane hpu needs a torch.distributed "
-                       "process group (HCCL), which dpq does not run yet. Fix: --parallel_quantization off")
+        reasons.append(refusals.HPU_MULTI_LANE)
         n = 1
     lane0_ok = bool(devices) and devices[0] == home
     mem = _memory_refusals(devices[:n], request.mirror_bytes, home)
@@ -330,7 +312,7 @@ def resolve(request: PlanRequest) -> Plan:
     if mem:
         n = min(n, mem[0][0])
     if request.extra_reasons or home.type not in SUPPORTED_HOME_TYPES or n <= 1 or not lane0_ok:
-        return _finish(Plan(1, [home], reasons or ["only one lane available"], notes), request)
+        return _finish(Plan(1, [home], reasons or [refusals.ONE_LANE], notes), request)
     return _finish(Plan(n, devices[:n], reasons, notes), request)
 
 
@@ -347,6 +329,5 @@ def check_arguments(world: object, devices=None) -> list[str]:
     if devices is not None:
         problems += device_spec_errors(devices)
         if w == "off":
-            problems.append("lane devices were given but parallel quantization is off, so they would be ignored. "
-                            "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_devices")
+            problems.append(refusals.DEVICES_WHILE_OFF)
     return problems

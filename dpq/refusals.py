@@ -14,20 +14,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
-    "DEVICE_LIST_FIX", "DICT_POOL", "DIST_ACTIVE", "EMPTY_DEVICE_LIST", "GRAD_SCALER", "HPU_MULTI_LANE",
-    "LFQ_LOSS", "ONE_LANE", "PARALLEL_OFF", "auto_round_missing", "auto_round_unsupported", "auto_shared_device",
-    "auto_world_needs_auto", "awq_lane_failed", "bad_count", "bad_world", "block_already_quantized",
-    "block_already_wrapped", "block_no_linear", "block_no_params", "block_on_devices", "block_on_meta",
-    "block_spans_devices", "collection_lane_failed", "custom_backward", "debug_while_off",
-    "device_index_too_large", "device_missing", "devices_while_off", "dispatch_hooks", "forward_replaced",
-    "home_alone", "inputs_not_tensors", "lane0_not_home", "lane_failed", "lane_failed_rerun", "lane_failure",
-    "malformed_device_entry", "mirror_does_not_fit", "no_accelerator_for_index", "no_quantized_layer",
-    "not_a_cpu_index", "on_meta", "others_count", "others_device", "others_on_meta", "outputs_count",
-    "outputs_not_tensors", "outputs_shape", "pass_lane_failed_rerun", "patch_mismatch", "pool_device",
-    "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread", "pool_spread_devices",
-    "pool_spread_over", "report_is_dir", "report_path_empty", "report_unwritable", "run_stopped",
-    "samples_mismatched", "too_few_devices", "too_few_samples", "unknown_scheme", "unsupported_home",
-    "unused_devices", "weights_span",
+    "AWQ_BALANCE_ON_META", "AWQ_BALANCE_OUTSIDE", "AWQ_CALLS_NOT_PAIRS", "AWQ_NO_WEIGHTS", "BLOCK_NO_PARAMS",
+    "BLOCK_ON_META", "DEBUG_WHILE_OFF", "DEVICES_WHILE_OFF", "DICT_POOL", "DIST_ACTIVE", "EMPTY_DEVICE_LIST",
+    "GRAD_SCALER", "HPU_MULTI_LANE", "INPUTS_NOT_TENSORS", "LFQ_LOSS", "LINES", "ONE_LANE", "OUTPUTS_NOT_TENSORS",
+    "PARALLEL_OFF", "PASS_DICT_POOL", "PASS_DIST_ACTIVE", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME",
+    "RTN_ON_META", "RUN_STOPPED", "auto_round_missing", "auto_round_unsupported", "auto_shared_device",
+    "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world",
+    "block_already_quantized", "block_already_wrapped", "block_no_linear", "block_on_devices",
+    "block_spans_devices", "collection_lane_failed", "custom_backward", "device_index_too_large",
+    "device_missing", "dispatch_hooks", "forward_replaced", "home_alone", "lane0_not_home", "lane_failed",
+    "lane_failed_rerun", "lane_failure", "malformed_device_entry", "mirror_does_not_fit",
+    "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "on_meta", "others_count",
+    "others_device", "others_on_meta", "outputs_count", "outputs_shape", "pass_lane_failed_rerun",
+    "patch_mismatch", "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta",
+    "pool_spread", "pool_spread_devices", "pool_spread_over", "report_is_dir", "report_unwritable",
+    "rtn_override", "samples_mismatched", "symbol_differs", "symbol_missing", "too_few_devices",
+    "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home", "unused_devices", "weights_span",
 ]
 
 
@@ -37,8 +39,8 @@ def _list(names: Sequence[str], limit: int = 3) -> str:
 
 # -- the world and the lane devices (dpq.plan) ----------------------------------------------------
 
-DEVICE_LIST_FIX = "Fix: --parallel_devices with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
-EMPTY_DEVICE_LIST = f"the lane device list is empty. {DEVICE_LIST_FIX}"
+_DEVICE_LIST_FIX = "Fix: --parallel_devices with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
+EMPTY_DEVICE_LIST = f"the lane device list is empty. {_DEVICE_LIST_FIX}"
 PARALLEL_OFF = ("parallel quantization is off. Fix: --parallel_quantization auto (or a world N) to tune blocks on "
                 "lanes")
 ONE_LANE = ("only one lane available. Fix: --parallel_devices with one device per lane (e.g. 0,1 or cpu,cpu) to "
@@ -56,7 +58,7 @@ def bad_world(world: object) -> str:
 
 def device_index_too_large(spec: object, item: str, index: int, limit: int) -> str:
     return (f"lane device list {spec!r}: {item!r} names device index {index}, above {limit}: torch keeps a device "
-            f"index in 8 bits, so it would silently become another device. {DEVICE_LIST_FIX}")
+            f"index in 8 bits, so it would silently become another device. {_DEVICE_LIST_FIX}")
 
 
 def malformed_device_entry(spec: object, item: object) -> str:
@@ -66,7 +68,7 @@ def malformed_device_entry(spec: object, item: object) -> str:
     else:
         what = f"{item.strip()!r} is not a device" if isinstance(item, str) else f"{item!r} is not a device"
     return (f"lane device list {spec!r}: {what}. A lane device is an index (0), a type (cpu) or type:index "
-            f"(cuda:1). {DEVICE_LIST_FIX}")
+            f"(cuda:1). {_DEVICE_LIST_FIX}")
 
 
 def no_accelerator_for_index(raw: str) -> str:
@@ -80,7 +82,7 @@ def not_a_cpu_index(device: str) -> str:
 
 def device_missing(problem: str) -> str:
     """``problem``: what the device query found (e.g. 'cuda:99 does not exist ...')."""
-    return f"{problem}. {DEVICE_LIST_FIX}"
+    return f"{problem}. {_DEVICE_LIST_FIX}"
 
 
 def lane0_not_home(device: str, home: str) -> str:
@@ -117,9 +119,8 @@ def too_few_samples(lanes: int, samples: int) -> str:
             "every lane needs at least one sample. Fix: a smaller world or a larger --batch_size")
 
 
-def devices_while_off() -> str:
-    return ("lane devices were given but parallel quantization is off, so they would be ignored. "
-            "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_devices")
+DEVICES_WHILE_OFF = ("lane devices were given but parallel quantization is off, so they would be ignored. "
+                    "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_devices")
 
 
 # -- what the tuner or a block uses that lanes cannot split (dpq.autoround) ---------------------
@@ -154,19 +155,6 @@ def pool_spread(n: int, devices: Sequence[str]) -> str:
             "--calibration_data_device with a single device, or --parallel_quantization off")
 
 
-def auto_world_needs_auto(world: object) -> str:
-    """``enable(world, auto_world=...)`` with a world other than 'auto'."""
-    return (f"auto_world was given but the world is {world!r}: only 'auto' chooses the world by predicted time, so "
-            "it would be ignored. Fix: parallel_quantization='auto', or drop auto_world")
-
-
-def auto_shared_device(lanes: int, devices: Sequence[str]) -> str:
-    """A plan note (not a refusal): 'auto''s default cost model did not choose for these lanes."""
-    return (f"auto: the {lanes} lanes share {', '.join(devices)}; the cost model divides compute over devices, so it "
-            "has no basis here and every fitting lane runs. Fix: none needed; to let it choose anyway, "
-            "enable(..., auto_world=dpq.cost_model.AutoWorld(compute_s=...))")
-
-
 # -- a pass that runs on home alone (dpq.autoround's seams): same result, not sharded ------------
 
 
@@ -174,6 +162,32 @@ def home_alone(problem: str, fix: str = "") -> str:
     """A no-grad pass's reason to run on home alone: nothing to fix for the result (bitwise the
     same), ``fix`` to shard it."""
     return f"{problem}: this pass runs on home alone (same result). Fix: none needed{'; ' + fix if fix else ''}"
+
+
+PASS_DIST_ACTIVE = home_alone("a torch.distributed group is active", "run one process to shard it")
+PASS_DICT_POOL = home_alone("the pool is not a flat list of tensors (diffusion-style dict pool)")
+AWQ_NO_WEIGHTS = home_alone("the parent has no weights")
+AWQ_BALANCE_OUTSIDE = home_alone("a balance layer is outside the replayed parent")
+AWQ_CALLS_NOT_PAIRS = home_alone("the cached parent calls are not (args, kwargs) pairs")
+RTN_NO_GLOBAL_NAME = home_alone("a target layer has no global_name")
+RTN_ON_META = home_alone("a target layer is on the meta device (disk streaming)",
+                         "load the model into memory to shard it")
+AWQ_BALANCE_ON_META = home_alone("a balance layer is on the meta device (disk streaming)",
+                                 "load the model into memory to shard it")
+
+
+def unmergeable_hooks(hooks: Sequence[str]) -> str:
+    """Hooks on a block whose statistics dpq cannot merge across lanes (``seams_common``'s table)."""
+    return home_alone(f"hooks without a merge rule: {list(hooks)}",
+                      "none for these hooks (a merge rule per hook lives in dpq.autoround.seams_collection)")
+
+
+def awq_parent_hooks(hooks: Sequence[str]) -> str:
+    return home_alone(f"hooks on the parent: {list(hooks)} (a replay on a mirror would fire them there)")
+
+
+def rtn_override(quantizer: str, method: str) -> str:
+    return home_alone(f"{quantizer} overrides {method}", "none: dpq shards auto-round's own search only")
 
 
 def weights_span(label: str, n: int) -> str:
@@ -198,6 +212,21 @@ def pool_spread_devices(n: int, devices: Sequence[str]) -> str:
     """The no-grad passes' form of :func:`pool_spread`."""
     return home_alone(f"the calibration pool is spread over {n} devices ({devices})",
                       "--calibration_data_device with a single device to shard it")
+
+
+# -- 'auto''s cost model (dpq.cost_model through dpq.autoround.integration) -----------------------
+
+
+def auto_world_needs_auto(world: object) -> str:  # enable(world, auto_world=...) with a world other than 'auto'
+    return (f"auto_world was given but the world is {world!r}: only 'auto' chooses the world by predicted time, so "
+            "it would be ignored. Fix: parallel_quantization='auto', or drop auto_world")
+
+
+def auto_shared_device(lanes: int, devices: Sequence[str]) -> str:
+    """A plan note (not a refusal): 'auto''s default cost model did not choose for these lanes."""
+    return (f"auto: the {lanes} lanes share {', '.join(devices)}; the cost model divides compute over devices, so it "
+            "has no basis here and every fitting lane runs. Fix: none needed; to let it choose anyway, "
+            "enable(..., auto_world=dpq.cost_model.AutoWorld(compute_s=...))")
 
 
 # -- dpq.parallel_tune's arguments (dpq.autoround.api) ------------------------------------------
@@ -234,8 +263,7 @@ def pool_nonfinite(name: str, bad: Sequence[int], total: int) -> str:
             "run it in bfloat16 or float32)")
 
 
-def inputs_not_tensors() -> str:
-    return "inputs must be a non-empty list of tensors. Fix: pass one [1, seq, hidden] tensor per sample"
+INPUTS_NOT_TENSORS = "inputs must be a non-empty list of tensors. Fix: pass one [1, seq, hidden] tensor per sample"
 
 
 def samples_mismatched(shape0: Sequence[int], bad: Sequence[int], example: Sequence[int]) -> str:
@@ -243,9 +271,8 @@ def samples_mismatched(shape0: Sequence[int], bad: Sequence[int], example: Seque
             f"(e.g. {tuple(example)}). Fix: pad or truncate every sample to one sequence length")
 
 
-def outputs_not_tensors() -> str:
-    return "outputs must be a list of tensors. Fix: one reference output per input, or None to compute them from " \
-        "the fp block"
+OUTPUTS_NOT_TENSORS = ("outputs must be a list of tensors. Fix: one reference output per input, or None to compute "
+                       "them from the fp block")
 
 
 def outputs_count(outputs: int, inputs: int) -> str:
@@ -269,14 +296,10 @@ def others_device(key: str, devices: str, device: str) -> str:
     return f"input_others[{key!r}] is on {devices} but the inputs are on {device}. Fix: move it to {device}"
 
 
-def block_no_params() -> str:
-    return ("the block has no parameters: there is nothing to tune. Fix: pass a block with its weights, e.g. a "
-            "decoder layer (model.model.layers[i])")
-
-
-def block_on_meta() -> str:
-    return ("the block's weights are on the meta device (not loaded: an empty-weights or offloaded model). Fix: "
-            "load the block's weights onto its device first")
+BLOCK_NO_PARAMS = ("the block has no parameters: there is nothing to tune. Fix: pass a block with its weights, e.g. a "
+                  "decoder layer (model.model.layers[i])")
+BLOCK_ON_META = ("the block's weights are on the meta device (not loaded: an empty-weights or offloaded model). Fix: "
+                "load the block's weights onto its device first")
 
 
 def block_on_devices(devices: str) -> str:
@@ -320,15 +343,9 @@ def bad_count(iters: object = None, batch_size: object = None, accumulate: objec
 # -- auto-round-dp's flags (dpq.autoround.cli) --------------------------------------------------
 
 _REPORT_FIX = "Fix: --parallel_report with a file path in a writable folder, e.g. ./dpq_report.json"
-
-
-def debug_while_off() -> str:
-    return ("--parallel_debug has no effect with --parallel_quantization off (the default). "
-            "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
-
-
-def report_path_empty() -> str:
-    return f"--parallel_report is empty. {_REPORT_FIX}"
+DEBUG_WHILE_OFF = ("--parallel_debug has no effect with --parallel_quantization off (the default). "
+                  "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
+REPORT_PATH_EMPTY = f"--parallel_report is empty. {_REPORT_FIX}"
 
 
 def report_is_dir(path: str, suggestion: str) -> str:
@@ -340,9 +357,8 @@ def report_unwritable(path: str, why: str) -> str:
     return f"--parallel_report {path} cannot be written ({why}). {_REPORT_FIX}"
 
 
-def run_stopped() -> str:
-    return ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process and "
-            "--output_dir holds no complete model. Fix: rerun the command with --parallel_quantization auto or off")
+RUN_STOPPED = ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process and "
+              "--output_dir holds no complete model. Fix: rerun the command with --parallel_quantization auto or off")
 
 
 # -- lane failures (the failure policy, contract 6) ----------------------------------------------
@@ -400,6 +416,19 @@ def auto_round_unsupported(supported: Sequence[str], version: str, pip_bound: st
     return (f"dpq.autoround supports auto-round {' and '.join(s + '.x' for s in supported)} (it replaces auto-round "
             f"internals listed in dpq.autoround.patches), but auto-round {version} is installed. "
             f"Fix: pip install '{pip_bound}', or run plain auto-round without dpq.")
+
+
+def symbol_missing(symbol: str, error: str = "") -> str:
+    """A line of :func:`patch_mismatch` (which names the fix)."""
+    return f"{symbol} is missing" + (f" ({error})" if error else "")
+
+
+def symbol_differs(symbol: str, found: str, checked: str) -> str:
+    """A line of :func:`patch_mismatch` (which names the fix)."""
+    return f"{symbol}({found}) differs from the checked ({checked})"
+
+
+LINES = ("symbol_differs", "symbol_missing")  # parts of another text (patch_mismatch), which names the fix
 
 
 def patch_mismatch(version: str, checked: Sequence[str], problems: Sequence[str]) -> str:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dpq import session
+from dpq import refusals, session
 from dpq.cost_model import AutoWorld
 from dpq.mirror import tensors_in
 from dpq.plan import Plan, PlanRefused
@@ -69,59 +69,45 @@ def _nonfinite(samples: Sequence[torch.Tensor]) -> list[int]:
 def _check_pool(name: str, samples: Sequence[torch.Tensor], home: torch.device | None) -> list[str]:
     """dtype, device and finiteness of ``inputs`` / ``outputs``, each problem with its fix."""
     problems = []
-    dtypes = sorted({str(t.dtype) for t in samples})
+    dtypes = ", ".join(sorted({str(t.dtype) for t in samples}))
     if any(not t.is_floating_point() for t in samples):
-        problems.append(f"{name} are {', '.join(dtypes)}: parallel_tune takes the block's hidden states (floating "
-                        "point), not token ids. Fix: capture the layer's inputs and outputs, e.g. with "
-                        "dpq.demo.model.capture_block_inputs or from auto-round's cache")
+        problems.append(refusals.pool_not_float(name, dtypes))
     elif any(t.dtype not in _POOL_DTYPES for t in samples):
-        problems.append(f"{name} are {', '.join(dtypes)}: blocks are tuned in float32, float16 or bfloat16. Fix: cast "
-                        f"them to the block's dtype, e.g. [t.to(torch.float32) for t in {name}]")
+        problems.append(refusals.pool_dtype(name, dtypes))
     devices = {t.device for t in samples}
     if any(d.type == "meta" for d in devices):
-        problems.append(f"{name} are on the meta device: they have no values. Fix: pass the tensors captured from a "
-                        "real forward of the model")
+        problems.append(refusals.pool_on_meta(name))
         return problems
     if len(devices) > 1:
-        problems.append(f"{name} are spread over {', '.join(sorted(map(str, devices)))}. Fix: put every sample on "
-                        "one device: the block's, or the CPU")
+        problems.append(refusals.pool_spread_over(name, ", ".join(sorted(map(str, devices)))))
     elif home is not None and home.type != "meta" and devices and (dev := next(iter(devices))) not in (
             home, torch.device("cpu")):
-        problems.append(f"{name} are on {dev} but the block is on {home}. Fix: move them to {home}, or keep them on "
-                        "the CPU (each batch is copied to the lanes)")
+        problems.append(refusals.pool_device(name, str(dev), str(home)))
     if all(t.is_floating_point() for t in samples):
         bad = _nonfinite(samples)
         if bad:
-            problems.append(f"{name} {bad[:5]}{' ...' if len(bad) > 5 else ''} contain NaN or inf ({len(bad)} of "
-                            f"{len(samples)} samples): every loss would be NaN. Fix: recompute them from the fp "
-                            "model (an fp16 overflow upstream? run it in bfloat16 or float32)")
+            problems.append(refusals.pool_nonfinite(name, bad, len(samples)))
     return problems
 
 
 def _check_inputs(inputs, outputs, input_others, home: torch.device | None) -> list[str]:
     problems = []
     if not isinstance(inputs, (list, tuple)) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-        return ["inputs must be a non-empty list of tensors. Fix: pass one [1, seq, hidden] tensor per sample"]
+        return [refusals.INPUTS_NOT_TENSORS]
     shape0 = tuple(inputs[0].shape)
     bad = [i for i, t in enumerate(inputs) if tuple(t.shape) != shape0]
     if bad:
-        problems.append(
-            f"inputs have mismatched shapes: sample 0 is {shape0} but samples {bad[:5]} differ "
-            f"(e.g. {tuple(inputs[bad[0]].shape)}). Fix: pad or truncate every sample to one sequence length"
-        )
+        problems.append(refusals.samples_mismatched(shape0, bad, tuple(inputs[bad[0]].shape)))
     problems += _check_pool("inputs", inputs, home)
     if outputs is not None:
         if not isinstance(outputs, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in outputs):
-            problems.append("outputs must be a list of tensors. Fix: one reference output per input, or None to "
-                            "compute them from the fp block")
+            problems.append(refusals.OUTPUTS_NOT_TENSORS)
         elif len(outputs) != len(inputs):
-            problems.append(f"outputs has {len(outputs)} samples but inputs has {len(inputs)}. Fix: give one "
-                            "output per input")
+            problems.append(refusals.outputs_count(len(outputs), len(inputs)))
         else:
             bad = [i for i, (a, b) in enumerate(zip(inputs, outputs, strict=True)) if a.shape[:-1] != b.shape[:-1]]
             if bad:
-                problems.append(f"outputs {bad[:5]} do not match their inputs' batch/sequence shape. Fix: pass each "
-                                "input's own block output, in the same order")
+                problems.append(refusals.outputs_shape(bad))
             problems += _check_pool("outputs", outputs, home)
     in_dev = inputs[0].device
     # auto-round's block forward moves input_others with the inputs, and only when the inputs move:
@@ -129,14 +115,12 @@ def _check_inputs(inputs, outputs, input_others, home: torch.device | None) -> l
     allowed = {in_dev} if in_dev == home or home is None else {in_dev, home}
     for key, val in (input_others if isinstance(input_others, dict) else {}).items():
         if isinstance(val, list) and len(val) not in (0, 1, len(inputs)):
-            problems.append(f"input_others[{key!r}] has {len(val)} entries. Fix: give one per sample, or one shared")
+            problems.append(refusals.others_count(key, len(val)))
         devs = {t.device for t in tensors_in(val, levels=3)}
         if any(d.type == "meta" for d in devs):
-            problems.append(f"input_others[{key!r}] is on the meta device. Fix: pass the values captured from a real "
-                            "forward")
+            problems.append(refusals.others_on_meta(key))
         elif wrong := sorted(map(str, devs - allowed)):
-            problems.append(f"input_others[{key!r}] is on {', '.join(wrong)} but the inputs are on {in_dev}. Fix: "
-                            f"move it to {in_dev}")
+            problems.append(refusals.others_device(key, ", ".join(wrong), str(in_dev)))
     return problems
 
 
@@ -144,46 +128,33 @@ def _check_block(block: torch.nn.Module, scheme: str, bits: int | None) -> list[
     """What makes ``block`` untunable, each with its fix (nothing is touched)."""
     params = list(block.parameters())
     if not params:
-        return ["the block has no parameters: there is nothing to tune. Fix: pass a block with its weights, e.g. a "
-                "decoder layer (model.model.layers[i])"]
+        return [refusals.BLOCK_NO_PARAMS]
     problems = []
     devices = {p.device for p in params}
     if any(d.type == "meta" for d in devices):
-        problems.append("the block's weights are on the meta device (not loaded: an empty-weights or offloaded "
-                        "model). Fix: load the block's weights onto its device first")
+        problems.append(refusals.BLOCK_ON_META)
     elif len(devices) > 1:
-        problems.append(f"the block's weights span {', '.join(sorted(map(str, devices)))}. Fix: move the block to one "
-                        "device, e.g. block.to('cuda:0')")
+        problems.append(refusals.block_on_devices(", ".join(sorted(map(str, devices)))))
     wrapped = [n for n, m in block.named_modules() if hasattr(m, "orig_layer")]
     if wrapped:
-        problems.append(f"the block is already wrapped for tuning ({', '.join(wrapped[:3])}"
-                        f"{', ...' if len(wrapped) > 3 else ''}: auto-round's wrapper_block put wrappers around them). "
-                        "Fix: pass the block as it was before wrapping (each wrapper's .orig_layer is the original "
-                        "layer)")
+        problems.append(refusals.block_already_wrapped(wrapped))
     layers = {n: m for n, m in block.named_modules() if type(m) in SUPPORTED_LAYER_TYPES}
     quantized = [n for n, m in layers.items() if "scale" in m.__dict__ and "zp" in m.__dict__]
     packed = [n for n, m in block.named_modules() if hasattr(m, "qweight")]
     if quantized or packed:
-        names = quantized or packed
-        what = "carry the scale/zp that auto-round's unwrap leaves" if quantized else "are packed (qweight)"
-        problems.append(f"the block is already quantized ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''} "
-                        f"{what}): tuning it again would round already rounded weights. Fix: pass the fp block "
-                        "(a copy taken before quantizing, or the reloaded model's layer)")
+        problems.append(refusals.block_already_quantized(quantized or packed, packed=not quantized))
     if not layers:
-        kinds = sorted({type(m).__name__ for m in block.modules() if m._parameters})
-        problems.append(f"the block has no Linear layer to quantize (its weights are in {', '.join(kinds[:5])}): "
-                        "SignRound tunes Linear weights. Fix: pass a block with Linear layers, e.g. a decoder layer")
+        problems.append(refusals.block_no_linear(sorted({type(m).__name__ for m in block.modules() if m._parameters})))
     else:
         try:
             scheme_bits = preset_name_to_scheme(scheme).bits
         except KeyError:
-            problems.append(f"unknown scheme {scheme!r}. Fix: one of auto-round's preset names, e.g. 'W4A16'")
+            problems.append(refusals.unknown_scheme(scheme))
             return problems
         eff = {n: bits if bits is not None else getattr(m, "bits", scheme_bits if isinstance(m, torch.nn.Linear)
                                                           else None) for n, m in layers.items()}
         if all(b is None or int(b) > 8 for b in eff.values()):
-            problems.append(f"no layer of the block would be quantized: bits {sorted({str(b) for b in eff.values()})} "
-                            "(auto-round quantizes bits <= 8 only). Fix: bits <= 8, e.g. scheme='W4A16'")
+            problems.append(refusals.no_quantized_layer(sorted({str(b) for b in eff.values()})))
     return problems
 
 
@@ -263,10 +234,9 @@ def parallel_tune(
     home = None if home is not None and home.type == "meta" else home  # said once, by _check_block
     problems = _check_block(block, scheme, bits) + _check_inputs(inputs, outputs, input_others, home)
     if not isinstance(iters, int) or iters < 1:
-        problems.append(f"iters must be >= 1, got {iters!r}. Fix: e.g. iters=200 (auto-round's default)")
+        problems.append(refusals.bad_count(iters=iters))
     if batch_size < 1 or gradient_accumulate_steps < 1:
-        problems.append(f"batch_size and gradient_accumulate_steps must be >= 1, got {batch_size} and "
-                        f"{gradient_accumulate_steps}. Fix: e.g. batch_size=8, gradient_accumulate_steps=1")
+        problems.append(refusals.bad_count(batch_size=batch_size, accumulate=gradient_accumulate_steps))
     settings = SignRoundSettings(
         iters=iters, batch_size=batch_size, gradient_accumulate_steps=gradient_accumulate_steps,
         enable_minmax_tuning=enable_minmax_tuning, not_use_best_mse=not_use_best_mse,

@@ -70,22 +70,22 @@ def report_path_errors(path: str | None) -> list[str]:
     """Why the report cannot be written to ``path`` (empty: it can). Checked when the arguments are
     parsed, so that a bad path does not surface after the whole job. Creates missing parent folders
     (the report goes there anyway) and leaves no file behind."""
+    from dpq import refusals
+
     if path is None:
         return []
-    fix = "Fix: --parallel_report with a file path in a writable folder, e.g. ./dpq_report.json"
     if not path.strip():
-        return [f"--parallel_report is empty. {fix}"]
+        return [refusals.REPORT_PATH_EMPTY]
     out = Path(path)
     if out.is_dir():
-        return [f"--parallel_report {path} is a directory; the report is one JSON file. "
-                f"Fix: e.g. --parallel_report {out / 'dpq_report.json'}"]
+        return [refusals.report_is_dir(path, str(out / "dpq_report.json"))]
     existed = out.exists()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "a"):
             pass
     except OSError as e:
-        return [f"--parallel_report {path} cannot be written ({e.strerror or e}). {fix}"]
+        return [refusals.report_unwritable(path, str(e.strerror or e))]
     if not existed:
         out.unlink(missing_ok=True)
     return []
@@ -93,12 +93,12 @@ def report_path_errors(path: str | None) -> list[str]:
 
 def argument_errors(ours: argparse.Namespace) -> list[str]:
     """Every problem with our flags, found before anything loads."""
+    from dpq import refusals
     from dpq.plan import check_arguments
 
     problems = [p.removeprefix("dpq: ") for p in check_arguments(ours.parallel_quantization, ours.parallel_devices)]
     if ours.parallel_debug and str(ours.parallel_quantization).strip().lower() == "off":
-        problems.append("--parallel_debug has no effect with --parallel_quantization off (the default). "
-                        "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
+        problems.append(refusals.DEBUG_WHILE_OFF)
     return problems + report_path_errors(ours.parallel_report)
 
 
@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     if failure is not None:
         print(f"auto-round-dp: {failure}", file=sys.stderr)
         if isinstance(failure, ParallelLaneError):
-            print("auto-round-dp: the run stopped before auto-round saved a model: the blocks quantized so far end "
-                  "with this process and --output_dir holds no complete model. Rerun the command with "
-                  "--parallel_quantization auto or off", file=sys.stderr)
+            from dpq import refusals
+
+            print(f"auto-round-dp: {refusals.RUN_STOPPED}", file=sys.stderr)
         return 1
     return 0
 

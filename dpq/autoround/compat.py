@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dpq import refusals
+
 SUPPORTED = ("0.16", "0.17")  # the series the patch table (dpq.autoround.patches) covers
 PIP_BOUND = "auto-round>=0.16.1,<0.18"
 
@@ -11,13 +13,9 @@ def check_auto_round_version() -> str:
     try:
         from auto_round.version import __version__
     except ImportError as e:  # pragma: no cover - auto-round is a hard dependency
-        raise ImportError(f"dpq.autoround needs auto-round 0.16.x or 0.17.x: pip install '{PIP_BOUND}'") from e
+        raise ImportError(refusals.auto_round_missing(PIP_BOUND)) from e
     if ".".join(__version__.split(".")[:2]) not in SUPPORTED:
-        raise RuntimeError(
-            f"dpq.autoround supports auto-round {' and '.join(s + '.x' for s in SUPPORTED)} (it replaces auto-round "
-            f"internals listed in dpq.autoround.patches), but auto-round {__version__} is installed. "
-            f"Fix: pip install '{PIP_BOUND}', or run plain auto-round without dpq."
-        )
+        raise RuntimeError(refusals.auto_round_unsupported(SUPPORTED, __version__, PIP_BOUND))
     return __version__
 
 

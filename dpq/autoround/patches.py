@@ -21,6 +21,8 @@ import importlib
 import inspect
 from dataclasses import dataclass, field
 
+from dpq import refusals
+
 __all__ = ["NOT_PATCHED", "TABLE", "Frame", "Patch", "PatchMismatch", "chained", "check", "current", "frame", "frames",
            "install", "installed", "last", "original", "patches_for", "series", "uninstall"]
 
@@ -154,31 +156,25 @@ def check(version: str | None = None) -> list[str]:
         try:
             owner = _resolve(p.owner)
         except (ImportError, AttributeError) as e:
-            problems.append(f"{p.owner} is missing ({e})")
+            problems.append(refusals.symbol_missing(p.owner, str(e)))
             continue
         fn = _upstream(owner, p.name)
         if fn is _MISSING:
-            problems.append(f"{p.symbol} is missing")
+            problems.append(refusals.symbol_missing(p.symbol))
             continue
         fn = inspect.unwrap(fn)
         if not getattr(fn, "__module__", "").startswith("auto_round"):
             continue  # someone else's patch, put before dpq's: theirs answers for what it calls
         found = params_of(fn)
         if found != p.signatures[s]:
-            problems.append(f"{p.symbol}({found}) differs from the checked ({p.signatures[s]})")
+            problems.append(refusals.symbol_differs(p.symbol, found, p.signatures[s]))
     return problems
 
 
 def _refuse(problems: list[str]) -> PatchMismatch:
     from auto_round.version import __version__
 
-    return PatchMismatch(
-        f"dpq: auto-round {__version__} is installed, and these functions dpq replaces differ from the ones "
-        f"dpq checked (auto-round {', '.join(sorted({c for p in TABLE for c in p.checked}))}):\n"
-        + "\n".join(f"  - {x}" for x in problems)
-        + "\ndpq does not run a changed upstream function through its copy. Fix: install a checked auto-round "
-        "(pip install 'auto-round==0.16.1', or auto-round-nightly==0.17.0.dev20261026 with dpq installed --no-deps), "
-        "or run without dpq (--parallel_quantization off)")
+    return PatchMismatch(refusals.patch_mismatch(__version__, sorted({c for p in TABLE for c in p.checked}), problems))
 
 
 @dataclass

@@ -24,6 +24,7 @@ from auto_round.algorithms.transforms.awq.base import AWQTransform
 from auto_round.logger import logger
 from auto_round.utils.model import move_to_device
 
+from dpq import refusals
 from dpq.mirror import ReplicaSet
 from dpq.plan import MARGIN
 from dpq.shard import contiguous_ranges, copy_to_lane, map_over_lanes, shard_forward
@@ -70,19 +71,19 @@ def _awq_grid_refusals(mapping, kwargs_list) -> list[str]:
     parent = mapping.parent
     reasons = []
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        reasons.append("a torch.distributed group is active")
+        reasons.append(refusals.PASS_DIST_ACTIVE)
     if not any(True for _ in parent.parameters()):
-        reasons.append("the parent has no weights")
+        reasons.append(refusals.AWQ_NO_WEIGHTS)
     reasons.extend(mirror_refusals(parent, "parent"))
     hooked = [f"{n or '<parent>'}:{hook_name(fn)}" for n, m in parent.named_modules()
               for d in (*HOOK_DICTS, "_backward_hooks", "_backward_pre_hooks") for fn in getattr(m, d, {}).values()]
     if hooked:  # a replay on a mirror would fire them there, not on home
-        reasons.append(f"hooks on the parent: {sorted(set(hooked))}")
+        reasons.append(refusals.awq_parent_hooks(sorted(set(hooked))))
     inside = {id(m) for m in parent.modules()}
     if any(id(bl) not in inside for bl in mapping.balance_layers):
-        reasons.append("a balance layer is outside the replayed parent")
+        reasons.append(refusals.AWQ_BALANCE_OUTSIDE)
     if not all(isinstance(e, tuple) and len(e) == 2 for e in kwargs_list):
-        reasons.append("the cached parent calls are not (args, kwargs) pairs")
+        reasons.append(refusals.AWQ_CALLS_NOT_PAIRS)
     return reasons
 
 
@@ -128,15 +129,12 @@ def grid_search_scales(self, mapping, x_mean):
         for bl, data in zip(mapping.balance_layers, saved, strict=True):
             bl.weight.data = data
         if world() != "auto":
-            raise ParallelLaneError(
-                f"dpq: a lane failed in the {label} of {block} at world {len(lanes)}: {err!r}. The balance "
-                "weights were restored. Fix: rerun with --parallel_quantization auto (falls back to serial) or off"
-            ) from err
-        logger.warning(f"dpq: a lane failed in the {label} ({err!r}); weights restored, rerunning it on home")
+            raise ParallelLaneError(refusals.awq_lane_failed(label, block, len(lanes), repr(err))) from err
+        logger.warning(refusals.pass_lane_failed_rerun(f"the {label}", repr(err), "weights"))
         scratch().awq_grid = None
         out = original(self, mapping, x_mean)
         scratch().records.append(PhaseRecord(block, "search", 1, time.perf_counter() - t0, f"{label} on home",
-                                             [f"lane failure: {err!r}"], fell_back=True))
+                                             [refusals.lane_failure(repr(err))], fell_back=True))
         return out
     finally:
         scratch().awq_grid = None
@@ -280,7 +278,7 @@ def clip_block(self, block_prefix, block_mappings):
     items = [it for it in items if counts[id(it[0])] == 1]  # a layer clipped twice sees its first clip
     reasons: list[str] = []
     if any(bl.weight.device.type == "meta" for bl, _ in items):
-        reasons.append("a balance layer is on the meta device (disk streaming)")
+        reasons.append(refusals.AWQ_BALANCE_ON_META)
     price = max((bl.weight.numel() * 4 for bl, _ in items), default=0) * 4
     lanes = plan_lanes(len(items), price or None, reasons) if len(items) > 1 else None
     if lanes is None:

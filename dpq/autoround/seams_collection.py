@@ -21,6 +21,7 @@ from auto_round.algorithms.composer import AlgorithmComposer
 from auto_round.algorithms.quantization.rtn.quantizer import RTNQuantizer
 from auto_round.logger import logger
 
+from dpq import refusals
 from dpq.plan import MARGIN
 from dpq.shard import sharded_collection
 
@@ -61,11 +62,11 @@ def _block_refusals(block, inputs, runner) -> list[str]:
     """Why this block's passes must run on home alone (empty: they can be sharded)."""
     reasons = []
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        reasons.append("a torch.distributed group is active")
+        reasons.append(refusals.PASS_DIST_ACTIVE)
     if not isinstance(inputs, list) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-        reasons.append("the pool is not a flat list of tensors (diffusion-style dict pool)")
+        reasons.append(refusals.PASS_DICT_POOL)
     reasons.extend(mirror_refusals(block, "block"))
-    reasons.extend(pool_device_refusals(inputs))
+    reasons.extend(pool_device_refusals(inputs, text=refusals.pool_spread_devices))
     return reasons
 
 
@@ -161,7 +162,7 @@ class ShardedRunner:
         reasons = _block_refusals(block, inputs, runner)
         spec, sinks, unknown = _classify_hooks(block)
         if unknown:
-            reasons.append(f"hooks without a merge rule run on home alone: {sorted(set(unknown))}")
+            reasons.append(refusals.unmergeable_hooks(sorted(set(unknown))))
         bs = max(1, int(runner.batch_size))
         n = len(inputs) if isinstance(inputs, list) else 0
         lanes = None if reasons else plan_lanes(
@@ -175,15 +176,12 @@ class ShardedRunner:
             out = self._sharded(block, inputs, input_others, cache_device, lanes, spec, bs)
         except Exception as err:
             if world() != "auto":
-                raise ParallelLaneError(
-                    f"dpq: a lane failed in a collection pass of {self._block_name} at world {len(lanes)}: "
-                    f"{err!r}. The home block's statistics were restored; nothing already quantized was lost. "
-                    "Fix: rerun with --parallel_quantization auto (falls back to serial per pass) or off"
-                ) from err
-            logger.warning(f"dpq: a lane failed in a collection pass of {self._block_name} ({err!r}); "
-                           "statistics restored, rerunning the pass on home")
+                raise ParallelLaneError(refusals.collection_lane_failed(self._block_name, len(lanes), repr(err))
+                                        ) from err
+            logger.warning(refusals.pass_lane_failed_rerun(f"a collection pass of {self._block_name}", repr(err),
+                                                           "statistics"))
             out = self._home(block, inputs, input_others, indices, cache_device)
-            self._record(1, t0, detail, [f"lane failure: {err!r}"], fell_back=True)
+            self._record(1, t0, detail, [refusals.lane_failure(repr(err))], fell_back=True)
             return out
         self._record(len(lanes), t0, detail, reasons)
         return out

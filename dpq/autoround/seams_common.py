@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dpq import refusals
 from dpq.plan import PlanRequest
 from dpq.session import fault_point, lanes_for
 
@@ -168,28 +169,27 @@ def mirror_refusals(module: torch.nn.Module, label: str) -> list[str]:
     reasons = []
     devices = {p.device for p in module.parameters()}
     if len(devices) > 1:
-        reasons.append(f"the {label}'s weights span {len(devices)} devices (auto-round's split placement)")
+        reasons.append(refusals.weights_span(label, len(devices)))
     elif devices and next(iter(devices)).type == "meta":
-        reasons.append(f"the {label} is on the meta device (disk streaming)")
+        reasons.append(refusals.on_meta(label))
     if any(hasattr(m, "_hf_hook") for m in module.modules()):
-        reasons.append(f"the {label} carries accelerate dispatch hooks")
+        reasons.append(refusals.dispatch_hooks(label))
     for name, m in module.named_modules():
         fwd = m.__dict__.get("forward")
         if fwd is not None and getattr(fwd, "__self__", m) is not m:
             # a mirror would deep-copy whatever the replacement forward is bound to
-            reasons.append(f"{name or 'the ' + label} has its forward replaced by {type(fwd).__name__}")
+            reasons.append(refusals.forward_replaced(name or "the " + label, type(fwd).__name__))
             break
     return reasons
 
 
-def pool_device_refusals(*pools) -> list[str]:
+def pool_device_refusals(*pools, text=refusals.pool_spread) -> list[str]:
     """auto-round 0.17's ``--calibration_data_device`` may spread a pool over several devices;
-    lanes stage slices from one pool device only (not supported yet)."""
+    lanes stage slices from one pool device only (not supported yet). ``text``: the tuner's
+    refusal, or a pass's reason to run on home alone (``refusals.pool_spread_devices``)."""
     devices = {t.device for pool in pools if isinstance(pool, list) for t in pool if isinstance(t, torch.Tensor)}
     if len(devices) > 1:
-        return [f"the calibration pool is spread over {len(devices)} devices ({sorted(map(str, devices))}, "
-                "auto-round 0.17's --calibration_data_device): dpq stages lane slices from one pool device only; "
-                "use --calibration_data_device with a single device, or --parallel_quantization off"]
+        return [text(len(devices), sorted(map(str, devices)))]
     return []
 
 

@@ -17,6 +17,7 @@ from auto_round.algorithms.quantization.rtn.quantizer import OptimizedRTNQuantiz
 from auto_round.utils import check_to_quantized, set_module
 from auto_round.utils.device_manager import device_manager
 
+from dpq import refusals
 from dpq.shard import bring_home, copy_to_lane, map_over_lanes
 
 from . import patches
@@ -49,13 +50,13 @@ def _scratch_root(name: str, module: torch.nn.Module) -> torch.nn.Module:
 
 def _search_lanes(q, targets: Sequence[torch.nn.Module], reasons: list[str]):
     if type(q)._quantize_layer_via_rtn is not BaseQuantizer._quantize_layer_via_rtn:
-        reasons.append(f"{type(q).__name__} overrides _quantize_layer_via_rtn")
+        reasons.append(refusals.rtn_override(type(q).__name__, "_quantize_layer_via_rtn"))
     if type(q).quantize_layer_outside_block is not BaseQuantizer.quantize_layer_outside_block:
-        reasons.append(f"{type(q).__name__} overrides quantize_layer_outside_block")
+        reasons.append(refusals.rtn_override(type(q).__name__, "quantize_layer_outside_block"))
     if any(not getattr(m, "global_name", None) for m in targets):
-        reasons.append("a target layer has no global_name")
+        reasons.append(refusals.RTN_NO_GLOBAL_NAME)
     if any(p.device.type == "meta" for m in targets for p in m.parameters()):
-        reasons.append("a target layer is on the meta device (disk streaming)")
+        reasons.append(refusals.RTN_ON_META)
     price = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in targets), default=0) * 4
     return plan_lanes(len(targets), price or None, reasons)
 
