@@ -21,6 +21,7 @@ nothing of the tuner:
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,8 +71,9 @@ class ProcessSet:
     ``store``: the group's store, which failures are reported through; ``grace_s``: how long a
     rank that lost contact waits for the others' reports before naming the silent ones;
     ``global_ranks``: each group rank's global rank (messages name those; None: the same);
-    ``runs``: blocks run so far (every rank runs the same blocks in the same order, so the
-    count names one block's keys in the store)."""
+    ``job``: a token rank 0 draws at the first agreement, naming this job's keys in the store
+    (a store can outlive a job: torchrun's agent keeps it across restarts). Any failure is
+    fatal, so each rank writes its report once per job. Make one per job."""
 
     rank: int
     size: int
@@ -79,7 +81,7 @@ class ProcessSet:
     group: object = None
     grace_s: float = 5.0
     global_ranks: list[int] | None = None
-    runs: int = field(default=0, compare=False)
+    job: str | None = field(default=None, compare=False)
 
     @classmethod
     def detect(cls, group: object = None, *, grace_s: float = 5.0) -> ProcessSet | None:
@@ -107,7 +109,7 @@ class ProcessSet:
         return out
 
     def _key(self, rank: int) -> str:
-        return f"dpq/run{self.runs}/failed/{rank}"
+        return f"dpq/{self.job or 'before-agreement'}/failed/{rank}"
 
     def stop(self, err: BaseException, lost: bool) -> RankFailure:
         """This rank's part of a failure (module docstring); returns the error to raise.
@@ -194,6 +196,7 @@ class RankPlan:
     reasons: list[str]  # the refusal's reasons, or why 'auto' kept fewer
     refused: bool = False
     serial: bool = False  # the tuner cannot be split here (its own serial run on every rank)
+    job: str = ""  # rank 0, at the job's first agreement: the token of the job's store keys
 
 
 def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[ProcessLayout | None, list[str]]:
@@ -207,7 +210,10 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Pro
     """
     from dpq.plan import PlanRefused
 
+    if procs.job is None and procs.rank == 0:
+        mine.job = uuid.uuid4().hex
     plans: Sequence[RankPlan] = procs.all_gather_object(mine)
+    procs.job = procs.job or plans[0].job
     refusals = [f"rank {procs.name(r)}: {reason}" for r, p in enumerate(plans) if p.refused for reason in p.reasons]
     asked = {repr(p.requested) for p in plans}
     if len(asked) > 1:

@@ -191,7 +191,6 @@ def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet,
                  plan: Plan | None) -> tuple[Plan, ProcessLayout | None]:
     """This rank's plan agreed with every other rank's (dpq.distributed.agree): the same local
     lane count everywhere, or the same refusal everywhere, or serial everywhere (layout None)."""
-    procs.runs += 1  # every rank runs the same blocks in order: the count names this block's reports
     try:
         try:
             plan = plan if plan is not None else plan_for(config, task)

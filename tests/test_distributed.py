@@ -269,6 +269,19 @@ class Gathered(ProcessSet):
         return self.plans
 
 
+def test_job_token_from_rank_0():
+    from dpq.distributed import RankPlan, agree
+
+    plans = [RankPlan("auto", 1, []), RankPlan("auto", 1, [])]
+    first, second = Gathered(0, plans), Gathered(1, plans)
+    agree(first, plans[0], 8)  # rank 0 draws it; the gathered plans carry it to every rank
+    agree(second, plans[1], 8)
+    assert first.job and second.job == first.job and first._key(1) == f"dpq/{first.job}/failed/1"
+    plans[0].job = "another"
+    agree(first, plans[0], 8)
+    assert first.job != "another"  # drawn once per job
+
+
 def _agree(plans, rank=1, samples=8):
     from dpq.distributed import agree
 
