@@ -16,12 +16,15 @@ import multiprocessing
 import os
 import random
 import time
+from typing import ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dpq import tune_loop
 from dpq.distributed import ProcessLayout, ProcessSet, RankFailure, lane_offset
+from dpq.exchange import GradBuckets
 from dpq.plan import PlanRefused
 from dpq.session import BlockTask, SessionConfig, run
 from dpq.tune_loop import TuneSpec
@@ -133,8 +136,20 @@ LAYOUTS = {"4x1": (4, 1), "2x2": (2, 2), "2x1": (2, 1)}
 ENDING = {1: "raise", 3: "kill"}
 
 
+class SmallBuckets(GradBuckets):
+    """One bucket per tuned parameter here (64 elements at most each), so the overlapped
+    exchange issues several collectives from backward hooks, in the same order on every rank."""
+
+    made: ClassVar[list[int]] = []  # the bucket count of each one made
+
+    def __init__(self, params_per_lane, bucket_cap_elems: int = 64, lanes=None) -> None:
+        super().__init__(params_per_lane, bucket_cap_elems, lanes)
+        SmallBuckets.made.append(len(self.bucket_ranges))
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
+    tune_loop.GradBuckets = SmallBuckets  # this process only; the reference keeps one bucket
     dist.init_process_group("gloo", store=dist.FileStore(store, 4), rank=rank, world_size=4,
                             timeout=datetime.timedelta(seconds=20))
     groups = [dist.new_group(ranks) for ranks in PAIRS]  # every rank makes every group, in order
@@ -148,6 +163,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         run(SessionConfig(world=2, devices=devices, processes=procs["pair"]), make_task("sign"))
     except PlanRefused as err:
         result["refused"] = err.reasons
+    result["buckets"] = set(SmallBuckets.made)
     torch.save(result, f"{out}/rank{rank}.pt")  # a killed rank's tuning is checked too
     _failing_run(rank, procs["pair"], result)
     torch.save(result, f"{out}/rank{rank}.pt")
@@ -226,6 +242,7 @@ def test_layouts_bitwise_equal(spawned, reference, layout):
             assert got[layout][case]["layout"] == ProcessLayout(processes, group_rank, lanes).describe()
             assert got[layout][case]["communicator"] == "pg-gloo"
             _assert_same_run(got[layout][case], reference[case])
+        assert got["buckets"] == {3}  # several buckets exchanged across processes (from hooks: the sign case)
 
 
 def test_refusal_on_one_rank_stops_every_rank(spawned):
