@@ -45,6 +45,7 @@ join the lanes they touch (R4). The caller's teardown joins everything (``Replic
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -161,6 +162,7 @@ class TuneEngine:
             raise ValueError(f"dpq: local lanes {self.lane_offset}..{self.lane_offset + replicas.world - 1} are not "
                              f"lanes of world {self.world}")
         self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
+        self._drawn: HostCopy | None = None  # across processes: each global lane's checksum of the indices
 
     @property
     def lanes(self) -> list[Lane]:
@@ -212,7 +214,7 @@ class TuneEngine:
                 continue
             # R6: queued now, before the last backward and the exchange, so the readback waits
             # for the losses only. (Earlier micro-steps' backwards precede it on lane 0's stream.)
-            readback = HostCopy(torch.stack(self._fold_losses(step_losses, per_lane)))
+            readback = HostCopy(torch.stack(self._fold_losses(step_losses, per_lane, indices)))
             before = self._wire_bytes()
             local = [g - offset for g in reached if 0 <= g - offset < len(self.lanes)]
             # Across processes, buckets complete in the same order on every rank only when every
@@ -229,9 +231,21 @@ class TuneEngine:
                 if world > 1:  # world 1: one lane already holds the full gradient
                     self.exchange.exchange(self.buckets)
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
-        return readback.tolist()  # the one host sync of the iteration
+        losses = readback.tolist()  # the one host sync of the iteration
+        if self._drawn is not None:
+            self._check_drawn(self._drawn.tolist())
+        return losses
 
-    def _fold_losses(self, step_losses: list[dict], per_lane: list[list[list[int]]]) -> list[torch.Tensor]:
+    def _check_drawn(self, checksums: list[float]) -> None:
+        """Across processes: every global lane's checksum of the iteration's indices agrees."""
+        others = sorted({g // len(self.lanes) for g, c in enumerate(checksums) if c != checksums[0]})
+        if others:
+            raise RuntimeError(f"dpq: process rank {', '.join(map(str, others))} drew other sample indices than rank "
+                               "0 this iteration: every rank must draw the serial run's indices (the same sampler "
+                               "and seed, no rank-dependent use of the random generators before the tune)")
+
+    def _fold_losses(self, step_losses: list[dict], per_lane: list[list[list[int]]],
+                     indices: list[int]) -> list[torch.Tensor]:
         """Each micro-step's loss on the current stream: the sum of the global lanes' losses in
         global lane order, folded the same way for every layout (so the same bits on every rank).
 
@@ -239,7 +253,7 @@ class TuneEngine:
         its memory; across devices, copied on the lane). Across processes every global lane's
         losses come from one all-gather (exact copies) instead."""
         if self.world > len(self.lanes):
-            losses = self._gather_losses(step_losses)
+            losses = self._gather_losses(step_losses, indices)
         else:
             home = self.lanes[0].device
             losses = [{g: lane.hand_home(loss, home, mark=done) for g, (lane, loss, done) in s.items()}
@@ -250,24 +264,29 @@ class TuneEngine:
             out.append(terms[0] if len(terms) == 1 else torch.stack(terms).sum())
         return out
 
-    def _gather_losses(self, step_losses: list[dict]) -> list[dict[int, torch.Tensor]]:
+    def _gather_losses(self, step_losses: list[dict], indices: list[int]) -> list[dict[int, torch.Tensor]]:
         """Every global lane's micro-step losses, on lane 0 (home), as exact copies: each local
         lane sends its micro-steps' losses from its own stream as float64 bytes (exact for every
         float dtype up to 64 bits; zero where it has no chunk), each cast back to the losses'
-        dtype. The communicator orders the lanes' streams around the collective (R4)."""
+        dtype. The communicator orders the lanes' streams around the collective (R4).
+
+        Each lane also sends a checksum of the iteration's indices: every rank must draw the
+        serial run's indices (same sampler, same seed); a rank that drew others stops the run."""
         dtype = next((loss.dtype for s in step_losses for _, loss, _ in s.values()), None) or self._loss_dtype
         self._loss_dtype = dtype
+        drawn = torch.tensor([float(zlib.crc32(repr(indices).encode()))], dtype=torch.float64)  # < 2**32: exact
         send, recv = [], []
         for k, lane in enumerate(self.lanes):
             g = self.lane_offset + k
             with lane.issue():
                 zero = torch.zeros((), dtype=torch.float64, device=lane.device)
                 mine = [s[g][1].reshape(()).to(torch.float64) if g in s else zero for s in step_losses]
-                send.append(torch.stack(mine).view(torch.uint8))
+                send.append(torch.cat([torch.stack(mine), drawn.to(lane.device)]).view(torch.uint8))
                 recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
         self.exchange.comm.all_gather(send, recv)
         steps = len(step_losses)  # the same on every rank: counted from the global split
-        table = recv[0].view(torch.float64).view(self.world, steps)  # [global lane, micro-step]
+        table = recv[0].view(torch.float64).view(self.world, steps + 1)  # [global lane, micro-step | checksum]
+        self._drawn = HostCopy(table[:, steps].clone())  # read after the iteration's one readback
         return [{g: table[g, m].to(dtype) for g in range(self.world)} for m in range(steps)]
 
     def _wire_bytes(self) -> int:

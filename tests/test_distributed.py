@@ -68,8 +68,10 @@ class SignStep(torch.optim.Optimizer):
 
 
 class Sampler:
+    seed = 1234  # the same on every rank, as a tuner's seeded sampler is (a rank that differs is caught)
+
     def __init__(self, n: int, batch: int) -> None:
-        self.rng, self.n, self.batch = random.Random(1234), n, batch
+        self.rng, self.n, self.batch = random.Random(self.seed), n, batch
 
     def next_batch(self) -> list[int]:
         return self.rng.sample(range(self.n), self.batch)
@@ -152,11 +154,21 @@ def _worker(rank: int, store: str, out: str) -> None:
     tune_loop.GradBuckets = SmallBuckets  # this process only; the reference keeps one bucket
     dist.init_process_group("gloo", store=dist.FileStore(store, 4), rank=rank, world_size=4,
                             timeout=datetime.timedelta(seconds=20))
-    groups = [dist.new_group(ranks) for ranks in PAIRS]  # every rank makes every group, in order
-    procs = {"4x1": ProcessSet.detect(grace_s=2.0), "pair": ProcessSet.detect(groups[rank // 2], grace_s=2.0)}
+    # every rank makes every group, in order; W=4 on a group of all four (not the default group),
+    # so that its failure below (which destroys the group) leaves the pairs' groups alone
+    groups = [dist.new_group(ranks) for ranks in PAIRS] + [dist.new_group([0, 1, 2, 3])]
+    procs = {"4x1": ProcessSet.detect(groups[2], grace_s=2.0),
+             "pair": ProcessSet.detect(groups[rank // 2], grace_s=2.0)}
     result: dict = {}
     for name, (processes, lanes) in LAYOUTS.items():
         result[name] = {case: tune(case, lanes, procs["4x1" if processes == 4 else "pair"]) for case in CASES}
+    if rank == 2:  # rank 2 draws other indices: every rank must stop at the first iteration, naming it
+        Sampler.seed = 99
+    try:
+        tune("sign", 1, procs["4x1"])
+    except RankFailure as err:
+        result["drew"] = str(err)
+    Sampler.seed = 1234
     # a refusal on a pair's second rank reaches the first before any work; the group goes on
     devices = ["cpu", "cpu"] if rank % 2 == 0 else ["cpu", "nowhere"]
     try:
@@ -253,6 +265,12 @@ def test_refusal_on_one_rank_stops_every_rank(spawned):
         assert not any(r.startswith(f"rank {first}: ") for r in got["refused"])
 
 
+def test_rank_that_drew_other_indices_stops_every_rank(spawned):
+    _, results = spawned
+    for got in results:
+        assert "dpq: process rank 2 drew other sample indices than rank 0" in got["drew"], got.get("drew")
+
+
 def test_failing_rank_stops_every_rank(spawned):
     """Ranks 0,1: rank 1 raises; ranks 2,3: rank 3 is killed. The other rank of each pair exits
     non-zero within the bound, naming the rank (its global rank), its home block restored."""
@@ -324,3 +342,16 @@ def test_agreement():
         _agree([RankPlan(2, 2, [])] * 3, samples=5)
     with pytest.raises(PlanRefused, match="3 processes x 1 lane"):
         _agree([RankPlan("auto", 2, [])] * 3, samples=2)
+
+
+def test_ranks_that_drew_other_indices_are_named():
+    """Across processes each lane sends a checksum of the iteration's indices with its losses;
+    the engine names the process ranks whose draw differs from rank 0's (2 lanes per process)."""
+    from types import SimpleNamespace
+
+    from dpq.tune_loop import TuneEngine
+
+    engine = SimpleNamespace(lanes=[None, None])
+    TuneEngine._check_drawn(engine, [5.0, 5.0, 5.0, 5.0])
+    with pytest.raises(RuntimeError, match="process rank 1, 2 drew other sample indices than rank 0"):
+        TuneEngine._check_drawn(engine, [5.0, 5.0, 7.0, 5.0, 6.0, 6.0])
