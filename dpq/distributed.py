@@ -134,7 +134,10 @@ class ProcessSet:
         while lost and store_ok and len(reports) < self.size and time.monotonic() < deadline:
             for r in range(self.size):
                 if r not in reports and _try(lambda r=r: self.store.check([self._key(r)])):
-                    reports[r] = self.store.get(self._key(r)).decode(errors="replace")
+                    try:
+                        reports[r] = self.store.get(self._key(r)).decode(errors="replace")
+                    except Exception:  # the store went away meanwhile: name what is known
+                        store_ok = False
             if any(v.split(" ", 2)[1] == "raised" for v in reports.values()):
                 break
             time.sleep(0.05)
