@@ -1,13 +1,13 @@
-"""Several processes x local lanes (dpq.distributed, the session across a gloo group).
+"""Several processes x local lanes (dpq.distributed, the session across gloo groups).
 
 One spawn of 4 processes, everything checked from its files: a tiny block tuned through
 ``session.run`` for a few iterations, with a pure-sign optimizer (sign exchange, mean
 reduction) and with a full-sum one (momentum SGD, sum reduction with micro-steps, lanes
-reaching different numbers of micro-steps), compared bitwise with the same world as lanes of
-one process (this process, one intra-op thread: CPU kernels may round differently with another
-thread count). Then the failure paths: a refusal on one rank stops every rank with its reason;
-a rank that raises or is killed stops every rank with an error naming it.
-"""
+reaching different numbers of micro-steps), as 4x1, 2x2 and 2x1 (subgroups of the four),
+compared bitwise with the same world as lanes of one process (this process, one intra-op
+thread: CPU kernels may round differently with another thread count). Then the failure
+paths: a refusal on one rank stops every rank with its reason; a rank that drew other sample
+indices, raises or is killed stops every rank with an error naming it."""
 
 from __future__ import annotations
 
