@@ -200,6 +200,8 @@ class RankPlan:
     refused: bool = False
     serial: bool = False  # the tuner cannot be split here (its own serial run on every rank)
     job: str = ""  # rank 0, at the job's first agreement: the token of the job's store keys
+    host: str = ""  # where its lanes are (socket.gethostname())
+    devices: list[str] = field(default_factory=list)  # its accelerator lanes' devices (one process each)
 
 
 def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[ProcessLayout | None, list[str]]:
@@ -223,6 +225,15 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Pro
         each = ", ".join(f"rank {procs.name(r)}: {q.requested!r}" for r, q in enumerate(plans))
         refusals.append(f"the ranks asked for different worlds ({each}). Fix: the same --parallel_quantization on "
                         "every rank")
+    users: dict[tuple[str, str], list[int]] = {}
+    for r, q in enumerate(plans):
+        for dev in dict.fromkeys(q.devices):
+            users.setdefault((q.host, dev), []).append(procs.name(r))
+    for (host, dev), ranks in users.items():
+        if len(ranks) > 1:
+            refusals.append(f"ranks {', '.join(map(str, ranks))} all plan lanes on {dev} of {host}: an accelerator "
+                            "belongs to one process. Fix: give each process its own devices (under torchrun: "
+                            "--parallel_devices cuda:$LOCAL_RANK, or one device list per process)")
     p, explicit = procs.size, isinstance(mine.requested, int)
     lanes = min((q.lanes for q in plans if not q.refused), default=0)
     if p > samples_per_iter or (explicit and p * lanes > samples_per_iter):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+import socket
 import time
 import traceback
 from collections import OrderedDict
@@ -195,7 +196,8 @@ def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet,
         try:
             plan = plan if plan is not None else plan_for(config, task)
             mine = RankPlan(config.world, plan.world, list(plan.reasons),
-                            serial=config.world == "off" or bool(task.extra_reasons))
+                            serial=config.world == "off" or bool(task.extra_reasons), host=socket.gethostname(),
+                            devices=[str(d) for d in plan.devices if d.type != "cpu"])
         except PlanRefused as err:
             mine = RankPlan(config.world, 0, err.reasons, refused=True)
         except Exception as err:  # a rank that cannot plan refuses, so every rank hears why

@@ -342,6 +342,14 @@ def test_agreement():
         _agree([RankPlan(2, 2, [])] * 3, samples=5)
     with pytest.raises(PlanRefused, match="3 processes x 1 lane"):
         _agree([RankPlan("auto", 2, [])] * 3, samples=2)
+    gpus = [RankPlan("auto", 2, [], host="a", devices=["cuda:0", "cuda:1"]),
+            RankPlan("auto", 1, [], host="a", devices=["cuda:1"]),
+            RankPlan("auto", 1, [], host="b", devices=["cuda:0"])]  # another host's cuda:0: fine
+    with pytest.raises(PlanRefused) as refused:
+        _agree(gpus)
+    assert refused.value.reasons == [
+        "ranks 10, 11 all plan lanes on cuda:1 of a: an accelerator belongs to one process. Fix: give each process "
+        "its own devices (under torchrun: --parallel_devices cuda:$LOCAL_RANK, or one device list per process)"]
 
 
 def test_ranks_that_drew_other_indices_are_named():
