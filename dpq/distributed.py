@@ -168,26 +168,23 @@ def _try(call) -> bool:
 
 
 def _failure_message(me: int, size: int, reports: dict[int, str], grace_s: float, store_ok: bool, name) -> str:
-    """Names ranks by ``name(group rank)``: their global ranks."""
+    """Names ranks by ``name(group rank)``: their global ranks. Texts: :mod:`dpq.refusals`."""
+    from dpq import refusals
+
     parsed = {name(r): v.split(" ", 2) for r, v in reports.items()}  # time, raised|lost, the error
-    me = name(me)
     raised = [r for r in sorted(parsed) if parsed[r][1] == "raised"]
     silent = [name(r) for r in range(size) if r not in reports]
     if raised:
         first = min(raised, key=lambda r: float(parsed[r][0]))
-        head = f"dpq: the run failed on rank {first}: {parsed[first][2]}"
+        head = refusals.rank_raised(first, parsed[first][2])
     elif not store_ok:
-        head = (f"dpq: rank {me} lost contact with another rank and could not reach the store to learn which "
-                "(the rank hosting it may be gone)")
+        head = refusals.rank_store_unreachable(name(me))
     elif silent:
-        head = (f"dpq: rank {', '.join(map(str, silent))} stopped answering (killed, or hung): no report within "
-                f"{grace_s:g} s")
+        head = refusals.ranks_silent(silent, grace_s)
     else:
         first = min(parsed, key=lambda r: float(parsed[r][0]))
-        head = f"dpq: the run failed; rank {first} reported first: {parsed[first][2]}"
-    lines = [head, f"every rank stops (no serial rerun across processes); this is rank {me}, its home block restored"]
-    lines += [f"  rank {r} {parsed[r][1]}: {parsed[r][2]}" for r in sorted(parsed)]
-    return "\n".join(lines)
+        head = refusals.rank_reported_first(first, parsed[first][2])
+    return refusals.rank_failure(head, name(me), [f"rank {r} {parsed[r][1]}: {parsed[r][2]}" for r in sorted(parsed)])
 
 
 @dataclass
@@ -213,49 +210,42 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Pro
     processes outnumber the samples of an iteration. Every rank runs the same local lane count:
     under 'auto' the fewest any rank has (noted); an explicit world refuses wherever it is short.
     """
+    from dpq import refusals
     from dpq.plan import PlanRefused
 
     if procs.job is None and procs.rank == 0:
         mine.job = uuid.uuid4().hex
     plans: Sequence[RankPlan] = procs.all_gather_object(mine)
     procs.job = procs.job or plans[0].job
-    refusals = [f"rank {procs.name(r)}: {reason}" for r, p in enumerate(plans) if p.refused for reason in p.reasons]
+    problems = [f"rank {procs.name(r)}: {reason}" for r, p in enumerate(plans) if p.refused for reason in p.reasons]
     asked = {repr(p.requested) for p in plans}
     if len(asked) > 1:
         each = ", ".join(f"rank {procs.name(r)}: {q.requested!r}" for r, q in enumerate(plans))
-        refusals.append(f"the ranks asked for different worlds ({each}). Fix: the same --parallel_quantization on "
-                        "every rank")
+        problems.append(refusals.worlds_differ(each))
     users: dict[tuple[str, str], list[int]] = {}
     for r, q in enumerate(plans):
         for dev in dict.fromkeys(q.devices):
             users.setdefault((q.host, dev), []).append(procs.name(r))
     for (host, dev), ranks in users.items():
         if len(ranks) > 1:
-            refusals.append(f"ranks {', '.join(map(str, ranks))} all plan lanes on {dev} of {host}: an accelerator "
-                            "belongs to one process. Fix: give each process its own devices (under torchrun: "
-                            "--parallel_devices cuda:$LOCAL_RANK, or one device list per process)")
+            problems.append(refusals.accelerator_shared(ranks, dev, host))
     p, explicit = procs.size, isinstance(mine.requested, int)
     lanes = min((q.lanes for q in plans if not q.refused), default=0)
     if p > samples_per_iter or (explicit and p * lanes > samples_per_iter):
-        refusals.append(f"{p} processes x {lanes if explicit else 1} lane(s) but only {samples_per_iter} samples per "
-                        "iteration: every lane needs at least one sample. Fix: fewer processes or lanes, or a larger "
-                        "--batch_size")
-    if refusals:
-        raise PlanRefused(refusals)
+        problems.append(refusals.processes_outnumber_samples(p, lanes if explicit else 1, samples_per_iter))
+    if problems:
+        raise PlanRefused(problems)
     if any(q.serial for q in plans):
         serial = [r for r, q in enumerate(plans) if q.serial]
         why = plans[serial[0]].reasons[0] if plans[serial[0]].reasons else "its plan is serial"
-        return None, [f"serial on every rank: rank {', '.join(str(procs.name(r)) for r in serial)} cannot split "
-                      f"this block ({why})"]
+        return None, [refusals.serial_every_rank([procs.name(r) for r in serial], why)]
     notes = []
     if lanes != max(q.lanes for q in plans):
-        fewest = [str(procs.name(r)) for r, q in enumerate(plans) if q.lanes == lanes]
-        notes.append(f"auto: every process runs {lanes} lane{'s' if lanes != 1 else ''}, the fewest any rank has "
-                     f"(rank {', '.join(fewest)})")
+        fewest = [procs.name(r) for r, q in enumerate(plans) if q.lanes == lanes]
+        notes.append(refusals.auto_fewest_lanes(lanes, fewest))
     if p * lanes > samples_per_iter:
         lanes = samples_per_iter // p
-        notes.append(f"auto: {lanes} lane(s) per process so that every lane gets a sample ({samples_per_iter} per "
-                     "iteration)")
+        notes.append(refusals.auto_lanes_for_samples(lanes, samples_per_iter))
     layout = ProcessLayout(p, procs.rank, lanes)
     notes.append(layout.describe())
     return layout, notes

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dpq import refusals
-from dpq.fallback_p2p import choose_communicator
+from dpq.fallback_p2p import COMMUNICATORS, choose_communicator
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
 __all__ = ["DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments", "device_spec_errors",
@@ -81,6 +81,9 @@ def _finish(plan: Plan, request: PlanRequest) -> Plan:
         raise PlanRefused([str(err).removeprefix("dpq: ")]) from None
     except Exception as err:  # a device query failed: the session chooses on the lanes it makes
         plan.communicator, plan.communicator_reason = "", f"chosen on the lanes (the device query failed: {err!r})"
+    kind = COMMUNICATORS.get(plan.communicator)
+    if kind is not None and not kind.canonical_order:  # contract 3: the plan says when the bits depend on it
+        plan.communicator_reason += f"; {kind.order_note}"
     plan.exchange, plan.exchange_reason = _exchange(request.pure_sign)
     return plan
 

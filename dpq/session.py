@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import random
 import socket
 import time
@@ -394,8 +395,7 @@ class _Fault:
     def __enter__(self) -> _Fault:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.remove()
+    __exit__ = lambda self, *exc: self.remove()  # noqa: E731
 
     def remove(self) -> None:
         if self in self.registry:
@@ -407,11 +407,11 @@ _FAULTS: list[_Fault] = []
 
 def inject_fault(*, kind: str = "tune", block: int | str | None = None, lane: int | None = None,
                  after: int = 0) -> _Fault:
-    """Tests only: make a lane fail. Active from this call until ``remove()`` (or the end of a
-    ``with`` block). ``kind="tune"``: the lane loss of block ``block`` (its index or name; None:
-    any) on lane ``lane`` (None: any) raises from its call ``after + 1`` on, counted over the
-    lanes it matches. Other kinds name a point a pass reports through :func:`fault_point`
-    (e.g. "collection", "awq_grid"); those fire once."""
+    """Tests only: make a lane fail. Active from this call until ``remove()`` (or the end of a ``with``
+    block). ``kind="tune"``: the lane loss of block ``block`` (its index or name; None: any) on lane
+    ``lane`` (None: any) raises from its call ``after + 1`` on, counted over the lanes it matches
+    (``"exit"``: the process exits there instead, as if killed). Other kinds name a point a pass
+    reports through :func:`fault_point` (e.g. "collection", "awq_grid"); those fire once."""
     fault = _Fault(kind, block, lane, after, registry=_FAULTS)
     _FAULTS.append(fault)
     return fault
@@ -428,7 +428,11 @@ def fault_point(kind: str, lane: int, block: int | str | None = None) -> None:
 
 
 def _faulty(lane_loss, task: BlockTask):
-    faults = [f for f in _FAULTS if f.kind == "tune" and f.block in (None, task.index, task.name)]
+    # torchrun's workers, which a test cannot reach into: DPQ_TEST_FAULT=exit:<RANK>:<block>:<after> (read once)
+    spec = os.environ.pop("DPQ_TEST_FAULT", "").split(":")
+    if spec[0] == "exit" and os.environ.get("RANK") == spec[1]:
+        inject_fault(kind="exit", block=int(spec[2]), after=int(spec[3]))
+    faults = [f for f in _FAULTS if f.kind in ("tune", "exit") and f.block in (None, task.index, task.name)]
     if not faults:
         return lane_loss
 
@@ -437,6 +441,8 @@ def _faulty(lane_loss, task: BlockTask):
             if fault.lane in (None, lane.index):
                 fault.calls += 1
                 if fault.calls > fault.after:
+                    if fault.kind == "exit":  # the process dies there, as a killed rank does
+                        os._exit(9)
                     raise RuntimeError("injected lane failure (dpq test hook)")
         return lane_loss(lane, module, indices)
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpq import tune_loop
+from dpq import refusals, tune_loop
 from dpq.distributed import ProcessLayout, ProcessSet, RankFailure, lane_offset
 from dpq.exchange import GradBuckets
 from dpq.plan import PlanRefused
@@ -328,11 +328,13 @@ def test_agreement():
 
     layout, notes = _agree([RankPlan("auto", 3, []), RankPlan("auto", 2, ["lane 2 does not fit"])])
     assert layout == ProcessLayout(2, 1, 2) and layout.lane_offset == 2
-    assert notes == ["auto: every process runs 2 lanes, the fewest any rank has (rank 11)", layout.describe()]
+    assert notes == [refusals.auto_fewest_lanes(2, [11]), layout.describe()]
+    assert notes[0].startswith("auto: every process runs 2 lanes, the fewest any rank has (rank 11)")
     layout, notes = _agree([RankPlan("auto", 4, []), RankPlan("auto", 4, [])], samples=6)
     assert layout.lanes == 3 and "so that every lane gets a sample" in notes[0]
     layout, notes = _agree([RankPlan("auto", 2, []), RankPlan("auto", 1, ["feature"], serial=True)])
-    assert layout is None and notes == ["serial on every rank: rank 11 cannot split this block (feature)"]
+    assert layout is None and notes == [refusals.serial_every_rank([11], "feature")]
+    assert notes[0].startswith("serial on every rank: rank 11 cannot split this block (feature)")
     with pytest.raises(PlanRefused) as refused:
         _agree([RankPlan(2, 0, ["a", "b"], refused=True), RankPlan(2, 2, []), RankPlan(2, 0, ["c"], refused=True)])
     assert refused.value.reasons == ["rank 10: a", "rank 10: b", "rank 12: c"]

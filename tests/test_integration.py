@@ -190,7 +190,7 @@ def test_refusal_hpu_multi_lane(monkeypatch):
 @pytest.mark.parametrize(
     "patch,expect",
     [
-        ("dist", "torch.distributed group is active"),
+        ("dist", "group is initialised but dpq was not given it"),
         ("dict_pool", "not a flat list of tensors"),
         ("scaler", "gradient scaler is in use"),
         ("lfq", "LFQ loss"),
@@ -202,7 +202,8 @@ def test_feature_refusals(recorded_blocks, monkeypatch, patch, expect):
     q = copy.copy(rec.quantizer)
     block, inputs = rec.fresh_block(), list(rec.fp_inputs)
     if patch == "dist":
-        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # a group of two, not given to dpq
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     if patch == "dict_pool":
         inputs = {"hidden_states": inputs}
     if patch == "scaler":

@@ -46,7 +46,8 @@ def test_table_names_every_auto_round_symbol_dpq_assigns():
     names = {p.name for p in patches.TABLE}
     assert {"quantize_block", "dispatch_block", "compress_block", "_grid_search_scales", "_run_parent_samples",
             "_compute_parent_loss", "_clip_block", "_compute_best_clip", "_quantize_targets",
-            "_prepare_init_scale_weight", "search_optimized_init_scale"} == names
+            "_prepare_init_scale_weight", "search_optimized_init_scale",
+            "save_quantized", "_adjust_immediate_packing_and_saving", "setup_ddp_if_needed_"} == names  # ranks.py
 
 
 def _auto_round_function(params: str):

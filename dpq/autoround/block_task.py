@@ -37,7 +37,7 @@ __all__ = ["AutoRoundBlock", "feature_refusals", "lane_error", "loss_scale", "ta
 def feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) -> list[str]:
     """What this quantizer/block uses that the delegated loop cannot split, each with the fix."""
     reasons = []
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _unclaimed_group():
         reasons.append(refusals.DIST_ACTIVE)
     if not isinstance(fp_inputs, list) or not all(isinstance(t, torch.Tensor) for t in fp_inputs):
         reasons.append(refusals.DICT_POOL)
@@ -52,6 +52,25 @@ def feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) ->
     if len(devices) > 1:
         reasons.append(refusals.block_spans_devices(len(devices), sorted(map(str, devices))))
     return reasons
+
+
+def _unclaimed_group() -> bool:
+    """A group of several processes is initialised but the installed config holds no process set
+    (``enable()`` ran before ``init_process_group``): the runs would not span the processes."""
+    from . import ranks
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    return ranks.processes() is None
+
+
+def _global_world(plan: Plan) -> int:
+    """The lanes over every process (the plan's are this process's)."""
+    from . import ranks
+
+    procs = ranks.processes()
+    return plan.world * (procs.size if procs is not None else 1)
 
 
 def loss_scale(q: SignRoundQuantizer) -> float | None:
@@ -143,7 +162,7 @@ class AutoRoundBlock:
             q._maybe_log_low_bit_lr(bits)
             return (q.lr if lr is None else lr), (q.minmax_lr if mm is None else mm)
 
-        self.progress = _Progress(self.block_ctx.block_name, q.iters, plan.world)
+        self.progress = _Progress(self.block_ctx.block_name, q.iters, _global_world(plan))
         return signround_spec(
             block, BlockData(active_inputs, self.input_others, self.fp_outputs, valid_token_mask), settings,
             q.block_forward, lr_of,
@@ -168,7 +187,7 @@ class AutoRoundBlock:
         logger.infoclean(
             f"quantized {len(quantized)}/{len(quantized) + len(unquantized)} layers in the block, loss iter 0: "
             f"{outcome.init_loss:.3e} -> iter {outcome.best_iter}: {outcome.best_loss:.3e} "
-            f"[dpq world {plan.world}, {plan.communicator}]"
+            f"[dpq world {_global_world(plan)}, {plan.communicator}]"
         )
         return outcome.best_params
 

@@ -2,9 +2,18 @@
 
   --parallel_quantization {off,auto,N}   tune each block data-parallel (default off)
   --parallel_devices LIST                lane devices, e.g. 0,1,2,3 or cpu,cpu
+  --parallel_timeout SECONDS             under torchrun: how long a collective waits (default 600)
 
 Our flags are taken out of argv, ``enable()`` is called, and auto-round's own runner gets the
 rest. At the end a per-block summary is printed (world, seconds, exchange bytes).
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) every process runs this CLI with the same arguments: it
+initialises the process group itself (gloo for CPU lanes; ``cpu:gloo,cuda:nccl`` when the lanes
+are GPUs, each process on its own: ``cuda:LOCAL_RANK * L`` onwards for L lanes, unless
+``--parallel_devices`` says otherwise), ``--parallel_quantization`` is each process's lane
+count, every block's tune spans the processes (DESIGN.md contract 7), rank 0 alone writes
+``--output_dir`` and the report (:mod:`dpq.autoround.ranks`), and the group is destroyed at the
+end. A failure on any rank stops every rank with a non-zero exit and a message naming the rank.
 
 Recipes: ``auto-round-dp-best``, ``-light``, ``-rtn``, ``-opt-rtn``, ``-mllm`` run auto-round's
 ``auto-round-best`` etc. (:data:`RECIPES`) with the same flags.
@@ -13,7 +22,9 @@ Recipes: ``auto-round-dp-best``, ``-light``, ``-rtn``, ``-opt-rtn``, ``-mllm`` r
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -30,6 +41,9 @@ dpq (data-parallel tuning) options:
   --parallel_report PATH
                         write the per-block records (world, seconds, exchange bytes, per-iteration
                         losses) as JSON
+  --parallel_timeout SECONDS
+                        under torchrun: how long a rank waits in a collective for the others before
+                        the run stops (a hung or lost rank). Default: 600
 """
 
 
@@ -51,7 +65,88 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--parallel_devices", default=None)
     p.add_argument("--parallel_debug", action="store_true")
     p.add_argument("--parallel_report", default=None)
+    p.add_argument("--parallel_timeout", default="600")
     return p.parse_known_args(argv)
+
+
+def torchrun_processes() -> int:
+    """How many processes torchrun launched this job with (1: not under torchrun)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _device_map(rest: list[str]) -> tuple[int | None, str | None]:
+    """(index in ``rest`` of auto-round's device option's value, the value); (None, None): not given."""
+    for i, a in enumerate(rest):
+        for flag in ("--device_map", "--device", "--devices"):
+            if a == flag and i + 1 < len(rest):
+                return i + 1, rest[i + 1]
+            if a.startswith(flag + "="):
+                return i, a.partition("=")[2]
+    return None, None
+
+
+def process_lanes(world, devices: str | None, rest: list[str], local_rank: int,
+                  accelerator: str | None) -> tuple[str | None, list[str], str]:
+    """Under torchrun: (this process's lane devices, auto-round's arguments, the group's backend).
+
+    Each process its own accelerators: with ``accelerator`` ('cuda') available, no
+    ``--parallel_devices`` and auto-round's ``--device_map`` a single device or absent, process
+    ``local_rank`` runs its L lanes (L = the world, 1 under 'auto') on ``cuda:local_rank*L``
+    onwards, its home there too (``--device_map`` rewritten). CPU lanes: unchanged (every
+    process's lanes are ``cpu``). A device list given is every process's (the agreement refuses
+    an accelerator planned by two processes of one host)."""
+    at, value = _device_map(rest)
+    on_cpu = value is not None and value.strip().lower() == "cpu"
+    if devices is not None:
+        kinds = {d.strip().split(":")[0] for d in devices.split(",")}
+        return devices, rest, "gloo" if kinds <= {"cpu"} else f"cpu:gloo,{accelerator}:nccl"
+    if accelerator != "cuda" or on_cpu or (value is not None and "," in value):
+        return None, rest, "gloo" if accelerator != "cuda" or on_cpu else "cpu:gloo,cuda:nccl"
+    lanes = world if isinstance(world, int) else 1
+    first = local_rank * lanes
+    rest = list(rest)
+    if at is None:
+        rest += ["--device_map", str(first)]
+    else:
+        rest[at] = rest[at].partition("=")[0] + "=" + str(first) if rest[at].startswith("--") else str(first)
+    return ",".join(f"cuda:{first + k}" for k in range(lanes)), rest, "cpu:gloo,cuda:nccl"
+
+
+GRACE_S = 15.0  # after torchrun's SIGTERM: time to name the failed rank (dpq.distributed waits 5 s for reports)
+
+
+def _name_the_rank_before_leaving() -> None:
+    """torchrun's agent stops every other worker (SIGTERM) as soon as one fails, which would end this
+    process before it could say which rank failed. On SIGTERM this process goes on for up to
+    GRACE_S seconds (its collective with the lost rank fails at once, and the failure path names
+    the rank and exits), then exits as SIGTERM would have."""
+    import signal
+    import threading
+
+    def later(signum, frame) -> None:
+        timer = threading.Timer(GRACE_S, os._exit, args=(128 + signum,))
+        timer.daemon = True
+        timer.start()
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends it at once
+
+    signal.signal(signal.SIGTERM, later)
+
+
+def start_group(backend: str, timeout_s: float, device: str | None) -> None:
+    """``init_process_group`` from torchrun's environment, with the run's timeout."""
+    import torch
+    import torch.distributed as dist
+
+    if device is not None and device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # NCCL binds a rank to its current device
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def format_summary(records) -> str:
@@ -97,9 +192,19 @@ def argument_errors(ours: argparse.Namespace) -> list[str]:
     from dpq.plan import check_arguments
 
     problems = [p.removeprefix("dpq: ") for p in check_arguments(ours.parallel_quantization, ours.parallel_devices)]
-    if ours.parallel_debug and str(ours.parallel_quantization).strip().lower() == "off":
+    off = str(ours.parallel_quantization).strip().lower() == "off"
+    if ours.parallel_debug and off:
         problems.append(refusals.DEBUG_WHILE_OFF)
-    return problems + report_path_errors(ours.parallel_report)
+    if off and torchrun_processes() > 1:
+        problems.append(refusals.OFF_UNDER_TORCHRUN)
+    try:
+        ok = float(ours.parallel_timeout) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        problems.append(refusals.parallel_timeout_bad(str(ours.parallel_timeout)))
+    # only rank 0 writes the report (the others create nothing)
+    return problems + (report_path_errors(ours.parallel_report) if _rank() == 0 else [])
 
 
 def write_report(path: str, world, devices, records, phases: dict, error: str | None = None) -> None:
@@ -118,27 +223,48 @@ def write_report(path: str, world, devices, records, phases: dict, error: str | 
 
 def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     """Returns the exit status: 0 when the run finished, 2 for bad dpq arguments (nothing was
-    loaded), 1 when the plan refused or a lane failed (the message is printed, no traceback).
-    Any other failure propagates (with its traceback; non-zero exit)."""
+    loaded), 1 when the plan refused, a lane failed or (torchrun) a rank failed (the message is
+    printed, no traceback). Any other failure propagates (with its traceback; non-zero exit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, rest = split_argv(argv)
     problems = argument_errors(ours)
     if problems:
         print("auto-round-dp: error:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
-    from dpq.autoround import integration, shard_seams
-    from dpq.autoround.integration import ParallelLaneError
-    from dpq.autoround.patches import PatchMismatch
-    from dpq.plan import PlanRefused, validate_world
+    from dpq.plan import validate_world
 
     world = validate_world(ours.parallel_quantization)
     if any(a in ("-h", "--help") for a in rest):
         print(OUR_HELP)
-    run = runner_for(recipe)
+    devices = ours.parallel_devices
+    if torchrun_processes() == 1:
+        return _run(ours, world, devices, recipe, rest)
+    from dpq.streams import default_accelerator_type
 
+    devices, rest, backend = process_lanes(world, devices, rest, int(os.environ.get("LOCAL_RANK", "0")),
+                                           default_accelerator_type())
+    start_group(backend, float(ours.parallel_timeout), (devices or "").split(",")[0] or None)
+    _name_the_rank_before_leaving()
+    try:
+        return _run(ours, world, devices, recipe, rest)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # a failure destroyed it already (dpq.distributed.ProcessSet.stop)
+            dist.destroy_process_group()
+
+
+def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str]) -> int:
+    from dpq.autoround import integration, shard_seams
+    from dpq.autoround.integration import ParallelLaneError
+    from dpq.autoround.patches import PatchMismatch
+    from dpq.distributed import RankFailure, peer_lost
+    from dpq.plan import PlanRefused
+
+    run, rank = runner_for(recipe), _rank()
     if world != "off":
         try:
-            integration.enable(world, ours.parallel_devices, debug_identical=ours.parallel_debug)
+            integration.enable(world, devices, debug_identical=ours.parallel_debug)
         except PatchMismatch as e:
             print(f"auto-round-dp: {e}", file=sys.stderr)
             return 1
@@ -146,19 +272,24 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     failure: Exception | None = None
     try:
         run()
-    except (PlanRefused, ParallelLaneError) as e:
+    except (PlanRefused, ParallelLaneError, RankFailure) as e:
         failure = e
+    except Exception as e:  # outside a block's run: under several processes the others learn which rank
+        cfg = integration._current()
+        if cfg is None or cfg.processes is None:
+            raise
+        raise cfg.processes.stop(e, peer_lost(e)) from e
     finally:
         integration.disable()
         records = integration.run_summary() if world != "off" else []
         phases = shard_seams.phase_seconds()
-        if world != "off" and records:
+        if world != "off" and records and rank == 0:
             print(format_summary(records), flush=True)
-        if world != "off" and any(phases.values()):
+        if world != "off" and any(phases.values()) and rank == 0:
             print("dpq phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
-        if ours.parallel_report:
+        if ours.parallel_report and rank == 0:  # rank 0 alone writes the report
             try:
-                write_report(ours.parallel_report, world, ours.parallel_devices, records, phases,
+                write_report(ours.parallel_report, world, devices, records, phases,
                              None if failure is None else str(failure))
             except OSError as e:  # checked at start; the folder may have gone since
                 print(f"auto-round-dp: error: could not write --parallel_report {ours.parallel_report}: {e}",

@@ -23,6 +23,7 @@ import torch
 
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
+from dpq.distributed import ProcessSet
 from dpq.fallback_p2p import close_communicators
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
 
@@ -87,6 +88,9 @@ class _State:
     records: list[BlockRecord] = field(default_factory=list)
     shapes_logged: set = field(default_factory=set)
     cpu_logged: bool = False
+    # Several processes (torchrun): the group every block's run spans, one ProcessSet per job (its
+    # store keys are the job's), detected at enable(); None: this process alone.
+    processes: ProcessSet | None = None
 
 
 # The last run's state once its disable() popped it, so that its records stay readable
@@ -124,6 +128,12 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     else every visible device of the home device's type. Malformed arguments raise
     ``ValueError`` naming every problem, before anything is patched.
 
+    Under an initialised ``torch.distributed`` group of several processes (``torchrun``; the
+    CLI initialises it), every block's tune spans them: each process runs its local lanes
+    (``parallel_quantization`` and ``devices`` are per process), the plans are agreed on every
+    rank, the global world is the processes times the local lanes, and rank 0 alone saves
+    (:mod:`dpq.autoround.ranks`). Call it on every rank, after ``init_process_group``.
+
     ``auto_world`` (``'auto'`` only): the cost model that picks each block's world by predicted
     time (:class:`dpq.cost_model.AutoWorld`); default: a fresh one for this ``enable()``, used
     where the lanes are on distinct devices (lanes sharing one device keep every fitting lane:
@@ -142,8 +152,9 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
         raise ValueError("dpq: bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     world = validate_world(parallel_quantization)
     model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
+    procs = ProcessSet.detect() if world != "off" else None
     new = _State(world=world, devices=devices, debug_identical=debug_identical, auto_world=model,
-                 auto_given=auto_world is not None)
+                 auto_given=auto_world is not None, processes=procs if procs is not None and procs.size > 1 else None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
 
 
@@ -181,7 +192,7 @@ def _whole_block_dispatch(self, block, input_ids, input_others):
     if cfg is None or cfg.world == "off":
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     block = _dispatch(self, block, input_ids, input_others)
-    if isinstance(cfg.world, int):
+    if isinstance(cfg.world, int) and cfg.processes is None:  # several processes: refused by the agreement
         _preflight(cfg, self, block, input_ids)
     return block
 
@@ -247,9 +258,11 @@ def _lane_devices(cfg: _State):
     return None
 
 
-def _session_config(cfg: _State, plan: Plan) -> session.SessionConfig:
+def _session_config(cfg: _State, plan: Plan | None) -> session.SessionConfig:
+    """``plan`` None: several processes (the session plans and agrees; it runs no cost model there)."""
     return session.SessionConfig(world=cfg.world, devices=_lane_devices(cfg), debug_identical=cfg.debug_identical,
-                                 auto_world=_auto_world_for(cfg, plan))
+                                 auto_world=None if plan is None else _auto_world_for(cfg, plan),
+                                 processes=cfg.processes)
 
 
 def _auto_world_for(cfg: _State, plan: Plan) -> AutoWorld | None:
@@ -270,16 +283,25 @@ def _tuner_request(cfg: _State, q, block, fp_inputs) -> PlanRequest:
 
 def _plan_for(cfg: _State, q, block, fp_inputs, block_ctx) -> Plan:
     plan = resolve(_tuner_request(cfg, q, block, fp_inputs))
+    _log_plan(cfg, plan, block, block_ctx)
+    return plan
+
+
+def _log_plan(cfg: _State, plan: Plan, block, block_ctx, layout=None) -> None:
+    """The plan, once per block shape (several processes: on rank 0, with the agreed layout)."""
+    if cfg.processes is not None and cfg.processes.rank != 0:
+        return
     key = (type(block).__name__, tuple(p.shape for p in block.parameters()))
     if key not in cfg.shapes_logged:
         cfg.shapes_logged.add(key)
         lanes = ", ".join(map(str, plan.devices))
-        logger.info(f"dpq plan for {block_ctx.block_name} ({type(block).__name__}): world {plan.world} on [{lanes}]"
-                    + "".join(f"\n  - {r}" for r in plan.reasons + plan.notes))
+        where = f"{layout.describe()}, each process's lanes" if layout is not None else f"world {plan.world}"
+        said = layout.describe() if layout is not None else None
+        logger.info(f"dpq plan for {block_ctx.block_name} ({type(block).__name__}): {where} on [{lanes}]"
+                    + "".join(f"\n  - {r}" for r in plan.reasons + plan.notes if r != said))
     if plan.world > 1 and plan.devices[0].type == "cpu" and not cfg.cpu_logged:
         cfg.cpu_logged = True
         logger.info("dpq: CPU lanes share the CPU: no speedup, but the parallel path and its parity run here")
-    return plan
 
 
 def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
@@ -288,7 +310,9 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
     if cfg is None:  # left under someone else's patch after disable(): pass through
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
     t0 = time.perf_counter()
-    plan = _plan_for(cfg, self, block, fp_inputs, block_ctx)  # PlanRefused propagates: nothing started
+    # PlanRefused propagates: nothing started. Several processes: the session plans and agrees
+    # on every rank (a refusal anywhere stops every rank there, with every rank's reasons).
+    plan = _plan_for(cfg, self, block, fp_inputs, block_ctx) if cfg.processes is None else None
 
     def serial():
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
@@ -297,6 +321,9 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
     run = _parallel_block(cfg, self, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
                           input_ids, serial)
     name, algorithm = block_ctx.block_name, type(self).__name__
+    plan = run.plan
+    if cfg.processes is not None:
+        _log_plan(cfg, plan, block, block_ctx, run.layout)
     if run.fell_back:
         cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=[refusals.lane_failure(run.failure)],
                                        fell_back=True, algorithm=algorithm))
@@ -305,7 +332,8 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
                                        algorithm=algorithm))
     elif run.outcome is not None:
         out = run.outcome
-        cfg.records.append(BlockRecord(name, plan.world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
+        world = run.layout.world if run.layout is not None else plan.world  # the global world
+        cfg.records.append(BlockRecord(name, world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
                                        plan.communicator, [*plan.reasons, *plan.notes, plan.communicator_reason],
                                        algorithm=algorithm, losses=out.losses, best_iter=out.best_iter,
                                        **_prediction(cfg, chosen)))

@@ -40,7 +40,7 @@ class Patch:
     name: str  # the attribute replaced
     replacement: str  # dpq's function, "module:function"
     signatures: dict[str, str]  # auto-round series ("0.16") -> expected parameters (see :func:`params_of`)
-    phase: str  # what it serves: "tune", "collection", "search"
+    phase: str  # what it serves: "tune", "collection", "search", "save"
     checked: tuple[str, ...] = ("0.16.1", "0.17.0.dev20261026")  # the releases it was run against
 
     @property
@@ -60,6 +60,14 @@ TABLE: tuple[Patch, ...] = (
           "dpq.autoround.seams_collection:compress_block",
           _same("self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None, "
                 "reference_output=None, **kwargs"), "collection"),
+    # several processes (dpq.autoround.ranks): rank 0 alone writes; auto-round's own DDP lane stays off dpq's path
+    Patch("auto_round.compressors.base:BaseCompressor", "save_quantized", "dpq.autoround.ranks:save_quantized",
+          _same("self, output_dir=None, format=None, inplace=True, return_folders=False, max_shard_size=None, "
+                "**kwargs"), "save"),
+    Patch("auto_round.compressors.base:BaseCompressor", "_adjust_immediate_packing_and_saving",
+          "dpq.autoround.ranks:adjust_immediate_packing_and_saving", _same("self"), "save"),
+    Patch("auto_round.algorithms.quantization.sign_round.quantizer", "setup_ddp_if_needed_",
+          "dpq.autoround.ranks:setup_ddp_if_needed_", _same("ar, block, device_list"), "tune"),
     Patch(f"{_RTN}:RTNQuantizer", "quantize_block", "dpq.autoround.seams_rtn:rtn_quantize_block",
           _same(_BLOCK_PARAMS), "search"),
     # 0.17 removed _quantize_targets: its optimized-RTN searches go through auto-round's own search

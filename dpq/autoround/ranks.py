@@ -1,0 +1,97 @@
+"""What auto-round does once per job, under several processes (torchrun): rank 0 alone writes.
+
+Three replacements in the patch table (:mod:`.patches`), each passing straight through when
+no ``enable()`` holds a process set (:attr:`dpq.autoround.integration._State.processes`):
+
+* ``BaseCompressor.save_quantized``: every rank waits for every other first (a barrier on the
+  run's group, bounded by the group's timeout), so that rank 0 never finishes a save after a
+  failure on another rank (a rank that failed raised, or was killed: the barrier fails and
+  :meth:`dpq.distributed.ProcessSet.stop` names it); then rank 0 writes and the other ranks
+  write nothing (their model stays in memory, quantized the same way) and return the folders
+  rank 0 wrote, once it has. With auto-round's immediate saving (its default for this format)
+  rank 0's weights are written during quantization; the configs (``config.json``,
+  ``quantization_config.json``) only here, after the barrier: a folder without them is not a
+  complete model.
+* ``BaseCompressor._adjust_immediate_packing_and_saving``: on ranks other than 0, no immediate
+  saving (auto-round's ``low_cpu_mem_usage`` writes shards into ``--output_dir`` *during*
+  quantization): those ranks keep the packed blocks in memory instead.
+* ``setup_ddp_if_needed_`` (auto-round's own DDP lane, which ``SignRoundQuantizer.quantize_block``
+  enters whenever a group is initialised): never on dpq's path. A block the ranks agreed to run
+  serially (``dpq.distributed.agree``) runs auto-round's serial loop alone on every rank, the
+  same way on the same inputs and seed; with ``--parallel_quantization off`` (``enable('off')``)
+  auto-round's own code runs unchanged (contract 5), its DDP lane included.
+"""
+
+from __future__ import annotations
+
+from . import patches
+
+__all__ = ["adjust_immediate_packing_and_saving", "processes", "save_quantized", "setup_ddp_if_needed_"]
+
+
+def processes():
+    """The run's process set (several processes), or None: the innermost ``enable()``'s."""
+    for f in reversed(patches.frames()):
+        procs = getattr(f.config, "processes", None)
+        if procs is not None:
+            return procs if procs.size > 1 else None
+    return None
+
+
+def _original(owner: str, name: str):
+    import importlib
+
+    module, _, attr = owner.partition(":")
+    obj = importlib.import_module(module)
+    return patches.original(getattr(obj, attr) if attr else obj, name)
+
+
+_BASE = "auto_round.compressors.base:BaseCompressor"
+_SR_MODULE = "auto_round.algorithms.quantization.sign_round.quantizer"
+
+
+def save_quantized(self, output_dir=None, format=None, inplace=True, return_folders=False, max_shard_size=None,
+                   **kwargs):
+    procs = processes()
+    save = _original(_BASE, "save_quantized")
+    if procs is None:
+        return save(self, output_dir, format, inplace, return_folders, max_shard_size, **kwargs)
+    import torch.distributed as dist
+
+    from dpq.distributed import peer_lost
+
+    out = None
+    try:
+        dist.barrier(group=procs.group)  # every rank got here: none failed after its last collective
+        if procs.rank == 0:
+            out = save(self, output_dir, format, inplace, True, max_shard_size, **kwargs)
+        else:
+            from auto_round.logger import logger
+
+            logger.info(f"dpq: rank {procs.name(procs.rank)} writes nothing: rank 0 writes the model")
+        # rank 0's folders, once written: every rank returns the same (auto-round's CLI probes them)
+        folders = procs.all_gather_object(out[1] if out else None)[0]
+    except Exception as err:
+        raise procs.stop(err, peer_lost(err)) from err
+    model = out[0] if out else self.model
+    return (model, folders) if return_folders else model
+
+
+def adjust_immediate_packing_and_saving(self):
+    _original(_BASE, "_adjust_immediate_packing_and_saving")(self)
+    procs = processes()
+    if procs is not None and procs.rank != 0:
+        self.compress_context.is_immediate_saving = False  # only rank 0 writes --output_dir
+
+
+def setup_ddp_if_needed_(ar, block, device_list):
+    from .integration import _current
+
+    cfg = _current()
+    if cfg is None or cfg.world == "off":
+        return _original(_SR_MODULE, "setup_ddp_if_needed_")(ar, block, device_list)
+    return block, _no_sync
+
+
+def _no_sync() -> None:
+    """dpq's serial block under several processes: every rank tunes alone, the same way."""

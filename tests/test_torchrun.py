@@ -1,0 +1,199 @@
+"""auto-round-dp under torchrun (issue 11): P processes x L lanes through the CLI, on the embedded
+model, with gloo on this CPU host.
+
+Every run is a subprocess with one intra-op thread (torchrun sets 1 per process; the one-process
+runs get OMP_NUM_THREADS=1 too: CPU kernels may round differently with another thread count),
+so that saved tensors compare bitwise. The runs are made once per module (:func:`runs`) and
+shared by the assertions; two at a time (two cores).
+
+* world 2 as 1x2 (one process, two lanes) and 2x1 (torchrun, one lane each: the issue's
+  command), world 4 as 1x4, 2x2 and 4x1: bitwise-identical saved tensors per world;
+* world 1 through torchrun (one process: no group) equals ``off``;
+* only rank 0 writes (each rank of the 2x1 run is given its own --output_dir through a shell:
+  rank 1's does not exist);
+* a killed rank (``DPQ_TEST_FAULT``, the session's fault entry point): the other rank exits
+  non-zero within the timeout, naming it, and no rank leaves a complete-looking output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpq import refusals
+from dpq.autoround import cli
+from tests.test_shard import _saved as _state  # every saved tensor under a folder
+
+ITERS, NSAMPLES, BATCH, SEQLEN = "4", "8", "4", "32"  # lr 0.02 below: every block keeps a tuned iteration
+TIMEOUT_S = "60"  # --parallel_timeout of the multi-process runs
+
+
+def _args(tmp: Path, out: str, *extra: str) -> list[str]:
+    from dpq.demo.embedded import DATA_DIR, calibration_jsonl
+
+    calib = tmp / "calib.jsonl"
+    if not calib.exists():
+        calibration_jsonl(calib, 16, int(SEQLEN))
+    return ["--model", str(DATA_DIR), "--dataset", str(calib), "--iters", ITERS, "--nsamples", NSAMPLES,
+            "--seqlen", SEQLEN, "--batch_size", BATCH, "--device_map", "cpu", "--disable_torch_compile",
+            "--lr", "0.02", "--output_dir", out, *extra]
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
+def _cmd(tmp: Path, name: str, nproc: int | None, *extra: str, per_rank_dir: bool = False) -> list[str]:
+    """One run: ``nproc`` None: plain ``python -m dpq.autoround.cli``; else under torchrun.
+    ``per_rank_dir``: each rank writes (if it writes at all) to ``<name>/rank<RANK>``."""
+    out = str(tmp / name)
+    if not per_rank_dir:
+        head = [sys.executable, "-m", "dpq.autoround.cli"] if nproc is None else [*_torchrun(nproc), "-m",
+                                                                                   "dpq.autoround.cli"]
+        return [*head, *_args(tmp, out, *extra)]
+    # a shell per rank, so that the output folder can name the rank (the CLI's arguments are the same everywhere)
+    line = shlex.join([sys.executable, "-m", "dpq.autoround.cli", *_args(tmp, "OUT", *extra)])
+    line = line.replace(" OUT ", f' {shlex.quote(out)}/rank"$RANK" ')
+    return [*_torchrun(nproc), "--no-python", "bash", "-c", f"exec {line}"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra)
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    return {"rc": proc.returncode, "out": proc.stdout, "err": proc.stderr, "seconds": time.perf_counter() - t0}
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in a)
+
+
+REPORT = ("--parallel_report",)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("torchrun")
+    report = lambda name: [*REPORT, str(tmp / f"{name}.json")]  # noqa: E731
+    jobs = {
+        "off": (_cmd(tmp, "off", None, "--parallel_quantization", "off"), _env()),
+        "torchrun1": (_cmd(tmp, "torchrun1", 1, "--parallel_quantization", "1"), _env()),
+        "1x2": (_cmd(tmp, "1x2", None, "--parallel_quantization", "2", "--parallel_devices", "cpu,cpu",
+                     *report("1x2")), _env()),
+        "2x1": (_cmd(tmp, "2x1", 2, "--parallel_quantization", "1", "--parallel_devices", "cpu", "--parallel_timeout",
+                     TIMEOUT_S, *report("2x1"), per_rank_dir=True), _env()),
+        "1x4": (_cmd(tmp, "1x4", None, "--parallel_quantization", "4", "--parallel_devices", "cpu,cpu,cpu,cpu"),
+                _env()),
+        "2x2": (_cmd(tmp, "2x2", 2, "--parallel_quantization", "2", "--parallel_devices", "cpu,cpu",
+                     "--parallel_timeout", TIMEOUT_S), _env()),
+        "4x1": (_cmd(tmp, "4x1", 4, "--parallel_quantization", "1", "--parallel_timeout", TIMEOUT_S), _env()),
+        # rank 1 exits (as if killed) in block 1's second lane-loss call
+        "killed": (_cmd(tmp, "killed", 2, "--parallel_quantization", "1", "--parallel_timeout", TIMEOUT_S,
+                        per_rank_dir=True), _env(DPQ_TEST_FAULT="exit:1:1:1")),
+    }
+    with ThreadPoolExecutor(2) as pool:  # threads only wait on the subprocesses
+        futures = {name: pool.submit(_run, cmd, env) for name, (cmd, env) in jobs.items()}
+        done = {name: f.result() for name, f in futures.items()}
+    for name, r in done.items():
+        r["dir"] = tmp / name
+        print(f"{name}: rc {r['rc']}, {r['seconds']:.1f} s")
+        report_file = tmp / f"{name}.json"
+        r["report"] = json.loads(report_file.read_text()) if report_file.exists() else None
+    return done
+
+
+def _ok(r: dict) -> dict:
+    assert r["rc"] == 0, (r["err"][-4000:])
+    return r
+
+
+def test_world2_is_bitwise_the_same_as_1x2_and_2x1(runs):
+    one, two = _ok(runs["1x2"]), _ok(runs["2x1"])
+    a, b = _state(one["dir"]), _state(two["dir"] / "rank0")
+    assert same_bits(a, b)
+    assert not same_bits(a, _state(_ok(runs["off"])["dir"]))  # split batches round otherwise: a real comparison
+    blocks = two["report"]["blocks"]
+    assert [blk["world"] for blk in blocks] == [2] * 4 and {blk["communicator"] for blk in blocks} == {"pg-gloo"}
+    assert all(blk["best_iter"] > 0 for blk in blocks)  # the tuned values were kept, not the initial ones
+    assert [blk["losses"] for blk in blocks] == [blk["losses"] for blk in one["report"]["blocks"]]
+    assert "world 2 = 2 processes x 1 lane" in two["err"]
+
+
+def test_world4_is_bitwise_the_same_as_1x4_2x2_and_4x1(runs):
+    ref = _state(_ok(runs["1x4"])["dir"])
+    for name in ("2x2", "4x1"):
+        assert same_bits(ref, _state(_ok(runs[name])["dir"])), name
+    assert not same_bits(ref, _state(_ok(runs["1x2"])["dir"]))
+    assert "world 4 = 2 processes x 2 lanes" in runs["2x2"]["err"]
+    assert "world 4 = 4 processes x 1 lane" in runs["4x1"]["err"]
+
+
+def test_world1_through_torchrun_equals_off(runs):
+    assert same_bits(_state(_ok(runs["off"])["dir"]), _state(_ok(runs["torchrun1"])["dir"]))
+
+
+def test_only_rank0_writes(runs):
+    r = _ok(runs["2x1"])
+    assert sorted(p.name for p in r["dir"].iterdir()) == ["rank0"]
+    assert (next(r["dir"].glob("rank0/*")) / "config.json").exists()
+    assert "rank 1 writes nothing" in r["err"]
+    assert r["err"].count("dpq summary:") + r["out"].count("dpq summary:") == 1
+
+
+def test_a_killed_rank_stops_the_others_naming_it(runs):
+    r = runs["killed"]
+    assert r["rc"] != 0
+    text = r["out"] + r["err"]
+    assert "dpq: rank 1 stopped answering" in text, text[-4000:]
+    assert "this is rank 0" in text
+    assert r["seconds"] < 60 + float(TIMEOUT_S)
+    folder = r["dir"]
+    assert not (folder / "rank1").exists()
+    assert not list(folder.rglob("config.json")) and not list(folder.rglob("quantization_config.json"))
+
+
+def test_off_under_torchrun_is_refused_before_loading(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)  # importing auto-round's CLI would fail
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["--model", "does-not-exist", "--parallel_timeout", "0"]) == 2
+    err = capsys.readouterr().err
+    assert refusals.OFF_UNDER_TORCHRUN in err and "--parallel_timeout '0' is not a positive number" in err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cli.argument_errors(cli.split_argv([])[0]) == []
+
+
+def test_each_process_gets_its_own_gpus():
+    rest = ["--model", "m"]
+    devices, args, backend = cli.process_lanes(2, None, rest, 3, "cuda")
+    assert devices == "cuda:6,cuda:7" and args[-2:] == ["--device_map", "6"] and backend == "cpu:gloo,cuda:nccl"
+    assert cli.process_lanes("auto", None, ["--device_map=0"], 1, "cuda")[:2] == ("cuda:1", ["--device_map=1"])
+    assert cli.process_lanes(1, None, ["--device", "cpu"], 1, "cuda") == (None, ["--device", "cpu"], "gloo")
+    assert cli.process_lanes(2, None, rest, 1, "cpu") == (None, rest, "gloo")
+    assert cli.process_lanes(1, "cpu", rest, 1, "cuda") == ("cpu", rest, "gloo")
+    assert cli.process_lanes(1, "cuda:0", rest, 1, "cuda")[2] == "cpu:gloo,cuda:nccl"
+
+
+def test_a_non_canonical_communicator_says_so_in_the_plan(monkeypatch):
+    from dpq import plan as plan_mod
+    from dpq.nccl_comm import TorchNcclCommunicator
+
+    monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("torch-nccl", "two GPUs"))
+    plan = plan_mod._finish(plan_mod.Plan(2, [torch.device("cpu")] * 2), plan_mod.PlanRequest())
+    assert plan.communicator_reason == f"two GPUs; {TorchNcclCommunicator.order_note}"
+    monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("local", "same device"))
+    assert plan_mod._finish(plan_mod.Plan(2, [torch.device("cpu")] * 2), plan_mod.PlanRequest()).communicator_reason \
+        == "same device"
