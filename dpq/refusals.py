@@ -4,34 +4,34 @@ Convention (``tests/test_refusals.py`` holds every entry of ``__all__`` to it): 
 problem, then ``Fix: `` and what to do about it (for a pass that merely runs on home alone: that
 nothing is needed, and how to shard it if wanted). Constants for fixed texts, small functions
 for texts that carry values; their parameters are plain strings, numbers and lists of strings,
-so this module imports nothing, serves the runtime (``dpq.plan``, ``dpq.fallback_p2p``) and the
-auto-round adapter (``dpq.autoround``) alike, and the rest of dpq builds no such text inline
-(the same test checks the source).
+so it imports nothing (but its part for several processes, :mod:`dpq.refusals_processes`), serves
+the runtime and the auto-round adapter alike, and the rest of dpq builds no such text inline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dpq import refusals_processes
+from dpq.refusals_processes import *  # noqa: F403 (the texts for several processes, read from here)
+
 __all__ = [
     "AWQ_BALANCE_ON_META", "AWQ_BALANCE_OUTSIDE", "AWQ_CALLS_NOT_PAIRS", "AWQ_NO_WEIGHTS", "BLOCK_NO_PARAMS",
     "BLOCK_ON_META", "DEBUG_WHILE_OFF", "DEVICES_WHILE_OFF", "DICT_POOL", "DIST_ACTIVE", "EMPTY_DEVICE_LIST",
-    "GRAD_SCALER", "HPU_MULTI_LANE", "INPUTS_NOT_TENSORS", "LFQ_LOSS", "LINES", "OFF_UNDER_TORCHRUN", "ONE_LANE",
-    "OUTPUTS_NOT_TENSORS", "PARALLEL_OFF", "PASS_DICT_POOL", "PASS_DIST_ACTIVE", "REPORT_PATH_EMPTY",
-    "RTN_NO_GLOBAL_NAME", "RTN_ON_META", "RUN_STOPPED", "accelerator_shared", "auto_fewest_lanes",
-    "auto_lanes_for_samples", "auto_round_missing", "auto_round_unsupported", "auto_shared_device",
-    "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized",
-    "block_already_wrapped", "block_no_linear", "block_on_devices", "block_spans_devices", "collection_lane_failed",
-    "custom_backward", "device_index_too_large", "device_missing", "dispatch_hooks", "forward_replaced", "home_alone",
-    "lane0_not_home", "lane_failed", "lane_failed_rerun", "lane_failure", "malformed_device_entry",
-    "mirror_does_not_fit", "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "on_meta",
-    "others_count", "others_device", "others_on_meta", "outputs_count", "outputs_shape", "parallel_timeout_bad",
-    "pass_lane_failed_rerun", "patch_mismatch", "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float",
-    "pool_on_meta", "pool_spread", "pool_spread_devices", "pool_spread_over", "processes_outnumber_samples",
-    "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable", "ranks_silent", "report_is_dir",
-    "report_unwritable", "rtn_override", "samples_mismatched", "save_barrier_failed", "serial_every_rank",
-    "symbol_differs", "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks",
-    "unsupported_home", "unused_devices", "weights_span", "worlds_differ",
+    "GRAD_SCALER", "HPU_MULTI_LANE", "INPUTS_NOT_TENSORS", "LFQ_LOSS", "LINES", "ONE_LANE", "OUTPUTS_NOT_TENSORS",
+    "PARALLEL_OFF", "PASS_DICT_POOL", "PASS_DIST_ACTIVE", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME", "RTN_ON_META",
+    "RUN_STOPPED", "auto_round_missing", "auto_round_unsupported", "auto_shared_device", "auto_world_needs_auto",
+    "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized", "block_already_wrapped",
+    "block_no_linear", "block_on_devices", "block_spans_devices", "collection_lane_failed", "custom_backward",
+    "device_index_too_large", "device_missing", "dispatch_hooks", "forward_replaced", "home_alone", "lane0_not_home",
+    "lane_failed", "lane_failed_rerun", "lane_failure", "malformed_device_entry", "mirror_does_not_fit",
+    "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "on_meta", "others_count", "others_device",
+    "others_on_meta", "outputs_count", "outputs_shape", "pass_lane_failed_rerun", "patch_mismatch", "pool_device",
+    "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread", "pool_spread_devices",
+    "pool_spread_over", "report_is_dir", "report_unwritable", "rtn_override", "samples_mismatched", "symbol_differs",
+    "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
+    "unused_devices", "weights_span",
+    *refusals_processes.__all__,
 ]
 
 
@@ -48,8 +48,10 @@ PARALLEL_OFF = ("parallel quantization is off. Fix: --parallel_quantization auto
 ONE_LANE = ("only one lane available. Fix: --parallel_devices with one device per lane (e.g. 0,1 or cpu,cpu) to "
             "run more")
 HPU_MULTI_LANE = (
-    "Gaudi's bridge allows one device per process; multi-lane hpu needs a torch.distributed process group "
-    "(HCCL), which dpq does not run in-process yet. Fix: a single hpu lane (--parallel_quantization off)"
+    "Gaudi's bridge allows one device per process, so several hpu lanes cannot run in one process. Fix: one "
+    "process per Gaudi with one lane each, under torchrun from Python (torch.distributed.init_process_group('hccl') "
+    "on every rank, then dpq.autoround.enable(1); auto-round-dp sets up gloo and NCCL groups only, and HCCL has not "
+    "been run), or a single hpu lane"
 )
 
 
@@ -445,82 +447,3 @@ def patch_mismatch(version: str, checked: Sequence[str], problems: Sequence[str]
             + "\ndpq does not run a changed upstream function through its copy. Fix: install a checked auto-round "
             "(pip install 'auto-round==0.16.1', or auto-round-nightly==0.17.0.dev20261026 with dpq installed "
             "--no-deps), or run without dpq (--parallel_quantization off)")
-
-
-# -- several processes (dpq.distributed, auto-round-dp under torchrun) ---------------------------
-
-OFF_UNDER_TORCHRUN = ("--parallel_quantization off under torchrun (WORLD_SIZE > 1) would run the whole job once per "
-                      "process, every process writing the same --output_dir. Fix: a world per process "
-                      "(--parallel_quantization 1 for one lane each, or auto), or run without torchrun")
-
-
-def parallel_timeout_bad(value: str) -> str:
-    return (f"--parallel_timeout {value!r} is not a positive number of seconds. Fix: e.g. --parallel_timeout 600 "
-            "(how long a rank waits in a collective for the others before the run stops)")
-
-
-def worlds_differ(each: str) -> str:
-    """``each``: every rank's requested world, e.g. "rank 0: 2, rank 1: 'auto'"."""
-    return f"the ranks asked for different worlds ({each}). Fix: the same --parallel_quantization on every rank"
-
-
-def accelerator_shared(ranks: Sequence[int], device: str, host: str) -> str:
-    return (f"ranks {', '.join(map(str, ranks))} all plan lanes on {device} of {host}: an accelerator belongs to one "
-            "process. Fix: give each process its own devices (under torchrun: --parallel_devices cuda:$LOCAL_RANK, "
-            "or one device list per process)")
-
-
-def processes_outnumber_samples(processes: int, lanes: int, samples: int) -> str:
-    return (f"{processes} processes x {lanes} lane(s) but only {samples} samples per iteration: every lane needs at "
-            "least one sample. Fix: fewer processes or lanes, or a larger --batch_size")
-
-
-def serial_every_rank(ranks: Sequence[int], why: str) -> str:
-    """A note (the agreement's): the block runs serially on every rank."""
-    return (f"serial on every rank: rank {', '.join(map(str, ranks))} cannot split this block ({why}). Fix: that "
-            "rank's reason names its own fix")
-
-
-def auto_fewest_lanes(lanes: int, ranks: Sequence[int]) -> str:
-    """A note: under 'auto' every process runs the fewest lanes any rank has."""
-    return (f"auto: every process runs {lanes} lane{'s' if lanes != 1 else ''}, the fewest any rank has "
-            f"(rank {', '.join(map(str, ranks))}). Fix: the same fitting devices on every process, or an explicit "
-            "--parallel_quantization N")
-
-
-def auto_lanes_for_samples(lanes: int, samples: int) -> str:
-    """A note: under 'auto' fewer lanes per process so that every lane gets a sample."""
-    return (f"auto: {lanes} lane(s) per process so that every lane gets a sample ({samples} per iteration). Fix: a "
-            "larger --batch_size for more lanes")
-
-
-def rank_raised(rank: int, err: str) -> str:
-    return f"the run failed on rank {rank}: {err}"
-
-
-def rank_store_unreachable(rank: int) -> str:
-    return (f"rank {rank} lost contact with another rank and could not reach the store to learn which (the rank "
-            "hosting it may be gone)")
-
-
-def ranks_silent(ranks: Sequence[int], grace_s: float) -> str:
-    return f"rank {', '.join(map(str, ranks))} stopped answering (killed, or hung): no report within {grace_s:g} s"
-
-
-def rank_reported_first(rank: int, err: str) -> str:
-    return f"the run failed; rank {rank} reported first: {err}"
-
-
-def rank_failure(head: str, rank: int, reports: Sequence[str]) -> str:
-    """A multi-process run stopped (dpq.distributed.RankFailure). ``head``: one of the texts above
-    (:func:`rank_raised` ...), ``rank``: this rank, ``reports``: each rank's report, "rank N raised|lost: error"."""
-    return "\n".join([f"dpq: {head}",
-                      f"every rank stops (no serial rerun across processes); this is rank {rank}, its home block "
-                      "restored. Fix: the named rank's own log holds the cause and its traceback; fix that and "
-                      "rerun the whole job (auto-round-dp saves no model after a failure)",
-                      *(f"  {r}" for r in reports)])
-
-
-def save_barrier_failed(err: str) -> str:
-    return (f"a rank did not reach the save (the ranks are waited for before rank 0 writes --output_dir): {err}. "
-            "Fix: the failing rank's log holds the cause; rerun the whole job (nothing was saved)")

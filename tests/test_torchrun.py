@@ -197,3 +197,24 @@ def test_a_non_canonical_communicator_says_so_in_the_plan(monkeypatch):
     monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("local", "same device"))
     assert plan_mod._finish(plan_mod.Plan(2, [torch.device("cpu")] * 2), plan_mod.PlanRequest()).communicator_reason \
         == "same device"
+
+
+def test_auto_rounds_own_ddp_lane_is_never_on_dpqs_path(monkeypatch):
+    """auto-round's quantize_block enters setup_ddp_if_needed_ whenever a group is initialised: under
+    dpq (any world but 'off') every rank tunes a serial block alone instead; 'off' is auto-round's own."""
+    from auto_round.algorithms.quantization.sign_round import quantizer
+
+    from dpq.autoround import integration, ranks
+
+    calls = []
+
+    def setup_ddp_if_needed_(ar, block, device_list):
+        calls.append(block)
+        return block, None
+
+    monkeypatch.setattr(quantizer, "setup_ddp_if_needed_", setup_ddp_if_needed_)
+    block = torch.nn.Linear(2, 2)
+    with integration.parallel_quantization(1):
+        assert quantizer.setup_ddp_if_needed_(None, block, [0]) == (block, ranks._no_sync) and calls == []
+    with integration.parallel_quantization("off"):
+        assert quantizer.setup_ddp_if_needed_(None, block, [0]) == (block, None) and calls == [block]

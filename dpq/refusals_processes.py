@@ -1,0 +1,84 @@
+"""The texts of :mod:`dpq.refusals` for several processes (:mod:`dpq.distributed`, auto-round-dp
+under torchrun), kept apart only for size: import them from :mod:`dpq.refusals`, which holds
+every text (its conventions apply here; ``tests/test_refusals.py`` checks both modules)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "OFF_UNDER_TORCHRUN", "accelerator_shared", "auto_fewest_lanes", "auto_lanes_for_samples", "parallel_timeout_bad",
+    "processes_outnumber_samples", "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable",
+    "ranks_silent", "serial_every_rank", "worlds_differ",
+]
+
+OFF_UNDER_TORCHRUN = ("--parallel_quantization off under torchrun (WORLD_SIZE > 1) would run the whole job once per "
+                      "process, every process writing the same --output_dir. Fix: a world per process "
+                      "(--parallel_quantization 1 for one lane each, or auto), or run without torchrun")
+
+
+def parallel_timeout_bad(value: str) -> str:
+    return (f"--parallel_timeout {value!r} is not a positive number of seconds. Fix: e.g. --parallel_timeout 600 "
+            "(how long a rank waits in a collective for the others before the run stops)")
+
+
+def worlds_differ(each: str) -> str:
+    """``each``: every rank's requested world, e.g. "rank 0: 2, rank 1: 'auto'"."""
+    return f"the ranks asked for different worlds ({each}). Fix: the same --parallel_quantization on every rank"
+
+
+def accelerator_shared(ranks: Sequence[int], device: str, host: str) -> str:
+    return (f"ranks {', '.join(map(str, ranks))} all plan lanes on {device} of {host}: an accelerator belongs to one "
+            "process. Fix: give each process its own devices (under torchrun: --parallel_devices cuda:$LOCAL_RANK, "
+            "or one device list per process)")
+
+
+def processes_outnumber_samples(processes: int, lanes: int, samples: int) -> str:
+    return (f"{processes} processes x {lanes} lane(s) but only {samples} samples per iteration: every lane needs at "
+            "least one sample. Fix: fewer processes or lanes, or a larger --batch_size")
+
+
+def serial_every_rank(ranks: Sequence[int], why: str) -> str:
+    """A note (the agreement's): the block runs serially on every rank."""
+    return (f"serial on every rank: rank {', '.join(map(str, ranks))} cannot split this block ({why}). Fix: that "
+            "rank's reason names its own fix")
+
+
+def auto_fewest_lanes(lanes: int, ranks: Sequence[int]) -> str:
+    """A note: under 'auto' every process runs the fewest lanes any rank has."""
+    return (f"auto: every process runs {lanes} lane{'s' if lanes != 1 else ''}, the fewest any rank has "
+            f"(rank {', '.join(map(str, ranks))}). Fix: the same fitting devices on every process, or an explicit "
+            "--parallel_quantization N")
+
+
+def auto_lanes_for_samples(lanes: int, samples: int) -> str:
+    """A note: under 'auto' fewer lanes per process so that every lane gets a sample."""
+    return (f"auto: {lanes} lane(s) per process so that every lane gets a sample ({samples} per iteration). Fix: a "
+            "larger --batch_size for more lanes")
+
+
+def rank_raised(rank: int, err: str) -> str:
+    return f"the run failed on rank {rank}: {err}"
+
+
+def rank_store_unreachable(rank: int) -> str:
+    return (f"rank {rank} lost contact with another rank and could not reach the store to learn which (the rank "
+            "hosting it may be gone)")
+
+
+def ranks_silent(ranks: Sequence[int], grace_s: float) -> str:
+    return f"rank {', '.join(map(str, ranks))} stopped answering (killed, or hung): no report within {grace_s:g} s"
+
+
+def rank_reported_first(rank: int, err: str) -> str:
+    return f"the run failed; rank {rank} reported first: {err}"
+
+
+def rank_failure(head: str, rank: int, reports: Sequence[str]) -> str:
+    """A multi-process run stopped (dpq.distributed.RankFailure). ``head``: one of the texts above
+    (:func:`rank_raised` ...), ``rank``: this rank, ``reports``: each rank's report, "rank N raised|lost: error"."""
+    return "\n".join([f"dpq: {head}",
+                      f"every rank stops (no serial rerun across processes); this is rank {rank}, its home block "
+                      "restored. Fix: the named rank's own log holds the cause and its traceback; fix that and "
+                      "rerun the whole job (auto-round-dp saves no model after a failure)",
+                      *(f"  {r}" for r in reports)])
