@@ -30,7 +30,7 @@ from dpq.session import BlockTask, SessionConfig, run
 from dpq.tune_loop import TuneSpec
 
 NSAMPLES, ITERS = 12, 4
-TIMEOUT_S = 60  # whole spawn; a process group collective times out after 20 s
+TIMEOUT_S = 120  # whole spawn (a bound, not the expected time); a process group collective times out after 20 s
 
 
 class Block(torch.nn.Module):
@@ -157,8 +157,10 @@ def _worker(rank: int, store: str, out: str) -> None:
     # every rank makes every group, in order; W=4 on a group of all four (not the default group),
     # so that its failure below (which destroys the group) leaves the pairs' groups alone
     groups = [dist.new_group(ranks) for ranks in PAIRS] + [dist.new_group([0, 1, 2, 3])]
-    procs = {"4x1": ProcessSet.detect(groups[2], grace_s=2.0),
-             "pair": ProcessSet.detect(groups[rank // 2], grace_s=2.0)}
+    # grace 5 s (the default): with 2 s a live but descheduled rank on a loaded 2-core machine was
+    # once named as silent (its report came later than the grace)
+    procs = {"4x1": ProcessSet.detect(groups[2], grace_s=5.0),
+             "pair": ProcessSet.detect(groups[rank // 2], grace_s=5.0)}
     result: dict = {}
     for name, (processes, lanes) in LAYOUTS.items():
         result[name] = {case: tune(case, lanes, procs["4x1" if processes == 4 else "pair"]) for case in CASES}
@@ -280,7 +282,7 @@ def test_failing_rank_stops_every_rank(spawned):
                         (2, "rank 3 stopped answering")):
         assert results[rank]["failure"].startswith(f"dpq: {named}"), results[rank]["failure"]
         assert results[rank]["restored"]  # the home block exactly as before the failed run
-        assert results[rank]["seconds"] < 15  # gloo sees a closed peer at once; then up to 2 s for reports
+        assert results[rank]["seconds"] < 15  # gloo sees a closed peer at once; then up to 5 s (grace) for reports
 
 
 def test_lane_offset_without_the_property():
