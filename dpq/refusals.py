@@ -49,9 +49,9 @@ ONE_LANE = ("only one lane available. Fix: --parallel_devices with one device pe
             "run more")
 HPU_MULTI_LANE = (
     "Gaudi's bridge allows one device per process, so several hpu lanes cannot run in one process. Fix: one "
-    "process per Gaudi with one lane each, under torchrun from Python (torch.distributed.init_process_group('hccl') "
-    "on every rank, then dpq.autoround.enable(1); auto-round-dp sets up gloo and NCCL groups only, and HCCL has not "
-    "been run), or a single hpu lane"
+    "process per Gaudi with one lane each: torchrun --nproc-per-node <Gaudis> -m dpq.autoround.cli <args> "
+    "--parallel_quantization 1 (it starts the HCCL group; not yet run on a Gaudi), or from Python "
+    "init_process_group('hccl') on every rank, then dpq.autoround.enable(1); or a single hpu lane"
 )
 
 

@@ -177,14 +177,29 @@ def test_off_under_torchrun_is_refused_before_loading(capsys, monkeypatch):
 
 
 def test_each_process_gets_its_own_gpus():
+    from dpq.autoround.process_setup import process_lanes
+
     rest = ["--model", "m"]
-    devices, args, backend = cli.process_lanes(2, None, rest, 3, "cuda")
-    assert devices == "cuda:6,cuda:7" and args[-2:] == ["--device_map", "6"] and backend == "cpu:gloo,cuda:nccl"
-    assert cli.process_lanes("auto", None, ["--device_map=0"], 1, "cuda")[:2] == ("cuda:1", ["--device_map=1"])
-    assert cli.process_lanes(1, None, ["--device", "cpu"], 1, "cuda") == (None, ["--device", "cpu"], "gloo")
-    assert cli.process_lanes(2, None, rest, 1, "cpu") == (None, rest, "gloo")
-    assert cli.process_lanes(1, "cpu", rest, 1, "cuda") == ("cpu", rest, "gloo")
-    assert cli.process_lanes(1, "cuda:0", rest, 1, "cuda")[2] == "cpu:gloo,cuda:nccl"
+    devices, args, kind = process_lanes(2, None, rest, 3, "cuda")
+    assert devices == "cuda:6,cuda:7" and args[-2:] == ["--device_map", "6"] and kind == "cuda"
+    assert process_lanes("auto", None, ["--device_map=0"], 1, "cuda")[:2] == ("cuda:1", ["--device_map=1"])
+    assert process_lanes(1, None, ["--device", "cpu"], 1, "cuda") == (None, ["--device", "cpu"], "cpu")
+    assert process_lanes(2, None, rest, 1, "cpu") == (None, rest, "cpu")
+    assert process_lanes(1, "cpu", rest, 1, "cuda") == ("cpu", rest, "cpu")
+    assert process_lanes(1, "cuda:0", rest, 1, "cuda")[2] == "cuda"
+
+
+@pytest.mark.parametrize("flag", [["--tasks", "piqa"], ["--tasks=piqa"], ["--task"], ["--tas", "piqa"]])
+def test_tasks_under_torchrun_is_refused_before_loading(capsys, monkeypatch, flag):
+    """auto-round's evaluation after quantizing would run on every rank: refused under torchrun, with the fix."""
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)  # importing auto-round's CLI would fail
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["--model", "does-not-exist", "--parallel_quantization", "1", *flag]) == 2
+    assert refusals.TASKS_UNDER_TORCHRUN in capsys.readouterr().err
+    ours, rest = cli.split_argv(["--parallel_quantization", "1", "--target_bits", "4", "--ta", "x"])
+    assert cli.argument_errors(ours, rest) == []  # --ta is ambiguous to auto-round (--target_bits): not --tasks
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cli.argument_errors(*cli.split_argv(["--parallel_quantization", "1", *flag])) == []
 
 
 def test_a_non_canonical_communicator_says_so_in_the_plan(monkeypatch):

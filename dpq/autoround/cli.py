@@ -8,9 +8,10 @@ Our flags are taken out of argv, ``enable()`` is called, and auto-round's own ru
 rest. At the end a per-block summary is printed (world, seconds, exchange bytes).
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) every process runs this CLI with the same arguments: it
-initialises the process group itself (gloo for CPU lanes; ``cpu:gloo,cuda:nccl`` when the lanes
-are GPUs, each process on its own: ``cuda:LOCAL_RANK * L`` onwards for L lanes, unless
-``--parallel_devices`` says otherwise), ``--parallel_quantization`` is each process's lane
+initialises the process group itself (:mod:`dpq.autoround.process_setup`: gloo for CPU lanes,
+``cpu:gloo,cuda:nccl`` / ``cpu:gloo,xpu:xccl`` for GPUs, each process on its own: ``cuda:LOCAL_RANK * L``
+onwards for L lanes unless ``--parallel_devices`` says otherwise; HCCL for Gaudi, one per process;
+xpu and hpu not run), ``--parallel_quantization`` is each process's lane
 count, every block's tune spans the processes (DESIGN.md contract 7), rank 0 alone writes
 ``--output_dir`` and the report (:mod:`dpq.autoround.ranks`), and the group is destroyed at the
 end. A failure on any rank stops every rank with a non-zero exit and a message naming the rank.
@@ -22,7 +23,6 @@ Recipes: ``auto-round-dp-best``, ``-light``, ``-rtn``, ``-opt-rtn``, ``-mllm`` r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -81,44 +81,6 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-def _device_map(rest: list[str]) -> tuple[int | None, str | None]:
-    """(index in ``rest`` of auto-round's device option's value, the value); (None, None): not given."""
-    for i, a in enumerate(rest):
-        for flag in ("--device_map", "--device", "--devices"):
-            if a == flag and i + 1 < len(rest):
-                return i + 1, rest[i + 1]
-            if a.startswith(flag + "="):
-                return i, a.partition("=")[2]
-    return None, None
-
-
-def process_lanes(world, devices: str | None, rest: list[str], local_rank: int,
-                  accelerator: str | None) -> tuple[str | None, list[str], str]:
-    """Under torchrun: (this process's lane devices, auto-round's arguments, the group's backend).
-
-    Each process its own accelerators: with ``accelerator`` ('cuda') available, no
-    ``--parallel_devices`` and auto-round's ``--device_map`` a single device or absent, process
-    ``local_rank`` runs its L lanes (L = the world, 1 under 'auto') on ``cuda:local_rank*L``
-    onwards, its home there too (``--device_map`` rewritten). CPU lanes: unchanged (every
-    process's lanes are ``cpu``). A device list given is every process's (the agreement refuses
-    an accelerator planned by two processes of one host)."""
-    at, value = _device_map(rest)
-    on_cpu = value is not None and value.strip().lower() == "cpu"
-    if devices is not None:
-        kinds = {d.strip().split(":")[0] for d in devices.split(",")}
-        return devices, rest, "gloo" if kinds <= {"cpu"} else f"cpu:gloo,{accelerator}:nccl"
-    if accelerator != "cuda" or on_cpu or (value is not None and "," in value):
-        return None, rest, "gloo" if accelerator != "cuda" or on_cpu else "cpu:gloo,cuda:nccl"
-    lanes = world if isinstance(world, int) else 1
-    first = local_rank * lanes
-    rest = list(rest)
-    if at is None:
-        rest += ["--device_map", str(first)]
-    else:
-        rest[at] = rest[at].partition("=")[0] + "=" + str(first) if rest[at].startswith("--") else str(first)
-    return ",".join(f"cuda:{first + k}" for k in range(lanes)), rest, "cpu:gloo,cuda:nccl"
-
-
 GRACE_S = 15.0  # after torchrun's SIGTERM: time to name the failed rank (dpq.distributed waits 5 s for reports)
 
 
@@ -137,16 +99,6 @@ def _name_the_rank_before_leaving() -> None:
         signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends it at once
 
     signal.signal(signal.SIGTERM, later)
-
-
-def start_group(backend: str, timeout_s: float, device: str | None) -> None:
-    """``init_process_group`` from torchrun's environment, with the run's timeout."""
-    import torch
-    import torch.distributed as dist
-
-    if device is not None and device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))  # NCCL binds a rank to its current device
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def format_summary(records) -> str:
@@ -186,8 +138,15 @@ def report_path_errors(path: str | None) -> list[str]:
     return []
 
 
-def argument_errors(ours: argparse.Namespace) -> list[str]:
-    """Every problem with our flags, found before anything loads."""
+def asks_for_evaluation(rest: list[str]) -> bool:
+    """Whether auto-round's arguments ask it to evaluate after quantizing: ``--tasks``/``--task``
+    (with or without a value), or an abbreviation argparse accepts (``--tas``; ``--ta`` is ambiguous)."""
+    return any(len(name) >= 5 and "--tasks".startswith(name) for name in (a.partition("=")[0] for a in rest))
+
+
+def argument_errors(ours: argparse.Namespace, rest: list[str] = ()) -> list[str]:
+    """Every problem with our flags (and, under torchrun, auto-round's that dpq cannot serve
+    there: ``rest``), found before anything loads."""
     from dpq import refusals
     from dpq.plan import check_arguments
 
@@ -197,6 +156,8 @@ def argument_errors(ours: argparse.Namespace) -> list[str]:
         problems.append(refusals.DEBUG_WHILE_OFF)
     if off and torchrun_processes() > 1:
         problems.append(refusals.OFF_UNDER_TORCHRUN)
+    if torchrun_processes() > 1 and asks_for_evaluation(list(rest)):
+        problems.append(refusals.TASKS_UNDER_TORCHRUN)  # every rank would evaluate the same model
     try:
         ok = float(ours.parallel_timeout) > 0
     except ValueError:
@@ -227,7 +188,7 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     printed, no traceback). Any other failure propagates (with its traceback; non-zero exit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, rest = split_argv(argv)
-    problems = argument_errors(ours)
+    problems = argument_errors(ours, rest)
     if problems:
         print("auto-round-dp: error:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
@@ -239,11 +200,12 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     devices = ours.parallel_devices
     if torchrun_processes() == 1:
         return _run(ours, world, devices, recipe, rest)
+    from dpq.autoround.process_setup import process_lanes, start_group
     from dpq.streams import default_accelerator_type
 
-    devices, rest, backend = process_lanes(world, devices, rest, int(os.environ.get("LOCAL_RANK", "0")),
-                                           default_accelerator_type())
-    start_group(backend, float(ours.parallel_timeout), (devices or "").split(",")[0] or None)
+    devices, rest, kind = process_lanes(world, devices, rest, int(os.environ.get("LOCAL_RANK", "0")),
+                                        default_accelerator_type())
+    start_group(kind, float(ours.parallel_timeout), (devices or "").split(",")[0] or None)
     _name_the_rank_before_leaving()
     try:
         return _run(ours, world, devices, recipe, rest)
