@@ -137,3 +137,61 @@ def test_no_import_cycle_between_integration_and_the_seams():
     assert not set(seams) & imports("integration") - {"seams_common"}
     assert not imports("patches")  # the table names its replacements by path, imported at install
     assert all(len((ROOT / "dpq" / "autoround" / f"{s}.py").read_text().splitlines()) <= 400 for s in seams)
+
+
+class _Procs:
+    """Two processes seen from ``rank``: rank 0's gathered value is what rank 0 sends."""
+
+    size, group = 2, None
+
+    def __init__(self, rank: int, rank0_folders) -> None:
+        self.rank, self.rank0_folders, self.sent = rank, rank0_folders, []
+
+    def name(self, rank: int) -> int:
+        return rank
+
+    def all_gather_object(self, value):
+        self.sent.append(value)
+        return [value if self.rank == 0 else self.rank0_folders, value]
+
+
+@pytest.mark.parametrize("mixin", ["mllm", "diffusion"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mllm_and_diffusion_saves_are_rank_0s_alone(monkeypatch, mixin, rank):
+    """auto-round's MLLM and diffusion compressors override save_quantized: under several processes
+    rank 0 alone runs the override (one barrier on every rank: the override's own super() call to
+    BaseCompressor.save_quantized is part of rank 0's save, not a second barrier that only rank 0
+    would enter), and every rank returns rank 0's folders."""
+    import torch.distributed as dist
+    from auto_round.compressors.base import BaseCompressor
+    from auto_round.compressors.diffusion_mixin import DiffusionMixin
+    from auto_round.compressors.mllm_mixin import MLLMMixin
+
+    from dpq.autoround import ranks
+
+    writes, barriers = [], []
+
+    def base_save(self, output_dir=None, format=None, inplace=True, return_folders=False, max_shard_size=None, **kw):
+        writes.append(output_dir)
+        return (self.model, [f"{output_dir}/w4"]) if return_folders else self.model
+
+    real = ranks._original
+    monkeypatch.setattr(ranks, "_original", lambda owner, name: base_save if owner == ranks._BASE else
+                        real(owner, name))
+    monkeypatch.setattr(dist, "barrier", lambda group=None: barriers.append(group))
+    procs = _Procs(rank, ["out/w4"])
+    monkeypatch.setattr(ranks, "processes", lambda: procs)
+    compressor = type("Compressor", (MLLMMixin if mixin == "mllm" else DiffusionMixin, BaseCompressor), {})
+    c = object.__new__(compressor)
+    c.__dict__.update(model="M", model_context=SimpleNamespace(processor=None, image_processor=None, tokenizer=None))
+    out = None if mixin == "diffusion" else "out"  # the diffusion override hands output_dir None to super() alone
+    with integration.parallel_quantization(1):
+        assert compressor.save_quantized(c, out, return_folders=True) == ("M", [f"{out}/w4"] if rank == 0 else
+                                                                           ["out/w4"])
+        assert compressor.save_quantized is getattr(ranks, f"{mixin}_save_quantized")
+    assert barriers == [None] and writes == ([out] if rank == 0 else [])
+    assert procs.sent == [[f"{out}/w4"] if rank == 0 else None]
+    monkeypatch.setattr(ranks, "processes", lambda: None)  # one process: straight through, no barrier
+    with integration.parallel_quantization(1):
+        assert compressor.save_quantized(c, out) == "M"
+    assert len(writes) == (2 if rank == 0 else 1) and writes[-1] == out and len(barriers) == 1

@@ -64,6 +64,12 @@ TABLE: tuple[Patch, ...] = (
     Patch("auto_round.compressors.base:BaseCompressor", "save_quantized", "dpq.autoround.ranks:save_quantized",
           _same("self, output_dir=None, format=None, inplace=True, return_folders=False, max_shard_size=None, "
                 "**kwargs"), "save"),
+    # auto-round's MLLM and diffusion compressors override the save: rank 0 alone runs the whole override
+    Patch("auto_round.compressors.mllm_mixin:MLLMMixin", "save_quantized", "dpq.autoround.ranks:mllm_save_quantized",
+          _same("self, output_dir=None, format='auto_round', inplace=True, **kwargs"), "save"),
+    Patch("auto_round.compressors.diffusion_mixin:DiffusionMixin", "save_quantized",
+          "dpq.autoround.ranks:diffusion_save_quantized",
+          _same("self, output_dir=None, format=None, inplace=True, return_folders=False, **kwargs"), "save"),
     Patch("auto_round.compressors.base:BaseCompressor", "_adjust_immediate_packing_and_saving",
           "dpq.autoround.ranks:adjust_immediate_packing_and_saving", _same("self"), "save"),
     Patch("auto_round.algorithms.quantization.sign_round.quantizer", "setup_ddp_if_needed_",

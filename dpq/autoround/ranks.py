@@ -1,6 +1,6 @@
 """What auto-round does once per job, under several processes (torchrun): rank 0 alone writes.
 
-Three replacements in the patch table (:mod:`.patches`), each passing straight through when
+Five replacements in the patch table (:mod:`.patches`), each passing straight through when
 no ``enable()`` holds a process set (:attr:`dpq.autoround.integration._State.processes`):
 
 * ``BaseCompressor.save_quantized``: every rank waits for every other first (a barrier on the
@@ -12,6 +12,11 @@ no ``enable()`` holds a process set (:attr:`dpq.autoround.integration._State.pro
   rank 0's weights are written during quantization; the configs (``config.json``,
   ``quantization_config.json``) only here, after the barrier: a folder without them is not a
   complete model.
+* ``MLLMMixin.save_quantized`` and ``DiffusionMixin.save_quantized``: auto-round's MLLM and
+  diffusion compressors override the save (the diffusion one writes the pipeline's other
+  components and ``model_index.json`` itself), so they get the same treatment: the barrier,
+  then rank 0 runs the whole override; its ``super().save_quantized`` inside is part of that
+  save (no second barrier), and the other ranks write nothing.
 * ``BaseCompressor._adjust_immediate_packing_and_saving``: on ranks other than 0, no immediate
   saving (auto-round's ``low_cpu_mem_usage`` writes shards into ``--output_dir`` *during*
   quantization): those ranks keep the packed blocks in memory instead.
@@ -26,7 +31,8 @@ from __future__ import annotations
 
 from . import patches
 
-__all__ = ["adjust_immediate_packing_and_saving", "processes", "save_quantized", "setup_ddp_if_needed_"]
+__all__ = ["adjust_immediate_packing_and_saving", "diffusion_save_quantized", "mllm_save_quantized", "processes",
+           "save_quantized", "setup_ddp_if_needed_"]
 
 
 def processes():
@@ -47,15 +53,37 @@ def _original(owner: str, name: str):
 
 
 _BASE = "auto_round.compressors.base:BaseCompressor"
+_MLLM = "auto_round.compressors.mllm_mixin:MLLMMixin"
+_DIFFUSION = "auto_round.compressors.diffusion_mixin:DiffusionMixin"
 _SR_MODULE = "auto_round.algorithms.quantization.sign_round.quantizer"
 
 
 def save_quantized(self, output_dir=None, format=None, inplace=True, return_folders=False, max_shard_size=None,
                    **kwargs):
+    return _rank0_writes(_BASE, self, output_dir, format, inplace, return_folders, max_shard_size=max_shard_size,
+                         **kwargs)
+
+
+def mllm_save_quantized(self, output_dir=None, format="auto_round", inplace=True, **kwargs):
+    return_folders = kwargs.pop("return_folders", False)  # MLLMMixin hands it on to BaseCompressor in **kwargs
+    return _rank0_writes(_MLLM, self, output_dir, format, inplace, return_folders, **kwargs)
+
+
+def diffusion_save_quantized(self, output_dir=None, format=None, inplace=True, return_folders=False, **kwargs):
+    return _rank0_writes(_DIFFUSION, self, output_dir, format, inplace, return_folders, **kwargs)
+
+
+_writing: list[bool] = []  # non-empty while rank 0 runs an original save (the mixins' call BaseCompressor's)
+
+
+def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders, **kwargs):
+    """``owner.save_quantized`` under several processes: the barrier, rank 0 writes, every rank returns
+    rank 0's folders (module docstring). A save called from inside rank 0's save (a mixin's
+    ``super().save_quantized``) is part of it: it passes straight through, with no second barrier."""
     procs = processes()
-    save = _original(_BASE, "save_quantized")
-    if procs is None:
-        return save(self, output_dir, format, inplace, return_folders, max_shard_size, **kwargs)
+    save = _original(owner, "save_quantized")
+    if procs is None or _writing:
+        return save(self, output_dir, format, inplace, return_folders=return_folders, **kwargs)
     import torch.distributed as dist
 
     from dpq.distributed import peer_lost
@@ -64,7 +92,11 @@ def save_quantized(self, output_dir=None, format=None, inplace=True, return_fold
     try:
         dist.barrier(group=procs.group)  # every rank got here: none failed after its last collective
         if procs.rank == 0:
-            out = save(self, output_dir, format, inplace, True, max_shard_size, **kwargs)
+            _writing.append(True)
+            try:
+                out = save(self, output_dir, format, inplace, return_folders=True, **kwargs)
+            finally:
+                _writing.pop()
         else:
             from auto_round.logger import logger
 
