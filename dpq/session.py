@@ -25,9 +25,7 @@ the plans are agreed first (:func:`dpq.distributed.agree`: one refusal stops eve
 any work, with every rank's reasons); the communicator is ``ProcessGroupCommunicator`` over this
 process's lanes. Any failure there is fatal on every rank: no serial rerun (the ranks could not
 agree on it), home restored exactly as above, and a :class:`dpq.distributed.RankFailure` naming
-the rank it started on (``ProcessSet.stop``).
-
-Test-only fault injection has one entry point: :func:`inject_fault`.
+the rank it started on (``ProcessSet.stop``). Test-only fault injection: :func:`inject_fault`.
 """
 
 from __future__ import annotations
@@ -198,7 +196,9 @@ def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet,
             plan = plan if plan is not None else plan_for(config, task)
             mine = RankPlan(config.world, plan.world, list(plan.reasons),
                             serial=config.world == "off" or bool(task.extra_reasons), host=socket.gethostname(),
-                            devices=[str(d) for d in plan.devices if d.type != "cpu"])
+                            # not one physical device across processes: cpu (the host's), hpu (the bridge
+                            # gives each process the Gaudi of its LOCAL_RANK, which it sees as hpu:0)
+                            devices=[str(d) for d in plan.devices if d.type not in ("cpu", "hpu")])
         except PlanRefused as err:
             mine = RankPlan(config.world, 0, err.reasons, refused=True)
         except Exception as err:  # a rank that cannot plan refuses, so every rank hears why

@@ -367,3 +367,26 @@ def test_ranks_that_drew_other_indices_are_named():
     TuneEngine._check_drawn(engine, [5.0, 5.0, 5.0, 5.0])
     with pytest.raises(RuntimeError, match="process rank 1, 2 drew other sample indices than rank 0"):
         TuneEngine._check_drawn(engine, [5.0, 5.0, 7.0, 5.0, 6.0, 6.0])
+
+
+@pytest.mark.parametrize("device, shared", [("cuda:1", True), ("hpu:0", False), ("cpu", False)])
+def test_agreement_counts_only_physical_accelerators(monkeypatch, device, shared):
+    """What each rank tells the agreement about its lanes' devices: a cuda index names one GPU of
+    the host, but every Gaudi process sees its own Gaudi as hpu:0 (the bridge maps LOCAL_RANK), and
+    CPU lanes share the host; only the first may be refused as planned by two ranks."""
+    from types import SimpleNamespace
+
+    from dpq import session
+    from dpq.plan import Plan
+
+    told = []
+
+    def agree(procs, mine, samples):
+        told.append(mine)
+        return None, []
+
+    monkeypatch.setattr(session, "agree", agree)
+    monkeypatch.setattr(session, "plan_for", lambda config, task: Plan(1, [torch.device(device)]))
+    task = SimpleNamespace(extra_reasons=[], samples_per_iter=8)
+    session._agreed_plan(SessionConfig(world=1, devices=[device]), task, procs=None, plan=None)
+    assert told[0].devices == ([device] if shared else [])
