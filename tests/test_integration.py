@@ -337,7 +337,11 @@ def test_cli_world1_saves_the_same_tensors_as_off(cli_runs):
     assert bitwise_equal(off["state"], one["state"])
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.parity_subset), 4])
+# World 2 only through the CLI (6 runs of 50 iterations): world 3 and 4 are held to statistical
+# parity on real auto-round blocks in test_parity.py (same engine, same loss weights), and the
+# CLI at world 4 is checked bitwise across layouts (1x4, 2x2, 4x1) in test_torchrun.py. A world-4
+# row here cost ~90 s of the README's test command on 2 cores for no path the others miss.
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.parity_subset)])
 def test_cli_world_n_matches_serial_quality(cli_runs, world):
     """Per-block best losses and the saved models' KL(fp || q) on held-out text within 2% of
     serial, each averaged over 3 seeds. One seed is not enough: on this model serial's own
