@@ -7,15 +7,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
-    "OFF_UNDER_TORCHRUN", "TASKS_UNDER_TORCHRUN", "accelerator_shared", "auto_fewest_lanes", "auto_lanes_for_samples",
-    "parallel_timeout_bad", "processes_outnumber_samples", "rank_failure", "rank_raised", "rank_reported_first",
-    "rank_store_unreachable", "ranks_silent", "serial_every_rank", "worlds_differ",
+    "OFF_UNDER_TORCHRUN", "PASS_HOOKS_PROCESSES", "TASKS_UNDER_TORCHRUN", "accelerator_shared", "auto_fewest_lanes",
+    "auto_lanes_for_samples", "parallel_timeout_bad", "processes_outnumber_samples", "rank_failure", "rank_raised",
+    "rank_reported_first", "rank_store_unreachable", "ranks_silent", "serial_every_rank", "worlds_differ",
 ]
 
 OFF_UNDER_TORCHRUN = ("--parallel_quantization off under torchrun (WORLD_SIZE > 1) would run the whole job once per "
                       "process, every process writing the same --output_dir. Fix: a world per process "
                       "(--parallel_quantization 1 for one lane each, or auto), or run without torchrun")
 
+# A no-grad pass's reason to run on home alone (the format of refusals.home_alone): sample-ordered
+# forwards run over the global lanes (dpq.shard_processes); these do not yet.
+PASS_HOOKS_PROCESSES = (
+    "several processes (torch.distributed) and this pass merges hook statistics (sums, maxima, ordered sinks), which "
+    "have no canonical order across processes yet: every rank runs it on its own home device: this pass runs on home "
+    "alone (same result, the same on every rank). Fix: none needed; one process with several lanes shards it")
 
 TASKS_UNDER_TORCHRUN = ("--tasks under torchrun (WORLD_SIZE > 1) would run auto-round's evaluation once per process, "
                         "each on the same model. Fix: drop --tasks here and evaluate the saved model afterwards in one "

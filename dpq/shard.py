@@ -46,24 +46,9 @@ from dpq.streams import Lane
 from dpq.tune_loop import contiguous_ranges
 
 __all__ = [
-    "MERGERS",
-    "StatSpec",
-    "assign_items",
-    "bring_home",
-    "clear_module_stats",
-    "contiguous_ranges",
-    "copy_to_lane",
-    "map_over_lanes",
-    "merge_count",
-    "merge_max",
-    "merge_module_stats",
-    "merge_stats",
-    "merge_sum",
-    "read_module_stats",
-    "restore_module_stats",
-    "shard_forward",
-    "sharded_collection",
-    "snapshot_module_stats",
+    "MERGERS", "StatSpec", "assign_items", "bring_home", "clear_module_stats", "contiguous_ranges", "copy_to_lane",
+    "map_over_lanes", "merge_count", "merge_max", "merge_module_stats", "merge_stats", "merge_sum", "read_module_stats",
+    "restore_module_stats", "shard_forward", "sharded_collection", "snapshot_module_stats",
 ]
 
 # module name (as in named_modules(); "" = the module itself) -> attribute -> "sum" | "max" | "count"
@@ -92,20 +77,24 @@ def shard_forward(
     *,
     align: int = 1,
     out_device: torch.device | str | None = None,
+    ranges: Sequence[tuple[int, int]] | None = None,
 ) -> list[Any]:
     """Forward ``n_samples`` samples, lane ``k`` taking the k-th contiguous range on ``modules_per_lane[k]``.
 
     ``forward_fn(module, lane, start, stop)`` returns one result per sample of ``[start, stop)``
     (it runs under the lane's stream). Lanes are issued in order from this one thread; results
     come back as one list in sample order, moved to ``out_device`` when given (else left where
-    ``forward_fn`` put them). Lanes with an empty range are not called.
+    ``forward_fn`` put them). Lanes with an empty range are not called. ``ranges``: the lanes' own
+    ``[start, stop)`` (several processes: this process's slice of the global lanes' ranges,
+    :func:`dpq.shard_processes.global_ranges`); the results are then those ranges' samples, in order.
     """
     if len(modules_per_lane) != len(lanes):
         raise ValueError(f"dpq: {len(modules_per_lane)} modules for {len(lanes)} lanes")
     dest = torch.device(out_device) if out_device is not None else None
     parts: list[list[Any]] = []
-    for module, lane, (start, stop) in zip(modules_per_lane, lanes, contiguous_ranges(n_samples, len(lanes), align),
-                                           strict=True):
+    if ranges is None:
+        ranges = contiguous_ranges(n_samples, len(lanes), align)
+    for module, lane, (start, stop) in zip(modules_per_lane, lanes, ranges, strict=True):
         if start == stop:
             parts.append([])
             continue
@@ -252,12 +241,13 @@ def sharded_collection(
     align: int = 1,
     out_device: torch.device | str | None = None,
     share_frozen: bool = True,
+    ranges: Sequence[tuple[int, int]] | None = None,
 ) -> list[Any]:
     """One collection pass over lanes with hook statistics merged into ``module`` (home).
 
     Builds short-lived mirrors (hooks registered on home come along with the modules), clears
     the spec's statistics on them, runs :func:`shard_forward` (home forwards the first range
-    itself), folds the mirrors' statistics into home in lane order and drops the mirrors.
+    itself; ``ranges`` as there), folds the mirrors' statistics into home in lane order and drops the mirrors.
     ``share_frozen``: mirrors on home's device reuse home's tensors (nothing is tuned here);
     statistics stay separate because the mirrors' attributes are cleared first. On any
     exception home's statistics are restored to their state before the pass, then it re-raises.
@@ -268,7 +258,8 @@ def sharded_collection(
         replicas = ReplicaSet(module, lanes, tuned=(), share_frozen=share_frozen)
         for mirror in replicas.modules[1:]:
             clear_module_stats(mirror, spec)
-        outputs = shard_forward(replicas.modules, lanes, n_samples, forward_fn, align=align, out_device=out_device)
+        outputs = shard_forward(replicas.modules, lanes, n_samples, forward_fn, align=align, out_device=out_device,
+                                ranges=ranges)
         merge_module_stats(module, replicas.modules[1:], spec, lanes=list(lanes[1:]))
         return outputs
     except BaseException:

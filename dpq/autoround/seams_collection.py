@@ -6,8 +6,12 @@ hooks, the act-max pass on the quantized-input chain and the quantized-input for
 next block) is replaced by :class:`ShardedRunner`: lane k forwards the k-th contiguous range of
 whole batches on a short-lived mirror (batch boundaries as serial's, so outputs are bitwise
 serial's); outputs return in sample order; hook statistics merge into the home block's layers
-(see :mod:`dpq.autoround.seams_common`). The quantizer's own forwards (tuning) are not touched.
-The call also times the block quantizer's ``quantize_block`` (phase "tune", or "search" for RTN).
+(see :mod:`dpq.autoround.seams_common`). Under several processes (torchrun) a pass without hooks
+runs over the global lanes, every rank receiving every sample's output
+(:mod:`dpq.shard_processes`); a pass with hook statistics runs on each rank's home alone
+(``refusals.PASS_HOOKS_PROCESSES``: those merges are not canonical across processes yet). The
+quantizer's own forwards (tuning) are not touched. The call also times the block quantizer's
+``quantize_block`` (phase "tune", or "search" for RTN).
 """
 
 from __future__ import annotations
@@ -22,14 +26,18 @@ from auto_round.algorithms.quantization.rtn.quantizer import RTNQuantizer
 from auto_round.logger import logger
 
 from dpq import refusals
-from dpq.plan import MARGIN
+from dpq.distributed import ProcessLayout, peer_lost
+from dpq.plan import MARGIN, PlanRefused
 from dpq.shard import sharded_collection
+from dpq.shard_processes import agree_lanes, gather_in_sample_order, global_ranges
+from dpq.streams import make_lanes
 
 from . import patches
 from .seams_common import (
     HOOK_DICTS,
     ParallelLaneError,
     PhaseRecord,
+    config,
     hook_name,
     lane_fault,
     log_once,
@@ -61,7 +69,9 @@ ORDERED_SINK_HOOKS = {
 def _block_refusals(block, inputs, runner) -> list[str]:
     """Why this block's passes must run on home alone (empty: they can be sharded)."""
     reasons = []
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    # several processes in the config: the caller's path over global lanes (ShardedRunner._across_processes)
+    if (getattr(config(), "processes", None) is None and torch.distributed.is_available()
+            and torch.distributed.is_initialized()):
         reasons.append(refusals.PASS_DIST_ACTIVE)
     if not isinstance(inputs, list) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         reasons.append(refusals.PASS_DICT_POOL)
@@ -96,6 +106,24 @@ def _collection_price(block, inputs, batch_size: int) -> int:
     weights = sum(p.numel() * p.element_size() for p in block.parameters())
     act = inputs[0].numel() * inputs[0].element_size() * 8 * max(1, batch_size) if inputs else 0
     return int((weights + act) * MARGIN)
+
+
+def _process_lanes(units: int, price: int, reasons: list[str]):
+    """This process's lanes for a pass over global lanes (None: it must run home alone, ``reasons``
+    extended). Its own plan (``plan_lanes``), or the home device alone where that plans one lane
+    (world 1: the processes are the lanes); an explicit world it cannot serve makes it run alone
+    (the block's tune agreement then refuses with every rank's reasons)."""
+    notes: list[str] = []  # plan_lanes' notes say why fewer lanes: the agreed count says it for every rank
+    try:
+        lanes = plan_lanes(units, price, notes)
+    except PlanRefused as err:
+        reasons.extend(err.reasons)
+        return None
+    if lanes is not None:
+        return lanes
+    from auto_round.utils.device_manager import device_manager
+
+    return make_lanes([device_manager.device])
 
 
 # -- AWQ's preprocessor-owned containers: snapshot / restore around a sharded pass -------------
@@ -154,6 +182,9 @@ class ShardedRunner:
         if indices is not None or torch.is_grad_enabled() or world() == "off":
             return self._home(block, inputs, input_others, indices, cache_device)
         t0 = time.perf_counter()
+        procs = getattr(config(), "processes", None)
+        if procs is not None:
+            return self._across_processes(procs, block, inputs, input_others, cache_device, t0)
         if world() == 1:
             out = self._home(block, inputs, input_others, indices, cache_device)
             self._record(1, t0, "", ["world 1"])
@@ -186,12 +217,53 @@ class ShardedRunner:
         self._record(len(lanes), t0, detail, reasons)
         return out
 
-    def _sharded(self, block, inputs, input_others, cache_device, lanes, spec, bs):
+    def _across_processes(self, procs, block, inputs, input_others, cache_device, t0):
+        """Several processes: a pass without hooks (its result is the per-sample outputs) runs over
+        the global lanes, P processes x L agreed local lanes; a pass with hooks runs on every rank's
+        home alone, as does one that any rank must run alone (every rank's reasons recorded).
+
+        Invariant (no rank left waiting in a collective): every rank reaches this method for the
+        same passes (its entry conditions are the same on every rank), calls ``agree_lanes`` once,
+        and then either every rank runs home alone or every rank shards and gathers. A failure
+        anywhere in that exchange or the sharded forward is fatal on every rank (no serial rerun
+        across processes: the ranks could not agree on one), as for a block's tune."""
+        runner = self._runner
+        reasons = _block_refusals(block, inputs, runner)
+        spec, sinks, unknown = _classify_hooks(block)
+        if spec or sinks or unknown:
+            reasons.append(refusals.PASS_HOOKS_PROCESSES)
+        detail = ", ".join(sorted({f"{a}:{k}" for d in spec.values() for a, k in d.items()} | sinks)) or "no hooks"
+        bs = max(1, int(runner.batch_size))
+        units = math.ceil(len(inputs) / bs) if isinstance(inputs, list) else 0
+        try:
+            lanes = None if reasons else _process_lanes(units, _collection_price(block, inputs, bs), reasons)
+            agreed, alone = agree_lanes(procs, 0 if lanes is None else len(lanes), reasons)
+            if agreed:
+                # no more global lanes than batches (a lane without a batch would only build a mirror)
+                layout = ProcessLayout(procs.size, procs.rank, max(1, min(agreed, units // procs.size)))
+                out = self._sharded(block, inputs, input_others, cache_device, lanes[: layout.lanes], {}, bs,
+                                    layout=layout, procs=procs)
+        except BaseException as err:
+            failure = procs.stop(err, peer_lost(err))
+            if not isinstance(err, Exception):
+                raise  # an interrupt stays an interrupt; the peers were told
+            raise failure from err
+        if not agreed:
+            out = self._home(block, inputs, input_others, None, cache_device)
+            self._record(1, t0, detail, alone or reasons)
+            return out
+        self._record(layout.world, t0, f"{detail}; {layout.describe()}", [])
+        return out
+
+    def _sharded(self, block, inputs, input_others, cache_device, lanes, spec, bs, *, layout=None, procs=None):
+        """``layout``/``procs`` (several processes): this process's lanes forward its slice of the
+        global ranges, and every rank's outputs are gathered in sample order."""
         runner = self._runner
         out_device = cache_device if cache_device is not None else runner.cache_device
         low_mem = bool(getattr(getattr(self._composer.block_quantizer, "compress_context", None),
                                "low_gpu_mem_usage", False))
         lane_dicts: list[dict | None] = []
+        ranges = None if layout is None else global_ranges(len(inputs), layout, bs)
 
         def forward_fn(module, lane, start, stop):
             lane_fault("collection", lane.index)
@@ -210,18 +282,22 @@ class ShardedRunner:
         sinks = _sink_snapshot(self._composer)
         try:
             outputs = sharded_collection(block, lanes, len(inputs), forward_fn, spec, align=bs,
-                                         out_device=out_device)
+                                         out_device=out_device, ranges=ranges)
         except BaseException:
             _sink_restore(sinks)
             raise
-        self.last_output_dict = None
+        merged: dict[str, list] | None = None
         if any(d is not None for _, d in lane_dicts):
-            merged: dict[str, list] = {}
+            merged = {}
             for lane, d in lane_dicts:
                 for k, v in (d or {}).items():
                     merged.setdefault(k, []).extend(lane.hand_home(v, out_device))  # R2 + R3
+        if procs is not None:  # where the serial pass puts its outputs: out_device, else the block's home
+            outputs, merged = gather_in_sample_order(procs, outputs, merged,
+                                                     out_device if out_device is not None else lanes[0].device)
+        if merged is not None:
             merged["hidden_states"] = outputs
-            self.last_output_dict = merged
+        self.last_output_dict = merged
         return outputs
 
     def _record(self, world, t0, detail, reasons, fell_back=False):

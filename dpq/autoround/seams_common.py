@@ -17,6 +17,13 @@ hook (auto-round 0.16.1 / 0.17)                                 merge
 ``SignRoundV2Quantizer._register_imatrix_hooks``                ``imatrix``: sum
 ``AWQTransform._register_awq_hooks`` (activation, parent args)  ordered sink: lanes run in sample order
 ==============================================================  =======================================
+
+Several processes (torchrun, the config's ``processes``): a collection pass without hooks runs
+over the global lanes (``ShardedRunner._across_processes``, :mod:`dpq.shard_processes`); a pass
+with any of the hooks above runs on each rank's home alone (``refusals.PASS_HOOKS_PROCESSES``:
+these merges follow lane order inside one process and have no canonical order across processes
+yet), and AWQ's grid replays too (``refusals.PASS_DIST_ACTIVE``). Per-item searches (RTN,
+init-scale) use this process's own lanes only; every rank searches every item.
 """
 
 from __future__ import annotations
