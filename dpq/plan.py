@@ -118,8 +118,10 @@ def price_mirror(
     * ``qdq_saved``: what autograd keeps of the quantize-dequantize of every weight for backward,
       priced at 4 fp32 weight-sized tensors (2.9 measured on a tiny Llama block);
     * ``grad_buffer``: the communicator's flat fp32 gradient buffer, one slot per tuned value;
-    * ``exchange``: the exchange temporaries of one bucket (sign path: padded send copy, receive
-      chunk, packed and unpacked planes; bounded by 3 fp32 copies of a bucket);
+    * ``exchange``: the exchange temporaries of the largest bucket, held for the whole run (sign
+      path: padded send copy, receive chunk, packed and unpacked planes; bounded by 3 fp32 copies
+      of a bucket). A bucket exceeds the cap only by holding one parameter larger than it
+      (``dpq.exchange``), so the largest is at most max(cap, the largest weight);
     * ``activations``: the lane's own share of each iteration's samples, ceil(samples_per_iter /
       world), each token keeping an fp32 copy of every linear layer's input and output for
       backward (0.63x of that measured under bf16 autocast on a tiny Llama block);
@@ -139,7 +141,7 @@ def price_mirror(
         "tuned_values": tuned * 4,
         "qdq_saved": 4 * n * 4,
         "grad_buffer": tuned * 4,
-        "exchange": 3 * min(bucket_cap_elems, tuned) * 4,
+        "exchange": 3 * min(tuned, max(bucket_cap_elems, max((p.numel() for p in two_d), default=0))) * 4,
         "activations": 0,
         "staging": 0,
     }

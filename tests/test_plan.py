@@ -93,3 +93,24 @@ def test_devices_with_parallel_quantization_off_are_an_error():
     assert check_arguments("off", None) == [] and check_arguments("2", "cpu,cpu") == []
     problems = check_arguments("zero", "gpu,cpu")
     assert has(problems, "world must be", "'gpu' is not a device"), problems
+
+
+def test_exchange_price_covers_a_weight_larger_than_the_bucket_cap():
+    """A parameter larger than the bucket cap gets a bucket of its own (dpq.exchange), and the
+    exchange's buffers are sized for the largest bucket: the price follows the largest weight."""
+    import torch
+
+    from dpq.exchange import GradBuckets
+    from dpq.plan import price_mirror
+
+    block = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 8, bias=False))
+    cap = 1000  # below the first weight (4096 values)
+    parts: dict = {}
+    price_mirror(block, [], 8, bucket_cap_elems=cap, detail=parts)
+    params = [p.detach().clone().requires_grad_(True) for p in block.parameters()]
+    largest = max(b - a for a, b in GradBuckets([params], bucket_cap_elems=cap).bucket_ranges)
+    assert largest == 4096
+    assert parts["exchange"] == 3 * largest * 4
+    small: dict = {}
+    price_mirror(block, [], 8, bucket_cap_elems=2**22, detail=small)  # a cap above everything: all tuned values
+    assert small["exchange"] == 3 * (4096 + 512 + (4096 + 512) // 8) * 4
