@@ -9,7 +9,8 @@ from collections.abc import Sequence
 __all__ = [
     "OFF_UNDER_TORCHRUN", "PASS_HOOKS_PROCESSES", "TASKS_UNDER_TORCHRUN", "accelerator_shared", "auto_fewest_lanes",
     "auto_lanes_for_samples", "parallel_timeout_bad", "processes_outnumber_samples", "rank_failure", "rank_raised",
-    "rank_reported_first", "rank_store_unreachable", "ranks_silent", "serial_every_rank", "worlds_differ",
+    "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "serial_every_rank",
+    "worlds_differ",
 ]
 
 OFF_UNDER_TORCHRUN = ("--parallel_quantization off under torchrun (WORLD_SIZE > 1) would run the whole job once per "
@@ -75,6 +76,12 @@ def rank_raised(rank: int, err: str) -> str:
 def rank_store_unreachable(rank: int) -> str:
     return (f"rank {rank} lost contact with another rank and could not reach the store to learn which (the rank "
             "hosting it may be gone)")
+
+
+def ranks_drew_other_indices(ranks: Sequence[int]) -> str:
+    return (f"process rank {', '.join(map(str, ranks))} drew other sample indices than rank 0 this iteration. Fix: "
+            "every rank must draw the serial run's indices: the same sampler and seed on every rank, and no "
+            "rank-dependent use of the random generators before the tune")
 
 
 def ranks_silent(ranks: Sequence[int], grace_s: float) -> str:

@@ -52,6 +52,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from dpq import refusals
 from dpq.distributed import lane_offset
 from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
@@ -240,9 +241,7 @@ class TuneEngine:
         """Across processes: every global lane's checksum of the iteration's indices agrees."""
         others = sorted({g // len(self.lanes) for g, c in enumerate(checksums) if c != checksums[0]})
         if others:
-            raise RuntimeError(f"dpq: process rank {', '.join(map(str, others))} drew other sample indices than rank "
-                               "0 this iteration: every rank must draw the serial run's indices (the same sampler "
-                               "and seed, no rank-dependent use of the random generators before the tune)")
+            raise RuntimeError(f"dpq: {refusals.ranks_drew_other_indices(others)}")
 
     def _fold_losses(self, step_losses: list[dict], per_lane: list[list[list[int]]],
                      indices: list[int]) -> list[torch.Tensor]:
