@@ -84,21 +84,35 @@ def ring_wire_bytes(op: str, world: int, numel: int, itemsize: int) -> int:
 def ordered_sum(parts: Sequence[Tensor], out: Tensor) -> Tensor:
     """``out = ((parts[0] + parts[1]) + parts[2]) + ...``: the canonical order, returns ``out``.
 
-    Elementwise, in the parts' dtype (bf16 rounds after every add, as the local communicator
-    does), the exact ops of :class:`dpq.fallback_p2p.LocalCommunicator`, so the same bits on any
-    device. Issued on the caller's current stream. ``out`` may share memory with the parts (an
-    in-place collective): the fold then runs into a fresh accumulator, copied into ``out`` last,
-    because ``out`` is written after the first add while later parts are still to be read.
+    Elementwise, in the parts' dtype (bf16 rounds after every add), the one fold every dpq
+    communicator uses, so the same bits on any device. Issued on the caller's current stream.
+    ``out`` may be ``parts[0]`` itself (each element is read before it is written: in place).
+    Where ``out`` overlaps any other part's memory, the fold runs into a fresh accumulator, copied
+    into ``out`` last (``out`` is written after the first add while later parts are still to be read).
     """
     if len(parts) == 1:
         return out.copy_(parts[0])
-    storage = out.untyped_storage().data_ptr()
-    shared = any(p.untyped_storage().data_ptr() == storage for p in parts)
+    shared = any(_overlap(out, p) for p in parts[1:]) or (_overlap(out, parts[0]) and not _same_memory(out, parts[0]))
     acc = torch.empty_like(out) if shared else out
     torch.add(parts[0], parts[1], out=acc)
     for part in parts[2:]:
         acc.add_(part)
     return out.copy_(acc) if shared else out
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share bytes: exact byte ranges for contiguous tensors (views of
+    one buffer side by side do not), the whole storage otherwise."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return True
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def chunk_bounds(numel: int, world: int) -> list[int]:

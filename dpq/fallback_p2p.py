@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from dpq import nccl_comm, refusals
+from dpq.comm_base import ordered_sum
 from dpq.nccl_comm import (
     Communicator,
     CommunicatorBase,
@@ -158,10 +159,7 @@ class _RootReduce(CommunicatorBase):
         parts = self._fetch(srcs)
         acc = self._empty_at(self.place, parts[0].numel(), parts[0].dtype) if out is None else out
         with self._issue_at(self.place):
-            torch.add(parts[0], parts[1], out=acc)  # out may alias parts[0]: same-index aliasing is safe
-            for part in parts[2:]:
-                acc.add_(part)
-        return acc
+            return ordered_sum(parts, acc)  # out may be parts[0] (in place)
 
     def _finish(self) -> None:
         # Lanes must not touch buffers the place read or wrote on its stream until it is done.
@@ -232,10 +230,7 @@ class LocalCommunicator(_RootReduce):
         parts, n = self._fetch(send), recv[0].numel()
         with self._issue_at(self.place):
             for k, out in enumerate(recv):
-                chunks = [p[k * n : (k + 1) * n] for p in parts]
-                torch.add(chunks[0], chunks[1], out=out)
-                for chunk in chunks[2:]:
-                    out.add_(chunk)
+                ordered_sum([p[k * n : (k + 1) * n] for p in parts], out)
         self._finish()
 
 

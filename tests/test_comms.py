@@ -562,3 +562,19 @@ def test_stream_ordering(name):
         join = [("wait", 0, 1), ("wait", 0, 2), ("wait", 1, 0), ("wait", 2, 0)]
         assert log[:4] == join, "lane 0 must wait for every lane before it reads their buffers"
         assert log[-4:] == join, "every lane must wait for lane 0 before it touches its buffers again"
+
+
+@pytest.mark.parametrize("where", ["fresh", "in place on parts[0]", "overlaps parts[0] and parts[1]",
+                                   "beside the parts in one buffer", "strided view of the buffer"])
+def test_ordered_sum_whatever_out_shares_with_the_parts(where):
+    """The canonical fold gives the same bits wherever ``out`` lives: in place on the first part,
+    partly over later parts (which must still be read after the first add), or beside them."""
+    from dpq.comm_base import ordered_sum
+
+    buf = torch.randn(20, generator=torch.Generator().manual_seed(3)) * 1e4
+    parts = [buf[0:4], buf[4:8], buf[8:12]]
+    want = (parts[0].clone() + parts[1].clone()) + parts[2].clone()
+    out = {"fresh": torch.empty(4), "in place on parts[0]": parts[0], "overlaps parts[0] and parts[1]": buf[2:6],
+           "beside the parts in one buffer": buf[12:16], "strided view of the buffer": buf[12:20:2]}[where]
+    assert ordered_sum(parts, out) is out
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
