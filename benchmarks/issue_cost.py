@@ -139,13 +139,28 @@ def instrument(parts: dict):
         dpq_exchange._Exchange.exchange_bucket = real_bucket
 
 
-def measure(block, inputs, others, world: int, iters: int) -> dict:
+@contextlib.contextmanager
+def step_kind(one_op: bool):
+    """``one_op=False``: every lane runs auto-round's ``SignSGD.step`` (the adapter does not ask for
+    dpq.sign_step's one-op step), for the A/B of ``--step-ab``."""
+    from dpq.autoround import tune
+
+    real = tune.one_op_sign_step
+    if not one_op:
+        tune.one_op_sign_step = lambda *a: False
+    try:
+        yield
+    finally:
+        tune.one_op_sign_step = real
+
+
+def measure(block, inputs, others, world: int, iters: int, one_op: bool = True) -> dict:
     import copy
 
     import dpq
 
     parts: dict = defaultdict(float)
-    with instrument(parts):
+    with instrument(parts), step_kind(one_op):
         dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, world=world,
                           devices=",".join(["cpu"] * world), iters=iters, batch_size=len(inputs), seed=0)
     n = parts.pop("iterations")
@@ -168,6 +183,9 @@ def main(argv=None) -> int:
     p.add_argument("--model-only", type=float, default=None, metavar="ISSUE_MS",
                    help="skip the measurement: print the modeled speedups for this issue cost (ms per lane-iteration)")
     p.add_argument("--overlap", type=float, default=0.6, help="hidden fraction for the model (benchmarks.overlap)")
+    p.add_argument("--step-ab", action="store_true",
+                   help="also A/B the step: dpq.sign_step's one-op step vs each lane's SignSGD.step (rounds "
+                        "interleaved)")
     args = p.parse_args(argv)
     if args.model_only is not None:
         print("\n".join(speedup_table(args.model_only / 1e3, args.overlap)))
@@ -181,11 +199,17 @@ def main(argv=None) -> int:
     inputs, others = capture_block_inputs(model, calibration_samples(args.nsamples, args.seqlen))
     block, inputs, others = model.model.layers[0], inputs[0], others[0]
     wall0, mine0, busy0 = time.perf_counter(), time.process_time(), _busy_cpu_seconds()
-    rows = {}
+    rows, ab = {}, {}
     for w in map(int, args.worlds.split(",")):
         measure(block, inputs, others, w, 3)  # warm-up
-        runs = [measure(block, inputs, others, w, args.iters) for _ in range(args.rounds)]
+        runs, per_lane = [], []
+        for _ in range(args.rounds):
+            runs.append(measure(block, inputs, others, w, args.iters))
+            if args.step_ab:
+                per_lane.append(measure(block, inputs, others, w, args.iters, one_op=False))
         rows[w] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        if per_lane:
+            ab[w] = {k: statistics.median(r[k] for r in per_lane) for k in per_lane[0]}
     busy1 = _busy_cpu_seconds()
     keys = ["forward+loss", "backward", "exchange", "step", "other"]
     print(f"{_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 intra-op thread; tiny Llama layer "
@@ -198,6 +222,17 @@ def main(argv=None) -> int:
         issue = sum(r[k] for k in keys if k != "backward")
         print(f"| {w} | " + " | ".join(f"{r[k] / w * 1e3:.2f}" for k in keys) +
               f" | {issue / w * 1e3:.2f} | {r['iteration'] / w * 1e3:.2f} |")
+    if ab:
+        print("\nThe step A/B, rounds interleaved (ms per lane-iteration, medians; per-lane = each lane's "
+              "SignSGD.step, one-op = dpq.sign_step):\n")
+        print("| W | step per-lane | step one-op | ratio | issue per-lane | issue one-op | ratio |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for w, old in ab.items():
+            new = rows[w]
+            i_old, i_new = (sum(r[k] for k in keys if k != "backward") for r in (old, new))
+            print(f"| {w} | {old['step'] / w * 1e3:.3f} | {new['step'] / w * 1e3:.3f} "
+                  f"| {new['step'] / old['step']:.2f} | {i_old / w * 1e3:.2f} | {i_new / w * 1e3:.2f} "
+                  f"| {i_new / i_old:.2f} |")
     if busy0 is not None and busy1 is not None:
         share = max(0.0, (busy1 - busy0) - (time.process_time() - mine0)) / \
             ((time.perf_counter() - wall0) * (os.cpu_count() or 1))

@@ -391,6 +391,7 @@ class SignExchange(_Exchange):
     """
 
     name = "sign"
+    exact_signs = True  # after exchange(): every grad element is exactly -1.0, +0.0 or +1.0 (dpq.sign_step)
 
     def _exchange(self, buckets: GradBuckets, i: int) -> None:
         grads = buckets.bucket(i)

@@ -30,7 +30,7 @@ __all__ = [
     "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread", "pool_spread_devices",
     "pool_spread_over", "report_is_dir", "report_unwritable", "rtn_override", "samples_mismatched", "symbol_differs",
     "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
-    "unused_devices", "weights_span",
+    "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED",
     *refusals_processes.__all__,
 ]
 
@@ -47,12 +47,15 @@ PARALLEL_OFF = ("parallel quantization is off. Fix: --parallel_quantization auto
                 "lanes")
 ONE_LANE = ("only one lane available. Fix: --parallel_devices with one device per lane (e.g. 0,1 or cpu,cpu) to "
             "run more")
-HPU_MULTI_LANE = (
-    "Gaudi's bridge allows one device per process, so several hpu lanes cannot run in one process. Fix: one "
-    "process per Gaudi with one lane each: torchrun --nproc-per-node <Gaudis> -m dpq.autoround.cli <args> "
-    "--parallel_quantization 1 (it starts the HCCL group; not yet run on a Gaudi), or from Python "
-    "init_process_group('hccl') on every rank, then dpq.autoround.enable(1); or a single hpu lane"
-)
+HPU_MULTI_LANE = ("Gaudi's bridge allows one device per process, so several hpu lanes cannot run in one process. "
+                  "Fix: one process per Gaudi with one lane each: torchrun --nproc-per-node <Gaudis> -m "
+                  "dpq.autoround.cli <args> --parallel_quantization 1 (it starts the HCCL group; not yet run on a "
+                  "Gaudi), or from Python init_process_group('hccl') on every rank, then dpq.autoround.enable(1); or "
+                  "a single hpu lane")
+SIGN_STEP_UPSTREAM_CHANGED = ("dpq: auto-round's SignSGD source differs from the one dpq's one-op sign step reproduces "
+                              "(dpq.autoround.patches.REPRODUCED), so every lane runs auto-round's own step: the same "
+                              "results, more host time per lane. Fix: nothing needed; to get the one-op step back, "
+                              "install a checked auto-round (0.16.1 or 0.17.0.dev20261026)")
 
 
 def bad_world(world: object) -> str:
@@ -427,16 +430,14 @@ def auto_round_unsupported(supported: Sequence[str], version: str, pip_bound: st
 
 
 def symbol_missing(symbol: str, error: str = "") -> str:
-    """A line of :func:`patch_mismatch` (which names the fix)."""
     return f"{symbol} is missing" + (f" ({error})" if error else "")
 
 
 def symbol_differs(symbol: str, found: str, checked: str) -> str:
-    """A line of :func:`patch_mismatch` (which names the fix)."""
     return f"{symbol}({found}) differs from the checked ({checked})"
 
 
-# parts of another text, which names the fix: patch_mismatch's lines, rank_failure's heads
+# parts of another text, which names the fix: patch_mismatch's lines (symbol_*), rank_failure's heads
 LINES = ("symbol_differs", "symbol_missing", "rank_raised", "rank_reported_first", "rank_store_unreachable",
          "ranks_silent")
 

@@ -249,6 +249,7 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
             loss_scale=spec.loss_scale,
             sample_numel=spec.sample_numel,
             debug_identical=config.debug_identical,
+            one_op_sign_step=spec.one_op_sign_step,
         )
         outcome = run_loop(engine, spec)
         if auto is not None:

@@ -56,6 +56,7 @@ from dpq import refusals
 from dpq.distributed import lane_offset
 from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
+from dpq.sign_step import foreach_sign_step, sign_step_unusable
 from dpq.streams import HostCopy, Lane
 
 __all__ = ["LaneLoss", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "contiguous_ranges", "run_loop"]
@@ -129,6 +130,7 @@ class TuneEngine:
         loss_scale: float = 1.0,
         sample_numel: Callable[[int], int] | None = None,
         debug_identical: bool = False,
+        one_op_sign_step: bool = False,
     ) -> None:
         if reduction not in ("mean", "sum"):
             raise ValueError(f"dpq: reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -164,6 +166,19 @@ class TuneEngine:
                              f"lanes of world {self.world}")
         self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
         self._drawn: HostCopy | None = None  # across processes: each global lane's checksum of the indices
+        # The step: the optimizers' own (one per lane), or, when the caller vouches that they are
+        # pure SignSGD (one_op_sign_step), dpq.sign_step's one foreach op per device and lr. That
+        # reads the grads as exact signs: the sign exchange leaves them so; otherwise (world 1: no
+        # exchange runs) each lane's flat buffer is signed first, one torch.sign over the bucket
+        # memory, the op serial runs per tensor (elementwise, so the same bits).
+        self.step_note = "each lane's optimizer.step()"
+        why_not = sign_step_unusable(self.optimizers, self.buckets.params) if one_op_sign_step else "not asked for"
+        self.one_op_sign_step = why_not is None
+        self._sign_buffers = self.world == 1 or not getattr(exchange, "exact_signs", False)
+        if self.one_op_sign_step:
+            self.step_note = "one foreach op per device and lr (dpq.sign_step)"
+        elif one_op_sign_step:
+            self.step_note += f" (one-op sign step not used: {why_not})"
 
     @property
     def lanes(self) -> list[Lane]:
@@ -294,9 +309,16 @@ class TuneEngine:
 
     def step(self) -> None:
         """Every lane applies the same update (optimizer step, zero grads, lr schedule)."""
+        if self.one_op_sign_step:
+            if self._sign_buffers:
+                for lane, buf in zip(self.lanes, self.buckets.buffers, strict=True):
+                    with lane.issue():
+                        buf.sign_()
+            foreach_sign_step(self.optimizers, self.lanes)
         for lane, opt, sched in zip(self.lanes, self.optimizers, self.schedulers, strict=True):
             with lane.issue():
-                opt.step()
+                if not self.one_op_sign_step:
+                    opt.step()
                 # no opt.zero_grad(): GradBuckets.attach zeroes each lane's one buffer before the
                 # next backward and keeps the .grad views in place (one op instead of dropping and
                 # re-making a view per parameter every iteration; the world-1 overhead)
@@ -329,8 +351,8 @@ class TuneSpec:
     iteration; ``on_iteration(i, modules)``: per-iteration state the tuner sets on every lane
     (e.g. the iteration number); ``sample_numel(i)``: elements of sample ``i`` (loss weights and
     the sum-reduction normaliser); ``token_counts``: valid tokens per sample when the loss is
-    masked (the normaliser then counts those); ``pure_sign``: the update needs only the sign of
-    the summed gradient (the plan's exchange policy)."""
+    masked (the normaliser then counts those); ``one_op_sign_step``: the optimizer is pure SignSGD
+    as :mod:`dpq.sign_step` reproduces it (the adapter checks the class and its source)."""
 
     tuned: list[str]
     make_optimizer: OptimizerFactory
@@ -348,6 +370,7 @@ class TuneSpec:
     token_counts: list[int] | None = None
     on_iteration: Callable[[int, Sequence[torch.nn.Module]], None] | None = None
     progress: Callable[[int, float], None] | None = None
+    one_op_sign_step: bool = False
 
     @property
     def reduction(self) -> Literal["mean", "sum"]:

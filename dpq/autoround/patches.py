@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 from dpq import refusals
 
-__all__ = ["NOT_PATCHED", "TABLE", "Frame", "Patch", "PatchMismatch", "chained", "check", "current", "frame", "frames",
-           "install", "installed", "last", "original", "patches_for", "series", "uninstall"]
+__all__ = ["NOT_PATCHED", "REPRODUCED", "TABLE", "Frame", "Patch", "PatchMismatch", "chained", "check", "current",
+           "frame", "frames", "install", "installed", "last", "original", "patches_for", "reproduced_changes", "series",
+           "uninstall"]
 
 _SR = "auto_round.algorithms.quantization.sign_round.quantizer:SignRoundQuantizer"
 _RTN = "auto_round.algorithms.quantization.rtn.quantizer"
@@ -110,6 +111,36 @@ NOT_PATCHED: dict[str, dict[str, str]] = {
             "dispatch (resolve_optimized_init_scale_fn), so dpq leaves them to it"),
     },
 }
+
+
+REPRODUCED: dict[str, str] = {
+    # dpq.sign_step reproduces auto-round's pure SignSGD step (no momentum, no weight decay):
+    # ``param.add_(torch.sign(grad), alpha=-lr)`` per tensor, as one foreach op per device and lr.
+    # sha256 (first 16 hex digits) of each upstream source, as checked in 0.16.1 and 0.17.0.dev20261026.
+    "auto_round.algorithms.quantization.sign_round.sign_sgd:SignSGD": "f8715df118ee1cfe",
+    "auto_round.algorithms.quantization.sign_round.sign_sgd:_use_grad_for_differentiable": "3371f9df5881fe28",
+    "auto_round.algorithms.quantization.sign_round.sign_sgd:sgd": "c830617d808c6b98",
+    "auto_round.algorithms.quantization.sign_round.sign_sgd:_single_tensor_sgd": "06fa26629f64157d",
+}
+"""auto-round code dpq does not patch but reproduces in its own runtime (a faster equivalent).
+Unlike :data:`TABLE` a change here refuses nothing: :func:`reproduced_changes` names each changed
+symbol, and the caller runs auto-round's own code instead of the reproduction (never a stale copy)."""
+
+
+def reproduced_changes() -> list[str]:
+    """The symbols of :data:`REPRODUCED` whose installed source differs from the checked one (or is gone)."""
+    import hashlib
+
+    changed = []
+    for path, digest in REPRODUCED.items():
+        try:
+            source = inspect.getsource(_resolve(path))
+        except (ImportError, AttributeError, OSError, TypeError):
+            changed.append(path)
+            continue
+        if hashlib.sha256(source.encode()).hexdigest()[:16] != digest:
+            changed.append(path)
+    return changed
 
 
 class PatchMismatch(RuntimeError):

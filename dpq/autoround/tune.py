@@ -17,15 +17,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dpq import refusals
 from dpq.streams import Lane
 from dpq.tune_loop import TuneSpec
 
 from .compat import check_auto_round_version
+from .patches import reproduced_changes
 
 check_auto_round_version()
 
 from auto_round.algorithms.quantization.sign_round.sign_sgd import SignSGD  # noqa: E402
 from auto_round.compressors.utils import IndexSampler, collect_best_params  # noqa: E402
+from auto_round.logger import logger  # noqa: E402
 
 
 @dataclass
@@ -186,6 +189,23 @@ def is_pure_sign(optimizer_cls: type, momentum: float | None) -> bool:
     return optimizer_cls is SignSGD and not momentum
 
 
+_sign_step_checked: list[bool] = []  # the installed SignSGD's source checked once per process
+
+
+def one_op_sign_step(optimizer_cls: type, momentum: float | None) -> bool:
+    """True when dpq's one-op step (:mod:`dpq.sign_step`) may replace each lane's ``SignSGD.step``:
+    pure SignSGD itself (not a subclass) and its upstream source the one dpq reproduces
+    (``patches.REPRODUCED``); else every lane runs auto-round's own step (warned once)."""
+    if not is_pure_sign(optimizer_cls, momentum):
+        return False
+    if not _sign_step_checked:
+        changed = reproduced_changes()
+        if changed:
+            logger.warning(refusals.SIGN_STEP_UPSTREAM_CHANGED + f" (changed: {', '.join(changed)})")
+        _sign_step_checked.append(not changed)
+    return _sign_step_checked[0]
+
+
 def signround_spec(
     block: torch.nn.Module,
     data: BlockData,
@@ -240,4 +260,5 @@ def signround_spec(
         token_counts=[int(torch.count_nonzero(m)) for m in mask] if mask else None,
         on_iteration=set_cur_iter if settings.dq_cur_iter else None,
         progress=progress,
+        one_op_sign_step=one_op_sign_step(settings.optimizer_cls, settings.momentum) and not settings.optimizer_kwargs,
     )
