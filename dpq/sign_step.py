@@ -11,10 +11,12 @@ Llama block, on the one issuing thread for every lane (the issue cost, ``benchma
 
 Why the result is bitwise the serial step's, on any device (the argument, since no GPU ran it):
 
-1. It runs only after an exchange whose output is exact signs (``exact_signs`` on the policy,
-   :class:`dpq.exchange.SignExchange`): every gradient element is -1.0, +0.0 or +1.0. ``torch.sign``
-   maps each of those to itself (bit for bit: ``sign(+0.0)`` is +0.0), so ``sign(grad)`` is
-   ``grad`` and the step may read ``grad`` directly.
+1. The grads it adds are exact signs. Either an exchange left them so (``exact_signs`` on the
+   policy, :class:`dpq.exchange.SignExchange`: every element -1.0, +0.0 or +1.0, which
+   ``torch.sign`` maps to itself bit for bit), or ``sign_first`` signs them in place with
+   ``torch._foreach_sign_`` (world 1: no exchange): on CPU that runs ``sign_`` per tensor, the
+   serial op's kernel; on CUDA its functor is ``c10::signum``, the function ``torch.sign``'s
+   CUDA kernel applies (ATen ``ForeachUnaryOp.cu`` / ``UnarySignKernels.cu``).
 2. ``alpha`` is ``-lr`` read from the same param group at the same moment; ``-x`` and the
    fp32 -> double -> fp32 trip of a Scalar are exact, so both paths use the same fp32 alpha.
 3. Per element both compute ``p + alpha * g`` in fp32: ``alpha * g`` is exact (g is -1, 0 or 1),
@@ -36,16 +38,16 @@ import torch
 from dpq.sign_bits import lanes_share_buffers
 from dpq.streams import Lane
 
-__all__ = ["foreach_sign_step", "sign_step_unusable"]
+__all__ = ["foreach_sign_step", "sign_step_unusable", "step_choice"]
 
 _PURE = {"momentum": 0, "weight_decay": 0, "nesterov": False, "maximize": False, "differentiable": False}
 
 
 def sign_step_unusable(optimizers: Sequence[torch.optim.Optimizer],
-                       bucket_params: Sequence[Sequence[torch.nn.Parameter]]) -> str | None:
+                       bucket_params: Sequence[Sequence[torch.nn.Parameter]] | None) -> str | None:
     """None when every param group of every optimizer is a pure sign step over parameters that
-    have gradient slots (``bucket_params``: each lane's) and no step hook would be skipped; else
-    why not (a note)."""
+    have gradient slots (``bucket_params``: each lane's; None: no buckets, nothing exchanged) and
+    no step hook would be skipped; else why not (a note)."""
     from torch.optim import optimizer as optim_module
 
     if optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks:
@@ -57,6 +59,8 @@ def sign_step_unusable(optimizers: Sequence[torch.optim.Optimizer],
             for key, pure in _PURE.items():
                 if group.get(key, pure) != pure:
                     return f"lane {k}'s param group {g} has {key}={group[key]!r}"
+    if bucket_params is None:
+        return None
     slots = {id(p) for ps in bucket_params for p in ps}
     for k, opt in enumerate(optimizers):
         if any(id(p) not in slots for group in opt.param_groups for p in group["params"]):
@@ -64,15 +68,26 @@ def sign_step_unusable(optimizers: Sequence[torch.optim.Optimizer],
     return None
 
 
-def foreach_sign_step(optimizers: Sequence[torch.optim.Optimizer], lanes: Sequence[Lane]) -> None:
-    """``p += -lr * grad`` for every tuned tensor of every lane whose grad is set (grads hold exact
-    signs: module docstring). Call instead of each lane's ``optimizer.step()``."""
+def step_choice(asked: bool, optimizers: Sequence[torch.optim.Optimizer],
+                bucket_params: Sequence[Sequence[torch.nn.Parameter]] | None) -> tuple[bool, str]:
+    """(whether the one-op step runs, a note saying which step runs and why)."""
+    why_not = sign_step_unusable(optimizers, bucket_params) if asked else None
+    if asked and why_not is None:
+        return True, "one foreach op per device and lr (dpq.sign_step)"
+    return False, "each lane's optimizer.step()" + (f" (one-op sign step not used: {why_not})" if why_not else "")
+
+
+def foreach_sign_step(optimizers: Sequence[torch.optim.Optimizer], lanes: Sequence[Lane], *,
+                      sign_first: bool = False) -> None:
+    """``p += -lr * grad`` for every tuned tensor of every lane whose grad is set. Call instead of
+    each lane's ``optimizer.step()``. The grads must hold exact signs (module docstring), or
+    ``sign_first``: they are signed in place first (``torch._foreach_sign_``)."""
     if lanes_share_buffers(list(lanes)):  # no streams, one device: one op per lr over all lanes
-        _apply(_by_alpha(optimizers))
+        _apply(_by_alpha(optimizers), sign_first)
     else:
         for lane, opt in zip(lanes, optimizers, strict=True):
             with lane.issue():
-                _apply(_by_alpha([opt]))
+                _apply(_by_alpha([opt]), sign_first)
     for opt in optimizers:
         # what the step wrapper of an lr scheduler records: the step ran (else its first
         # scheduler step warns that it came before the optimizer's)
@@ -94,7 +109,9 @@ def _by_alpha(optimizers: Sequence[torch.optim.Optimizer]) -> dict[float, tuple[
 
 
 @torch.no_grad()
-def _apply(groups: dict[float, tuple[list, list]]) -> None:
+def _apply(groups: dict[float, tuple[list, list]], sign_first: bool) -> None:
     for alpha, (params, grads) in groups.items():
         if params:
+            if sign_first:
+                torch._foreach_sign_(grads)
             torch._foreach_add_(params, grads, alpha=alpha)

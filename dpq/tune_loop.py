@@ -56,7 +56,7 @@ from dpq import refusals
 from dpq.distributed import lane_offset
 from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
-from dpq.sign_step import foreach_sign_step, sign_step_unusable
+from dpq.sign_step import foreach_sign_step, step_choice
 from dpq.streams import HostCopy, Lane
 
 __all__ = ["LaneLoss", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "contiguous_ranges", "run_loop"]
@@ -154,7 +154,6 @@ class TuneEngine:
                 opt, sched = make_optimizer(module)
             self.optimizers.append(opt)
             self.schedulers.append(sched)
-        self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)], lanes=replicas.lanes)
         self.last = IterationStats()
         # Global lanes: the exchange's communicator spans every process (dpq.process_group), so
         # its world is P x L and this process's lanes start at global lane `lane_offset`.
@@ -164,21 +163,20 @@ class TuneEngine:
         if not 0 <= self.lane_offset <= self.world - replicas.world:
             raise ValueError(f"dpq: local lanes {self.lane_offset}..{self.lane_offset + replicas.world - 1} are not "
                              f"lanes of world {self.world}")
+        # World 1 exchanges nothing, so it keeps serial's gradients: dropped before each backward
+        # and taken from it by autograd as they are (no flat buffer to zero and add into, no second
+        # copy of the tuned values' gradients in memory: the world-1 overhead).
+        self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)],
+                                   lanes=replicas.lanes) if self.world > 1 else None
         self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
         self._drawn: HostCopy | None = None  # across processes: each global lane's checksum of the indices
         # The step: the optimizers' own (one per lane), or, when the caller vouches that they are
         # pure SignSGD (one_op_sign_step), dpq.sign_step's one foreach op per device and lr. That
-        # reads the grads as exact signs: the sign exchange leaves them so; otherwise (world 1: no
-        # exchange runs) each lane's flat buffer is signed first, one torch.sign over the bucket
-        # memory, the op serial runs per tensor (elementwise, so the same bits).
-        self.step_note = "each lane's optimizer.step()"
-        why_not = sign_step_unusable(self.optimizers, self.buckets.params) if one_op_sign_step else "not asked for"
-        self.one_op_sign_step = why_not is None
-        self._sign_buffers = self.world == 1 or not getattr(exchange, "exact_signs", False)
-        if self.one_op_sign_step:
-            self.step_note = "one foreach op per device and lr (dpq.sign_step)"
-        elif one_op_sign_step:
-            self.step_note += f" (one-op sign step not used: {why_not})"
+        # adds the grads as exact signs: the sign exchange leaves them so; otherwise (world 1: no
+        # exchange runs) they are signed first, in place (torch._foreach_sign_, serial's sign op).
+        self.one_op_sign_step, self.step_note = step_choice(one_op_sign_step, self.optimizers,
+                                                            self.buckets.params if self.buckets else None)
+        self._sign_first = self.world == 1 or not getattr(exchange, "exact_signs", False)
 
     @property
     def lanes(self) -> list[Lane]:
@@ -207,7 +205,7 @@ class TuneEngine:
         # Mean reduction: a lane's chunk weighs its share of the elements of the serial
         # micro-batch (the whole iteration batch; see __init__).
         ref_numel = sum(self.sample_numel(i) for i in indices) if world > 1 else 0
-        self.buckets.attach()
+        self._fresh_grads()
         step_losses: list[dict[int, tuple[Lane, torch.Tensor, object]]] = []
         for m in range(steps):
             roots, lane_losses = [], {}
@@ -307,21 +305,25 @@ class TuneEngine:
         comm = getattr(self.exchange, "comm", None)
         return int(getattr(comm, "wire_bytes", 0))
 
+    def _fresh_grads(self) -> None:
+        """Before an iteration's first backward: zero the flat buffers (the ``.grad`` views stay),
+        or at world 1 drop the grads, as serial's ``zero_grad()`` does."""
+        self.buckets.attach() if self.buckets is not None else self.release_grads()
+
+    def release_grads(self) -> None:
+        """Every tuned ``.grad`` back to None (the run is over; or world 1's next backward)."""
+        for p in (p for k in range(self.replicas.world) for p in self.replicas.tuned_params(k)):
+            p.grad = None
+
     def step(self) -> None:
-        """Every lane applies the same update (optimizer step, zero grads, lr schedule)."""
+        """Every lane applies the same update (optimizer step, lr schedule); the grads are zeroed
+        (or dropped) before the next backward, not here."""
         if self.one_op_sign_step:
-            if self._sign_buffers:
-                for lane, buf in zip(self.lanes, self.buckets.buffers, strict=True):
-                    with lane.issue():
-                        buf.sign_()
-            foreach_sign_step(self.optimizers, self.lanes)
+            foreach_sign_step(self.optimizers, self.lanes, sign_first=self._sign_first)
         for lane, opt, sched in zip(self.lanes, self.optimizers, self.schedulers, strict=True):
             with lane.issue():
                 if not self.one_op_sign_step:
                     opt.step()
-                # no opt.zero_grad(): GradBuckets.attach zeroes each lane's one buffer before the
-                # next backward and keeps the .grad views in place (one op instead of dropping and
-                # re-making a view per parameter every iteration; the world-1 overhead)
                 if sched is not None:
                     sched.step()
         if self.debug_identical:
@@ -439,7 +441,7 @@ def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
         if not spec.not_use_best_mse and 0 < spec.dynamic_max_gap <= i - last_best_iter:
             break
         engine.step()
-    engine.buckets.detach()  # the grads (views of the buffers) go with the run
+    engine.release_grads()  # the grads (world > 1: views of the buffers) go with the run
     best_iter = spec.iters if spec.not_use_best_mse else last_best_iter
     reported = total_loss if spec.not_use_best_mse else best_loss
     return LoopOutcome(best_params=best_params, losses=losses, best_iter=best_iter, best_loss=float(reported),

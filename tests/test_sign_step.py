@@ -94,14 +94,14 @@ def test_mutants_break_bitwise(monkeypatch, mutant):
     world = 2
     if mutant == "alpha sign":
         real = sign_step._apply
-        monkeypatch.setattr(sign_step, "_apply", lambda groups: real({-a: v for a, v in groups.items()}))
+        monkeypatch.setattr(sign_step, "_apply", lambda groups, first: real({-a: v for a, v in groups.items()}, first))
     elif mutant == "skip signing at world 1":
         world = 1
         real_init = tune_loop.TuneEngine.__init__
 
         def init(self, *a, **k):
             real_init(self, *a, **k)
-            self._sign_buffers = False
+            self._sign_first = False
 
         monkeypatch.setattr(tune_loop.TuneEngine, "__init__", init)
     else:
@@ -150,7 +150,7 @@ def test_not_used_where_it_would_differ(case):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": torch.tensor(0.1)})
             return opt, sched
 
-        engine, _ = run(1, True, iters=1, optimizer=extra)
+        engine, _ = run(2, True, iters=1, optimizer=extra)  # world 1 has no slots (nothing exchanged)
         assert "without a gradient slot" in engine.step_note
     assert not engine.one_op_sign_step
 

@@ -233,3 +233,29 @@ def test_gradient_bound_catches_mutants(monkeypatch, mutant):
     print(f"{mutant}: max grad error / bound {float((err / ref.grad_bound).max()):.3g}, "
           f"loss error / bound {abs(sum(losses) - ref.loss) / ref.loss_bound:.3g}")
     assert not (grad_ok and loss_ok)
+
+
+def test_world1_keeps_serials_gradients():
+    """World 1 exchanges nothing, so it holds no flat gradient buffer: each grad is autograd's own
+    tensor (not a view of a bucket), dropped before the next backward as serial's zero_grad does."""
+    engine, rs = make_engine(1)
+    assert engine.buckets is None
+    p = rs.tuned_params(0)[0]
+    engine.backward([3, 9, 1])
+    first = p.grad
+    assert first is not None and first._base is None
+    engine.step()
+    engine.backward([0, 7])
+    assert p.grad is not first  # a fresh gradient, not accumulated into the last one
+    assert torch.equal(p.grad, serial_grad_at(rs.home, [0, 7]))
+    engine.release_grads()
+    assert p.grad is None
+    two, _ = make_engine(2)
+    assert two.buckets is not None and two.buckets.is_attached() is False
+
+
+def serial_grad_at(module, indices):
+    m = Toy()
+    m.load_state_dict(module.state_dict())
+    lane_loss_for("mean")(None, m, indices).backward()
+    return m.w.grad
