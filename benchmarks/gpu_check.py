@@ -11,7 +11,8 @@ them into ``OUT/summary.json``):
   race      world 2 on cuda:0,cuda:0 with the identical-state check under TORCH_CUDA_SANITIZER=1
             (subprocess); the same with torch.cuda._sleep queued on the default stream before the
             block and on lane streams before each step (must equal the run without sleeps, bitwise);
-            world 1 on GPU bitwise equal to serial auto-round on GPU; local, p2p and host bitwise equal
+            world 1 on GPU bitwise equal to serial auto-round on GPU; the one-op sign step bitwise
+            each lane's SignSGD.step (worlds 1 and 2); local, p2p and host bitwise equal
   suite     pytest without the CLI subprocess tests (dry run: --collect-only)
   timing    a bf16 Llama-shaped block built locally (hidden 4096, seq 2048, batch 8): serial auto-round
             vs dpq world 1, 2 and 4 lanes on the one GPU (block tune seconds), the mirror price vs the
@@ -321,6 +322,8 @@ def step_race(args) -> dict:
     import torch
     from auto_round.algorithms.quantization.sign_round.sign_sgd import SignSGD
 
+    from dpq import sign_step
+    from dpq.autoround import tune
     from dpq.fallback_p2p import select_communicator
     from dpq.streams import make_lanes
 
@@ -341,22 +344,40 @@ def step_race(args) -> dict:
     rec.restore_rng()
     base = rec.dpq_parallel_tune(rec.fresh_block(), ["cuda:0", "cuda:0"], debug_identical=True)
     cycles = 50_000_000  # ~25 ms at H200 clocks
-    orig_step = SignSGD.step
+    orig_step, orig_apply = SignSGD.step, sign_step._apply
 
     def sleepy_step(self, *a, **kw):
         torch.cuda._sleep(cycles)  # on the lane's stream: the engine steps under lane.issue()
         return orig_step(self, *a, **kw)
 
-    SignSGD.step = sleepy_step
+    def sleepy_apply(*a, **kw):  # the one-op step (dpq.sign_step) runs this under each lane's issue()
+        torch.cuda._sleep(cycles)
+        return orig_apply(*a, **kw)
+
+    SignSGD.step, sign_step._apply = sleepy_step, sleepy_apply
     try:
         rec.restore_rng()
         torch.cuda._sleep(cycles * 4)  # the default stream is busy when the block starts...
         block = rec.fresh_block()  # ...and the block's copy is queued behind the sleep
         slept = rec.dpq_parallel_tune(block, ["cuda:0", "cuda:0"], debug_identical=True)
     finally:
-        SignSGD.step = orig_step
+        SignSGD.step, sign_step._apply = orig_step, orig_apply
     out["world2_sleeps_vs_plain"] = _params_equal(base.best_params, slept.best_params) or "bitwise equal"
     out["world2_losses_equal"] = base.losses == slept.losses
+
+    # the one-op sign step (dpq.sign_step, used above) vs each lane's SignSGD.step: bitwise, on CUDA
+    orig_choice = tune.one_op_sign_step
+    tune.one_op_sign_step = lambda *a: False
+    try:
+        rec.restore_rng()
+        per_lane = rec.dpq_parallel_tune(rec.fresh_block(), ["cuda:0", "cuda:0"], debug_identical=True)
+        rec.restore_rng()
+        per_lane1 = rec.dpq_parallel_tune(rec.fresh_block(), ["cuda:0"])
+    finally:
+        tune.one_op_sign_step = orig_choice
+    out["one_op_step_used"] = orig_choice(SignSGD, None)
+    out["one_op_vs_per_lane_step"] = (_params_equal(base.best_params, per_lane.best_params)
+                                      or _params_equal(one.best_params, per_lane1.best_params) or "bitwise equal")
 
     # the same world-2 tune under the CUDA sanitizer, in a subprocess (it must be on from the start)
     with tempfile.TemporaryDirectory() as tmp:
@@ -392,6 +413,8 @@ def step_race(args) -> dict:
     check(out["world1_vs_serial"] == "bitwise equal", f"world 1 vs serial: {out['world1_vs_serial']}")
     check(out["world2_sleeps_vs_plain"] == "bitwise equal" and out["world2_losses_equal"],
           f"sleeps changed the world-2 result: {out['world2_sleeps_vs_plain']} (a missing stream wait)")
+    check(out["one_op_step_used"] and out["one_op_vs_per_lane_step"] == "bitwise equal",
+          f"one-op sign step: used {out['one_op_step_used']}, vs per-lane {out['one_op_vs_per_lane_step']}")
     check(out["sanitizer"]["rc"] == 0 and out["sanitizer"]["races"] == 0, f"sanitizer: {out['sanitizer']}")
     check(out["communicators_equal"], "local / p2p / host results differ")
     return out

@@ -65,6 +65,7 @@ class Plan:
     communicator_reason: str = "one lane: nothing to exchange"
     exchange: str = "full"  # "sign": sign of the summed gradient; "full": full fp32 sums
     exchange_reason: str = ""
+    step: str = ""  # which optimizer step the lanes run, and why (set by the session's engine)
 
 
 def _exchange(pure_sign: bool) -> tuple[str, str]:

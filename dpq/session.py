@@ -240,17 +240,12 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
     try:
         engine = TuneEngine(
-            replicas,
-            _faulty(spec.lane_loss, task),
-            spec.make_optimizer,
-            exchange,
-            reduction=spec.reduction,
-            micro_batch=spec.micro_batch,
-            loss_scale=spec.loss_scale,
-            sample_numel=spec.sample_numel,
-            debug_identical=config.debug_identical,
+            replicas, _faulty(spec.lane_loss, task), spec.make_optimizer, exchange,
+            reduction=spec.reduction, micro_batch=spec.micro_batch, loss_scale=spec.loss_scale,
+            sample_numel=spec.sample_numel, debug_identical=config.debug_identical,
             one_op_sign_step=spec.one_op_sign_step,
         )
+        plan.step = engine.step_note
         outcome = run_loop(engine, spec)
         if auto is not None:
             auto.measured(task.name, time.perf_counter() - t_loop, iters=spec.iters, world=plan.world)

@@ -197,3 +197,19 @@ def test_issue_cost_step_ab_smoke(capsys):
     rows = [line for line in out.splitlines() if line.startswith(("| 1 | ", "| 2 | "))]
     ab = [line for line in rows if len(line.split("|")) == 9]
     assert len(ab) == 2, out
+
+
+def test_parallel_tune_reports_the_step():
+    """dpq.parallel_tune on an auto-round-wrapped tiny Llama block: the one-op step runs, and the
+    result says so (``ParallelTuneResult.step``)."""
+    import copy
+
+    import dpq
+    from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
+
+    model = build_tiny_llama(TinyLlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    inputs, others = capture_block_inputs(model, calibration_samples(4, 8))
+    for world in (1, 2):
+        res = dpq.parallel_tune(copy.deepcopy(model.model.layers[0]), inputs[0], input_others=others[0], world=world,
+                                devices=",".join(["cpu"] * world), iters=2, batch_size=4, seed=0)
+        assert res.step == "one foreach op per device and lr (dpq.sign_step)", res.step

@@ -41,6 +41,7 @@ class ParallelTuneResult:
     communicator: str
     communicator_reason: str
     wire_bytes: int
+    step: str  # which optimizer step the lanes ran (dpq.sign_step's one op, or each lane's), and why
     plan_reasons: list[str]  # why the plan kept fewer lanes or ran serial, and what it noted (unused devices)
     indices: list[list[int]]  # the sample indices drawn each iteration
 
@@ -344,6 +345,7 @@ class _Task:
             communicator=plan.communicator,
             communicator_reason=plan.communicator_reason,
             wire_bytes=outcome.wire_bytes,
+            step=plan.step,
             plan_reasons=plan.reasons + plan.notes,
             indices=outcome.indices,
         )

@@ -334,7 +334,8 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
         out = run.outcome
         world = run.layout.world if run.layout is not None else plan.world  # the global world
         cfg.records.append(BlockRecord(name, world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
-                                       plan.communicator, [*plan.reasons, *plan.notes, plan.communicator_reason],
+                                       plan.communicator, [*plan.reasons, *plan.notes, plan.communicator_reason,
+                                                           f"step: {plan.step}"],
                                        algorithm=algorithm, losses=out.losses, best_iter=out.best_iter,
                                        **_prediction(cfg, chosen)))
     return run.result
