@@ -19,6 +19,14 @@ others), and a bucket is complete only once lane 0, whose graph autograd runs la
 produced it. So on CPU the exchange can hide under lane 0's backward only, the part that
 corresponds to a GPU lane's whole backward.
 
+The default batch is auto-round's own default, 8 samples x 2048 tokens (``--nsamples``,
+``--seqlen``): the tokens of one iteration of the 8B-class block the cost model prices. The
+token count matters on CPU only: there every lane's share of the exchange's sums and sign
+packing runs on the one core that also runs the backward (on GPUs it is kernels on each lane's
+own device), W lanes' worth of it, so it cannot hide; it grows with W x tuned values while one
+lane's backward grows with tokens x tuned values / W. Fewer tokens make that CPU-only share a
+larger part of the exposed time (``--seqlen 512``: see docs/PERFORMANCE.md for both).
+
 Three timings per world, interleaved over ``--rounds`` rounds, median seconds per iteration:
 
 - ``T_none``: no exchange at all (lanes diverge; timing only);
@@ -389,10 +397,12 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--nsamples", type=int, default=8, help="samples per iteration (the global batch)")
-    p.add_argument("--seqlen", type=int, default=512, help="tokens per sample (default 512)")
+    p.add_argument("--seqlen", type=int, default=2048,
+                   help="tokens per sample (default 2048: auto-round's default seqlen; with --nsamples 8, its "
+                        "default batch of 8 x 2048 tokens)")
     p.add_argument("--buckets", type=int, default=8, help="bucket cap = tuned values / this (default 8)")
-    p.add_argument("--iters", type=int, default=6, help="iterations per mode per round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=4, help="iterations per mode per round")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--latency-us", type=float, default=20.0, help="per-collective link latency (default 20 us)")
     p.add_argument("--exchange-vs-backward", type=float, default=1.0,
                    help="link time of one iteration's exchange / one lane's backward time (default 1.0)")
