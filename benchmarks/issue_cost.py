@@ -171,6 +171,55 @@ def measure(block, inputs, others, world: int, iters: int, one_op: bool = True) 
     return out
 
 
+def profile_forward(block, inputs, others, calls: int = 20) -> list[str]:
+    """Where one lane's forward+loss spends the issuing thread's time (world 1): aten ops per call
+    (torch.profiler) and, per call, the time in auto-round's wrapped Linear forward, of it the
+    weight quantize-dequantize, and the rest of the lane loss (cProfile over ``calls`` calls)."""
+    import copy
+    import cProfile
+    import pstats
+
+    import dpq
+
+    out: list[str] = []
+    real_init = tune_loop.TuneEngine.__init__
+
+    def init(self, replicas, lane_loss, *a, **k):
+        def profiled(lane, module, indices):
+            if out:
+                return lane_loss(lane, module, indices)
+            lane_loss(lane, module, indices)  # warm
+            with torch.profiler.profile() as prof:
+                lane_loss(lane, module, indices)
+            ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(calls):
+                lane_loss(lane, module, indices)
+            pr.disable()
+            stats = pstats.Stats(pr).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+            cum = {}
+            for (file, _, name), (_, _, _, ct, _) in stats.items():
+                if file.endswith("auto_round/wrapper.py") and name in ("forward", "_qdq_weight"):
+                    cum[name] = cum.get(name, 0.0) + ct
+            total = max(ct for (_, _, name), (_, _, _, ct, _) in stats.items() if name == "lane_loss")
+            wrapped, qdq = cum.get("forward", 0.0), cum.get("_qdq_weight", 0.0)
+            out.append(f"forward+loss of one lane (world 1, one call): {ops} aten ops; per call "
+                       f"{total / calls * 1e3:.2f} ms under cProfile, of it auto-round's wrapped Linear forwards "
+                       f"{wrapped / calls * 1e3:.2f} ms (their weight quantize-dequantize {qdq / calls * 1e3:.2f} ms)")
+            return lane_loss(lane, module, indices)
+
+        real_init(self, replicas, profiled, *a, **k)
+
+    tune_loop.TuneEngine.__init__ = init
+    try:
+        dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, world=1, devices="cpu", iters=2,
+                          batch_size=len(inputs), seed=0)
+    finally:
+        tune_loop.TuneEngine.__init__ = real_init
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", default="1,2,4,8")
@@ -186,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-ab", action="store_true",
                    help="also A/B the step: dpq.sign_step's one-op step vs each lane's SignSGD.step (rounds "
                         "interleaved)")
+    p.add_argument("--profile-forward", action="store_true",
+                   help="also say where one lane's forward+loss spends its time (aten ops, auto-round's wrapper)")
     args = p.parse_args(argv)
     if args.model_only is not None:
         print("\n".join(speedup_table(args.model_only / 1e3, args.overlap)))
@@ -211,6 +262,7 @@ def main(argv=None) -> int:
         if per_lane:
             ab[w] = {k: statistics.median(r[k] for r in per_lane) for k in per_lane[0]}
     busy1 = _busy_cpu_seconds()
+    profile = profile_forward(block, inputs, others) if args.profile_forward else []
     keys = ["forward+loss", "backward", "exchange", "step", "other"]
     print(f"{_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 intra-op thread; tiny Llama layer "
           f"hidden {args.hidden}, intermediate {args.intermediate}, {args.nsamples} x {args.seqlen} tokens; "
@@ -222,6 +274,8 @@ def main(argv=None) -> int:
         issue = sum(r[k] for k in keys if k != "backward")
         print(f"| {w} | " + " | ".join(f"{r[k] / w * 1e3:.2f}" for k in keys) +
               f" | {issue / w * 1e3:.2f} | {r['iteration'] / w * 1e3:.2f} |")
+    for line in profile:
+        print("\n" + line)
     if ab:
         print("\nThe step A/B, rounds interleaved (ms per lane-iteration, medians; per-lane = each lane's "
               "SignSGD.step, one-op = dpq.sign_step):\n")

@@ -181,7 +181,10 @@ def test_adapter_vouches_only_for_checked_signsgd(monkeypatch, caplog):
 
 
 def test_issue_cost_step_ab_smoke(capsys):
-    """`python -m benchmarks.issue_cost --step-ab` on a toy shape: the A/B table has a row per world."""
+    """`python -m benchmarks.issue_cost --step-ab --profile-forward` on a toy shape: the A/B table
+    has a row per world, and the forward's profile line is there."""
+    import re
+
     from benchmarks import issue_cost
     from dpq.autoround import tune
 
@@ -189,7 +192,7 @@ def test_issue_cost_step_ab_smoke(capsys):
     real = tune.one_op_sign_step
     try:
         assert issue_cost.main(["--worlds", "1,2", "--iters", "2", "--rounds", "1", "--hidden", "32",
-                                "--intermediate", "64", "--nsamples", "2", "--step-ab"]) == 0
+                                "--intermediate", "64", "--nsamples", "2", "--step-ab", "--profile-forward"]) == 0
     finally:
         torch.set_num_threads(threads)
     assert tune.one_op_sign_step is real  # the A/B put the adapter back
@@ -197,6 +200,7 @@ def test_issue_cost_step_ab_smoke(capsys):
     rows = [line for line in out.splitlines() if line.startswith(("| 1 | ", "| 2 | "))]
     ab = [line for line in rows if len(line.split("|")) == 9]
     assert len(ab) == 2, out
+    assert re.search(r"forward\+loss of one lane \(world 1, one call\): \d+ aten ops; per call \d+\.\d\d ms", out), out
 
 
 def test_parallel_tune_reports_the_step():
