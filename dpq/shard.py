@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from dpq.mirror import ReplicaSet, module_tensors
+from dpq.split import contiguous_ranges
 from dpq.streams import Lane
-from dpq.tune_loop import contiguous_ranges
 
 __all__ = [
     "MERGERS", "StatSpec", "assign_items", "bring_home", "clear_module_stats", "contiguous_ranges", "copy_to_lane",

@@ -28,7 +28,7 @@ import torch
 
 from dpq.distributed import ProcessLayout, ProcessSet
 from dpq.shard import _move
-from dpq.tune_loop import contiguous_ranges
+from dpq.split import contiguous_ranges
 
 __all__ = ["agree_lanes", "gather_in_sample_order", "global_ranges"]
 

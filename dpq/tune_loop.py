@@ -57,6 +57,7 @@ from dpq.distributed import lane_offset
 from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
 from dpq.sign_step import foreach_sign_step, step_choice
+from dpq.split import chunks, contiguous_ranges
 from dpq.streams import HostCopy, Lane
 
 __all__ = ["LaneLoss", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "contiguous_ranges", "run_loop"]
@@ -76,34 +77,6 @@ OptimizerFactory = Callable[[torch.nn.Module], tuple[torch.optim.Optimizer, obje
 
 class Exchange(Protocol):
     def exchange(self, buckets: GradBuckets) -> None: ...
-
-
-def contiguous_ranges(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
-    """``world`` contiguous ``[start, stop)`` ranges covering ``range(n)`` in order: the one
-    split of a batch (or a pool) over lanes.
-
-    Boundaries fall on multiples of ``align`` (the last range ends at ``n``); counted in units
-    of ``align`` the ranges differ by at most one, earlier lanes taking the extra unit. Lanes
-    beyond the number of units get empty ranges ``(n, n)``.
-    """
-    if world < 1 or align < 1 or n < 0:
-        raise ValueError(f"dpq: contiguous_ranges needs n >= 0, world >= 1, align >= 1 (got {n}, {world}, {align})")
-    units = -(-n // align)
-    base, extra = divmod(units, world)
-    out, start = [], 0
-    for k in range(world):
-        count = base + (1 if k < extra else 0)
-        out.append((min(start * align, n), min((start + count) * align, n)))
-        start += count
-    return out
-
-
-def _chunks(indices: list[int], size: int | None) -> list[list[int]]:
-    if not indices:
-        return []
-    if size is None or size >= len(indices):
-        return [indices]
-    return [indices[i : i + size] for i in range(0, len(indices), size)]
 
 
 @dataclass
@@ -177,6 +150,9 @@ class TuneEngine:
         self.one_op_sign_step, self.step_note = step_choice(one_op_sign_step, self.optimizers,
                                                             self.buckets.params if self.buckets else None)
         self._sign_first = self.world == 1 or not getattr(exchange, "exact_signs", False)
+        # The issuing thread's host time in backward() and step(), less the backward calls and the
+        # readback (waits): on accelerator lanes, the issue cost dpq.cost_model prices.
+        self.issue_s = 0.0
 
     @property
     def lanes(self) -> list[Lane]:
@@ -197,10 +173,11 @@ class TuneEngine:
         reaches) is computed from the *global* split of ``indices`` over ``self.world`` lanes,
         so every rank agrees; local lane k is global lane ``self.lane_offset + k``.
         """
+        t_start = time.perf_counter()
         world, offset = self.world, self.lane_offset
         indices = list(indices)
         slices = [indices[a:b] for a, b in contiguous_ranges(len(indices), world)]
-        per_lane = [_chunks(s, self.micro_batch) for s in slices]  # global lanes
+        per_lane = [chunks(s, self.micro_batch) for s in slices]  # global lanes
         steps = max(len(c) for c in per_lane)
         # Mean reduction: a lane's chunk weighs its share of the elements of the serial
         # micro-batch (the whole iteration batch; see __init__).
@@ -224,7 +201,7 @@ class TuneEngine:
             step_losses.append(lane_losses)
             reached = [g for g in range(world) if m < len(per_lane[g])]
             if m < steps - 1:
-                _backward(roots)
+                self._backward(roots)
                 continue
             # R6: queued now, before the last backward and the exchange, so the readback waits
             # for the losses only. (Earlier micro-steps' backwards precede it on lane 0's stream.)
@@ -239,12 +216,13 @@ class TuneEngine:
                 # The last backward exchanges buckets as they fill (exchange.py: overlap);
                 # lanes with fewer micro-steps have final gradients already.
                 with self.exchange.during_backward(self.buckets, local):
-                    _backward(roots)
+                    self._backward(roots)
             else:
-                _backward(roots)
+                self._backward(roots)
                 if world > 1:  # world 1: one lane already holds the full gradient
                     self.exchange.exchange(self.buckets)
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
+        self.issue_s += time.perf_counter() - t_start  # the backward calls took theirs off
         losses = readback.tolist()  # the one host sync of the iteration
         if self._drawn is not None:
             self._check_drawn(self._drawn.tolist())
@@ -318,6 +296,7 @@ class TuneEngine:
     def step(self) -> None:
         """Every lane applies the same update (optimizer step, lr schedule); the grads are zeroed
         (or dropped) before the next backward, not here."""
+        t_start = time.perf_counter()
         if self.one_op_sign_step:
             foreach_sign_step(self.optimizers, self.lanes, sign_first=self._sign_first)
         for lane, opt, sched in zip(self.lanes, self.optimizers, self.schedulers, strict=True):
@@ -326,13 +305,15 @@ class TuneEngine:
                     opt.step()
                 if sched is not None:
                     sched.step()
+        self.issue_s += time.perf_counter() - t_start
         if self.debug_identical:
             self.replicas.check_identical()
 
-
-def _backward(roots: list[torch.Tensor]) -> None:
-    if roots:  # across processes, a rank's lanes may all have fewer micro-steps than the longest lane
-        torch.autograd.backward(roots)
+    def _backward(self, roots: list[torch.Tensor]) -> None:
+        if roots:  # across processes, a rank's lanes may all have fewer micro-steps than the longest lane
+            t_start = time.perf_counter()
+            torch.autograd.backward(roots)  # on accelerators autograd's device threads run it
+            self.issue_s -= time.perf_counter() - t_start
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -395,6 +376,7 @@ class LoopOutcome:
     wire_bytes: int
     indices: list[list[int]]
     seconds: float = 0.0
+    issue_s: float = 0.0  # the issuing thread's host time per lane-iteration (TuneEngine.issue_s)
 
 
 def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
@@ -446,4 +428,5 @@ def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
     reported = total_loss if spec.not_use_best_mse else best_loss
     return LoopOutcome(best_params=best_params, losses=losses, best_iter=best_iter, best_loss=float(reported),
                        init_loss=init_loss, iters_run=len(losses), wire_bytes=wire, indices=drawn,
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0,
+                       issue_s=engine.issue_s / max(1, len(losses) * len(engine.lanes)))

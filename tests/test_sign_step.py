@@ -217,3 +217,4 @@ def test_parallel_tune_reports_the_step():
         res = dpq.parallel_tune(copy.deepcopy(model.model.layers[0]), inputs[0], input_others=others[0], world=world,
                                 devices=",".join(["cpu"] * world), iters=2, batch_size=4, seed=0)
         assert res.step == "one foreach op per device and lr (dpq.sign_step)", res.step
+        assert res.issue_s > 0

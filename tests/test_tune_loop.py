@@ -259,3 +259,41 @@ def serial_grad_at(module, indices):
     m.load_state_dict(module.state_dict())
     lane_loss_for("mean")(None, m, indices).backward()
     return m.w.grad
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: time spent inside the backward call, not issuing."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+
+        time.sleep(0.05)
+        return g
+
+
+def test_issue_time_leaves_out_the_backward():
+    """TuneEngine.issue_s counts the issuing thread's time in backward() and step() but not the
+    backward call itself (on accelerators autograd's device threads run it)."""
+    import time
+
+    model = Toy()
+    lanes = make_lanes(["cpu"] * 2)
+    rs = ReplicaSet(model, lanes, ["w"])
+
+    def slow_loss(lane, module, indices):
+        return lane_loss_for("mean")(lane, module, indices) + _SlowBackward.apply(module.w).sum() * 0
+
+    engine = TuneEngine(rs, slow_loss, lambda m: (PlainSGD([m.w], lr=0.1), None),
+                        FullSumExchange(LocalCommunicator(lanes)), sample_numel=lambda i: DATA[i].numel())
+    t0 = time.perf_counter()
+    for _ in range(3):
+        engine.backward([3, 9, 1, 14])
+        engine.step()
+    wall = time.perf_counter() - t0
+    slept = 3 * 2 * 0.05  # 3 iterations x 2 lanes' backward
+    assert 0 < engine.issue_s < wall - 0.9 * slept, (engine.issue_s, wall)

@@ -42,6 +42,7 @@ class ParallelTuneResult:
     communicator_reason: str
     wire_bytes: int
     step: str  # which optimizer step the lanes ran (dpq.sign_step's one op, or each lane's), and why
+    issue_s: float  # the issuing thread's host time per lane-iteration (on accelerators: the issue cost)
     plan_reasons: list[str]  # why the plan kept fewer lanes or ran serial, and what it noted (unused devices)
     indices: list[list[int]]  # the sample indices drawn each iteration
 
@@ -346,6 +347,7 @@ class _Task:
             communicator_reason=plan.communicator_reason,
             wire_bytes=outcome.wire_bytes,
             step=plan.step,
+            issue_s=outcome.issue_s,
             plan_reasons=plan.reasons + plan.notes,
             indices=outcome.indices,
         )

@@ -68,6 +68,9 @@ class BlockRecord:
     algorithm: str = ""  # the quantizer class that ran (SignRoundQuantizer, SignRoundV2Quantizer, ...)
     losses: list[float] = field(default_factory=list)  # per iteration (engine runs only)
     best_iter: int | None = None
+    # the issuing thread's host time per lane-iteration (dpq.tune_loop.TuneEngine.issue_s): on
+    # accelerator lanes, W x this next to the GPUs' time per iteration says whether one thread keeps up
+    issue_s: float | None = None
     # 'auto' with the cost model (dpq.cost_model): the predicted seconds of the lanes' run per candidate
     # world (the chosen one is ``world``) and the measured seconds of the same span (mirrors + loop)
     predicted_s: dict[int, float] = field(default_factory=dict)
@@ -337,6 +340,7 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
                                        plan.communicator, [*plan.reasons, *plan.notes, plan.communicator_reason,
                                                            f"step: {plan.step}"],
                                        algorithm=algorithm, losses=out.losses, best_iter=out.best_iter,
+                                       issue_s=out.issue_s,
                                        **_prediction(cfg, chosen)))
     return run.result
 
