@@ -128,9 +128,13 @@ def block_flops(linear_params: int, tokens: int, *, layers_attn: int = 1, hidden
     return 6.0 * tokens * linear_params + attn
 
 
-def compute_from_iteration(seconds_per_iter: float, world: int, c: CostInputs) -> float:
+def compute_from_iteration(seconds_per_iter: float, world: int, c: CostInputs) -> float | None:
     """compute_s that makes ``predict(world)`` give a measured iteration time (the first timed
-    iterations of a block), assuming the devices, not the issuing thread, bound the iteration."""
+    iterations of a block), assuming the devices, not the issuing thread, bound the iteration.
+    None when the issuing thread did (``world * c.issue_s`` is most of the iteration): the devices'
+    time is then hidden behind it and cannot be read off the iteration."""
+    if world * c.issue_s >= 0.9 * seconds_per_iter:
+        return None
     e = exchange_seconds(world, c)
     last = e / max(1, c.buckets)
     hide = max(0.0, c.overlap) * c.backward_share
@@ -194,11 +198,14 @@ class AutoWorld:
     and predicted vs measured block times kept for the run report (:attr:`records`).
 
     Compute per iteration: ``compute_s`` when given (tests, benchmarks), else from the previous
-    block's measured iteration time (:meth:`measured`), else from the block's FLOPs at
-    :data:`ACHIEVABLE_FLOPS`. ``wrap``: the run's communicator as the choice and the lanes see it
+    block's measured iteration time (:meth:`measured`; not when the issuing thread bounded it),
+    else from the block's FLOPs at :data:`ACHIEVABLE_FLOPS`. Issue cost per lane-iteration:
+    ``issue_s`` when given, else the previous block's measured one (``measured(issue_s=...)``: the
+    session passes the engine's for accelerator lanes; on CPU lanes the forward's host time is the
+    compute itself), else 0. ``wrap``: the run's communicator as the choice and the lanes see it
     (tests and benchmarks put ``dpq.simulated_link.SimulatedLink`` around it)."""
 
-    def __init__(self, *, issue_s: float = 0.0, overlap: float = 0.0, setup_per_mirror_s: float = 0.0,
+    def __init__(self, *, issue_s: float | None = None, overlap: float = 0.0, setup_per_mirror_s: float = 0.0,
                  policy: str = "sign", buckets: int = 1, probe_sizes: Sequence[int] = (2**12, 2**20),
                  compute_s: float | None = None, wrap=None) -> None:
         self.probe_sizes = tuple(probe_sizes)
@@ -208,6 +215,7 @@ class AutoWorld:
         self.links: dict[tuple, tuple[float, float]] = {}  # lane devices -> (latency, bandwidth)
         self.records: list[dict] = []
         self._last: tuple[float, int, CostInputs] | None = None  # previous block: s/iter, world, inputs
+        self._issue: float | None = None  # the last measured issue cost (measured(issue_s=...))
 
     def link(self, comm) -> tuple[float, float]:
         key = tuple(str(lane.device) for lane in comm.lanes)
@@ -217,7 +225,7 @@ class AutoWorld:
 
     def inputs(self, comm, *, compute_s: float, tuned_elems: int) -> CostInputs:
         latency, bw = self.link(comm)
-        return CostInputs(compute_s=compute_s, issue_s=self.issue_s, tuned_elems=tuned_elems, bandwidth_Bps=bw,
+        return CostInputs(compute_s=compute_s, issue_s=self.issue(), tuned_elems=tuned_elems, bandwidth_Bps=bw,
                           latency_s=latency, policy=self.policy, buckets=self.buckets, overlap=self.overlap,
                           setup_per_mirror_s=self.setup_per_mirror_s)
 
@@ -225,12 +233,19 @@ class AutoWorld:
         """(compute_s, where it came from) for the next block (class docstring)."""
         if self.compute_s is not None:
             return self.compute_s, "compute given"
+        bound = ""
         if self._last is not None:
             per_iter, world, c = self._last
-            where = f"compute from the previous block ({per_iter * 1e3:.3g} ms/iter at world {world})"
-            return compute_from_iteration(per_iter, world, c), where
+            compute = compute_from_iteration(per_iter, world, c)
+            if compute is not None:
+                return compute, f"compute from the previous block ({per_iter * 1e3:.3g} ms/iter at world {world})"
+            bound = f"; the previous block's iterations were bound by the issuing thread at world {world}"
         rate = ACHIEVABLE_FLOPS.get(device_type, ACHIEVABLE_FLOPS["cpu"])
-        return flops / rate, f"compute from FLOPs ({flops:.3g} at {rate:.3g} FLOP/s)"
+        return flops / rate, f"compute from FLOPs ({flops:.3g} at {rate:.3g} FLOP/s){bound}"
+
+    def issue(self) -> float:
+        """Issue cost per lane-iteration for the next prediction (class docstring)."""
+        return self.issue_s if self.issue_s is not None else (self._issue or 0.0)
 
     def choose(self, comm, *, iters: int, compute_s: float, tuned_elems: int, label: str = "block") -> Choice:
         """World 1 .. len(comm.lanes) by predicted time; the lanes kept are the first W."""
@@ -241,14 +256,22 @@ class AutoWorld:
                              "measured_s": None, "reason": choice.reason, "_inputs": c})
         return choice
 
-    def measured(self, label: str, seconds: float, *, iters: int = 0, world: int = 1) -> None:
+    def measured(self, label: str, seconds: float, *, iters: int = 0, world: int = 1,
+                 issue_s: float | None = None) -> None:
         """The block's measured time, next to its prediction in :attr:`records`; its time per
-        iteration becomes the next block's compute estimate."""
+        iteration becomes the next block's compute estimate, and ``issue_s`` (its issuing thread's
+        host time per lane-iteration) the next block's issue cost unless one was given."""
+        if issue_s is not None:
+            self._issue = issue_s
         for rec in reversed(self.records):
             if rec["block"] == label and rec["measured_s"] is None:
                 rec["measured_s"] = seconds
+                if issue_s is not None:
+                    rec["issue_s"] = issue_s
                 c = rec.pop("_inputs", None)
                 if c is not None and iters > 0:
+                    if issue_s is not None and self.issue_s is None:
+                        c = CostInputs(**{**c.__dict__, "issue_s": issue_s})  # the issue this block had
                     self._last = (seconds / iters, world, c)
                 return
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dpq.cost_model import (
+    ACHIEVABLE_FLOPS,
     AutoWorld,
     CostInputs,
     block_flops,
@@ -155,3 +156,35 @@ def test_session_auto_picks_every_lane_when_compute_dominates(tiny_block):
     assert any("world 4 is fastest" in r for r in res.plan_reasons)
     [rec] = auto.report()
     assert rec["world"] == 4 and rec["measured_s"] > 0
+
+
+def test_compute_from_iteration_refuses_an_issue_bound_iteration():
+    """When W x issue is most of the iteration the devices' time is hidden behind the thread: None."""
+    c = CostInputs(compute_s=0.0, issue_s=0.01, tuned_elems=10**5, bandwidth_Bps=1e12)
+    assert compute_from_iteration(0.085, 8, c) is None  # 8 x 10 ms = 80 ms of an 85 ms iteration
+    assert compute_from_iteration(0.5, 8, c) is not None
+
+
+def test_auto_uses_the_measured_issue_cost_and_stops_where_the_thread_binds():
+    """AutoWorld without a given issue cost takes the previous block's measured one (accelerator
+    lanes: the session passes the engine's). A block whose iterations the issuing thread bounded
+    gives no compute estimate: the next block's comes from FLOPs, and with the measured issue the
+    model keeps fewer lanes than it would with issue 0."""
+    link = _link(4, 50.0)  # a fast link: the exchange is not what limits
+    try:
+        auto = AutoWorld(probe_sizes=(2**10, 2**14))
+        assert auto.issue() == 0.0
+        first = auto.choose(link, iters=10, compute_s=0.04, tuned_elems=10**5, label="block 0")
+        assert first.world == 4  # issue 0: every lane
+        # measured: 4 lanes x 10 ms of issue = the whole 40 ms iteration (issue-bound)
+        auto.measured("block 0", 10 * 0.04, iters=10, world=4, issue_s=0.01)
+        assert auto.issue() == 0.01 and auto.records[0]["issue_s"] == 0.01
+        compute, where = auto.estimate_compute(flops=0.04 * ACHIEVABLE_FLOPS["cuda"], device_type="cuda")
+        assert compute == pytest.approx(0.04) and "bound by the issuing thread" in where
+        second = auto.choose(link, iters=10, compute_s=compute, tuned_elems=10**5, label="block 1")
+        assert second.world == 2  # max(W x 10 ms, 40 ms / W): 20 ms at W = 2 beats 30 and 40 ms
+        given = AutoWorld(issue_s=0.0, probe_sizes=(2**10, 2**14))
+        given.measured("x", 1.0, iters=1, world=1, issue_s=0.5)
+        assert given.issue() == 0.0  # a given issue cost is kept
+    finally:
+        link.close()
