@@ -12,7 +12,9 @@ them into ``OUT/summary.json``):
             (subprocess); the same with torch.cuda._sleep queued on the default stream before the
             block and on lane streams before each step (must equal the run without sleeps, bitwise);
             world 1 on GPU bitwise equal to serial auto-round on GPU; the one-op sign step bitwise
-            each lane's SignSGD.step (worlds 1 and 2); local, p2p and host bitwise equal
+            each lane's SignSGD.step (worlds 1 and 2); overlap=True (the exchange on a second stream
+            per lane) bitwise the plain world 2, with and without the sleeps; local, p2p and host
+            bitwise equal
   suite     pytest without the CLI subprocess tests (dry run: --collect-only)
   timing    a bf16 Llama-shaped block built locally (hidden 4096, seq 2048, batch 8): serial auto-round
             vs dpq world 1, 2 and 4 lanes on the one GPU (block tune seconds), the mirror price vs the
@@ -376,6 +378,24 @@ def step_race(args) -> dict:
     finally:
         tune.one_op_sign_step = orig_choice
     out["one_op_step_used"] = orig_choice(SignSGD, None)
+
+    # --parallel_overlap: the exchange during the backward on a second stream per lane (dpq.comm_streams),
+    # bitwise the plain world 2, also with a sleep queued before each step on the lanes' streams
+    rec.restore_rng()
+    overlapped = rec.dpq_parallel_tune(rec.fresh_block(), ["cuda:0", "cuda:0"], debug_identical=True, overlap=True)
+    SignSGD.step, sign_step._apply = sleepy_step, sleepy_apply
+    try:
+        rec.restore_rng()
+        torch.cuda._sleep(cycles * 4)
+        block = rec.fresh_block()
+        overlapped_slept = rec.dpq_parallel_tune(block, ["cuda:0", "cuda:0"], debug_identical=True, overlap=True)
+    finally:
+        SignSGD.step, sign_step._apply = orig_step, orig_apply
+    out["overlap_comm_streams"] = {
+        "communicator": overlapped.communicator,
+        "vs_plain": _params_equal(base.best_params, overlapped.best_params) or "bitwise equal",
+        "sleeps_vs_plain": _params_equal(base.best_params, overlapped_slept.best_params) or "bitwise equal",
+        "losses_equal": base.losses == overlapped.losses == overlapped_slept.losses}
     out["one_op_vs_per_lane_step"] = (_params_equal(base.best_params, per_lane.best_params)
                                       or _params_equal(one.best_params, per_lane1.best_params) or "bitwise equal")
 
@@ -415,6 +435,9 @@ def step_race(args) -> dict:
           f"sleeps changed the world-2 result: {out['world2_sleeps_vs_plain']} (a missing stream wait)")
     check(out["one_op_step_used"] and out["one_op_vs_per_lane_step"] == "bitwise equal",
           f"one-op sign step: used {out['one_op_step_used']}, vs per-lane {out['one_op_vs_per_lane_step']}")
+    ov = out["overlap_comm_streams"]
+    check(ov["vs_plain"] == ov["sleeps_vs_plain"] == "bitwise equal" and ov["losses_equal"]
+          and ov["communicator"].endswith("+comm-streams"), f"overlap on comm streams: {ov}")
     check(out["sanitizer"]["rc"] == 0 and out["sanitizer"]["races"] == 0, f"sanitizer: {out['sanitizer']}")
     check(out["communicators_equal"], "local / p2p / host results differ")
     return out

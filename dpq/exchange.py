@@ -256,6 +256,9 @@ class _Exchange:
 
     def exchange_bucket(self, buckets: GradBuckets, i: int) -> None:
         before = self.comm.wire_bytes
+        begin = getattr(self.comm, "begin_bucket", None)  # dpq.comm_streams: C1
+        if begin is not None:
+            begin()
         self._exchange(buckets, i)
         self.total_wire_bytes += self.comm.wire_bytes - before
 

@@ -32,20 +32,21 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import random
 import socket
 import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from dpq.comm_streams import CommStreams, comm_lanes
 from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.fallback_p2p import make_communicator, select_communicator
+from dpq.faults import fault_point, faulty, inject_fault
 from dpq.mirror import ReplicaSet
 from dpq.plan import Plan, PlanRefused, PlanRequest, resolve, validate_world
 from dpq.process_group import ProcessGroupCommunicator
@@ -72,6 +73,10 @@ class SessionConfig:
     # Several processes (torchrun): the group this run spans, given explicitly
     # (dpq.distributed.ProcessSet.detect()); ``world`` and ``devices`` are then this process's lanes.
     processes: ProcessSet | None = None
+    # Exchange buckets during the backward: None = on for CPU lanes, off for accelerator lanes (not
+    # run on one yet); True on accelerators puts the exchange on a second stream per lane
+    # (dpq.comm_streams), one process only.
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         self.world = validate_world(self.world)
@@ -222,7 +227,7 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
     if spec is None:
         return None, task.finish(None, plan)
     lanes = make_lanes(plan.devices)
-    comm = _communicator(config, plan, lanes, procs)
+    comm = _exchange_communicator(config, plan, lanes, procs)
     # Across processes the cost model is not run: each rank would choose alone (every agreed lane runs).
     auto = config.auto_world if config.world == "auto" and plan.world > 1 and procs is None else None
     if auto is not None:
@@ -234,13 +239,14 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
             close = getattr(comm, "close", None)  # e.g. a simulated link's timer
             if close is not None:
                 close()
-            comm = _communicator(config, plan, lanes)
-    exchange = SignExchange(comm) if plan.exchange == "sign" else FullSumExchange(comm)
+            comm = _exchange_communicator(config, plan, lanes)
+    overlap = _overlap(config, lanes)
+    exchange = (SignExchange if plan.exchange == "sign" else FullSumExchange)(comm, overlap=overlap)
     t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
     try:
         engine = TuneEngine(
-            replicas, _faulty(spec.lane_loss, task), spec.make_optimizer, exchange,
+            replicas, faulty(spec.lane_loss, task), spec.make_optimizer, exchange,
             reduction=spec.reduction, micro_batch=spec.micro_batch, loss_scale=spec.loss_scale,
             sample_numel=spec.sample_numel, debug_identical=config.debug_identical,
             one_op_sign_step=spec.one_op_sign_step,
@@ -253,9 +259,29 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
                           issue_s=outcome.issue_s if on_devices else None)
     finally:
         # R5, on success and on failure alike: the current stream and every lane join before
-        # the mirrors go and before the adapter unwraps (or the session restores) the home block.
+        # the mirrors go and before the adapter unwraps (or the session restores) the home block;
+        # the lanes first join their communication streams (dpq.comm_streams, C4).
+        getattr(comm, "join", lambda: None)()
         replicas.close()
     return outcome, task.finish(outcome, plan)
+
+
+def _overlap(config: SessionConfig, lanes: list[Lane]) -> bool:
+    return config.overlap if config.overlap is not None else all(lane.device.type == "cpu" for lane in lanes)
+
+
+def _exchange_communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
+    """The run's communicator; with overlap asked for (``config.overlap``) on lanes that have
+    streams, in one process: over a second stream per lane, so the exchange runs beside the
+    backward (dpq.comm_streams)."""
+    if not (config.overlap is True and procs is None and any(lane.stream is not None for lane in lanes)):
+        return _communicator(config, plan, lanes, procs)
+    plan.communicator = plan.communicator.removesuffix("+comm-streams")  # 'auto' kept fewer lanes: again
+    comm = CommStreams(_communicator(config, plan, comm_lanes(lanes)), lanes)
+    note = "; on a second stream per lane (overlap)"
+    plan.communicator = comm.name
+    plan.communicator_reason = plan.communicator_reason.removesuffix(note) + note
+    return comm
 
 
 def _communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
@@ -376,72 +402,3 @@ def release_run(err: BaseException, label: str = "dpq") -> None:
         else:
             e.__traceback__ = None
         pending += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-
-
-# -- test-only fault injection (the one entry point) --------------------------------------------
-
-
-@dataclass(eq=False)
-class _Fault:
-    kind: str
-    block: int | str | None
-    lane: int | None
-    after: int
-    calls: int = 0
-    registry: list = field(default_factory=list, repr=False)
-
-    def __enter__(self) -> _Fault:
-        return self
-
-    __exit__ = lambda self, *exc: self.remove()  # noqa: E731
-
-    def remove(self) -> None:
-        if self in self.registry:
-            self.registry.remove(self)
-
-
-_FAULTS: list[_Fault] = []
-
-
-def inject_fault(*, kind: str = "tune", block: int | str | None = None, lane: int | None = None,
-                 after: int = 0) -> _Fault:
-    """Tests only: make a lane fail. Active from this call until ``remove()`` (or the end of a ``with``
-    block). ``kind="tune"``: the lane loss of block ``block`` (its index or name; None: any) on lane
-    ``lane`` (None: any) raises from its call ``after + 1`` on, counted over the lanes it matches
-    (``"exit"``: the process exits there instead, as if killed). Other kinds name a point a pass
-    reports through :func:`fault_point` (e.g. "collection", "awq_grid"); those fire once."""
-    fault = _Fault(kind, block, lane, after, registry=_FAULTS)
-    _FAULTS.append(fault)
-    return fault
-
-
-def fault_point(kind: str, lane: int, block: int | str | None = None) -> None:
-    """A pass's fault point: raises when an injected fault of ``kind`` matches (then it is gone)."""
-    for fault in list(_FAULTS):
-        if fault.kind == kind and fault.lane in (None, lane) and fault.block in (None, block):
-            fault.calls += 1
-            if fault.calls > fault.after:
-                fault.remove()
-                raise RuntimeError(f"injected {kind} lane failure (dpq test hook)")
-
-
-def _faulty(lane_loss, task: BlockTask):
-    # torchrun's workers, which a test cannot reach into: DPQ_TEST_FAULT=exit:<RANK>:<block>:<after> (read once)
-    spec = os.environ.pop("DPQ_TEST_FAULT", "").split(":")
-    if spec[0] == "exit" and os.environ.get("RANK") == spec[1]:
-        inject_fault(kind="exit", block=int(spec[2]), after=int(spec[3]))
-    faults = [f for f in _FAULTS if f.kind in ("tune", "exit") and f.block in (None, task.index, task.name)]
-    if not faults:
-        return lane_loss
-
-    def failing(lane: Lane, module: torch.nn.Module, indices: list[int]) -> torch.Tensor:
-        for fault in faults:
-            if fault.lane in (None, lane.index):
-                fault.calls += 1
-                if fault.calls > fault.after:
-                    if fault.kind == "exit":  # the process dies there, as a killed rank does
-                        os._exit(9)
-                    raise RuntimeError("injected lane failure (dpq test hook)")
-        return lane_loss(lane, module, indices)
-
-    return failing

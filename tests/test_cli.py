@@ -113,3 +113,17 @@ def test_requires_python_is_auto_rounds():
         v = f"3.{minor}"
         assert (v in SpecifierSet(ours)) <= (v in SpecifierSet(theirs)), (v, ours, theirs)
     assert project["tool"]["ruff"]["target-version"] == "py" + ours.removeprefix(">=").replace(".", "")
+
+
+def test_parallel_overlap_reaches_enable(capsys, monkeypatch):
+    """--parallel_overlap asks enable() for the overlapped exchange (True); without it, the default (None)."""
+    from dpq.autoround import cli, integration
+
+    seen = []
+    monkeypatch.setattr(cli, "runner_for", lambda recipe: lambda: None)  # auto-round itself does not run
+    monkeypatch.setattr(integration, "enable", lambda *a, **k: seen.append(k["overlap"]))
+    for flag, want in ((["--parallel_overlap"], True), ([], None)):
+        rc, err = run_main(capsys, "--model", "m", "--parallel_quantization", "2", "--parallel_devices", "cpu,cpu",
+                           *flag)
+        assert rc == 0, err
+        assert seen.pop() is want

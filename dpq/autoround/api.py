@@ -210,6 +210,7 @@ def parallel_tune(
     debug_identical: bool = False,
     progress: bool = False,
     auto_world: AutoWorld | None = None,
+    overlap: bool | None = None,
 ) -> ParallelTuneResult:
     """SignRound-tune ``block`` data-parallel and apply the best rounding/scales to it.
 
@@ -223,7 +224,10 @@ def parallel_tune(
     for every sample (auto-round's default for decoder LLMs).
 
     ``auto_world``: under ``world='auto'``, the cost model that picks the world by predicted
-    time (``dpq.cost_model.AutoWorld``; None: a fresh one for this call).
+    time (``dpq.cost_model.AutoWorld``; None: a fresh one for this call). ``overlap``: exchange
+    gradient buckets during the backward (None: on for CPU lanes, off for accelerator lanes; True
+    on accelerators puts the exchange on a second stream per lane, ``dpq.comm_streams``: checked
+    for stream order on CPU, not yet run on a GPU).
 
     Bad arguments (block, pool, settings, lanes) raise one ``ValueError`` listing every problem
     with its fix, before the block is touched. Any later failure (an exception or out-of-memory
@@ -254,7 +258,7 @@ def parallel_tune(
             if auto_world is None and world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
             config = session.SessionConfig(world=world, devices=devices, debug_identical=debug_identical,
-                                           auto_world=auto_world)
+                                           auto_world=auto_world, overlap=overlap)
             plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons

@@ -38,6 +38,8 @@ dpq (data-parallel tuning) options:
                         lane devices, e.g. 0,1,2,3 or cuda:0,cuda:1 or cpu,cpu. Default: the devices of
                         --device_map when it lists several, else every visible device of that type
   --parallel_debug      check after every step that all lanes hold bitwise-identical tuned values
+  --parallel_overlap    on GPUs: exchange gradient buckets during the backward, on a second stream per
+                        lane (on for CPU lanes anyway; not yet run on a GPU)
   --parallel_report PATH
                         write the per-block records (world, seconds, exchange bytes, per-iteration
                         losses) as JSON
@@ -64,6 +66,7 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--parallel_quantization", default="off")
     p.add_argument("--parallel_devices", default=None)
     p.add_argument("--parallel_debug", action="store_true")
+    p.add_argument("--parallel_overlap", action="store_true")
     p.add_argument("--parallel_report", default=None)
     p.add_argument("--parallel_timeout", default="600")
     return p.parse_known_args(argv)
@@ -226,7 +229,8 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
     run, rank = runner_for(recipe), _rank()
     if world != "off":
         try:
-            integration.enable(world, devices, debug_identical=ours.parallel_debug)
+            integration.enable(world, devices, debug_identical=ours.parallel_debug,
+                               overlap=True if ours.parallel_overlap else None)
         except PatchMismatch as e:
             print(f"auto-round-dp: {e}", file=sys.stderr)
             return 1

@@ -1,0 +1,102 @@
+"""A second stream per lane for the exchange, so a bucket's collective runs beside the rest of the backward.
+
+With overlap on (:meth:`dpq.exchange._Exchange.during_backward`) a bucket's collective is issued
+while autograd still queues the block's earlier layers' backward kernels on each lane's stream.
+Queued on that same stream (the default), the collective and every kernel after it run one after
+another: the exchange is interleaved with the backward, not hidden under it. :class:`CommStreams`
+runs the communicator (and the exchange's own pack/unpack ops, which run under ``comm.lanes``)
+on a communication lane per compute lane: same device, its own stream (:func:`comm_lanes`).
+
+Invariants, next to the code that keeps them (rule R4 of ``dpq.streams`` for two streams of one
+lane; ``tests/test_comm_streams.py`` checks them with the CPU stream-order checker):
+
+C1  Before a bucket's exchange (:meth:`CommStreams.begin_bucket`, called by
+    ``_Exchange.exchange_bucket``), each communication stream waits for its compute lane's
+    stream: the bucket's gradients were accumulated there. The event is recorded when the
+    bucket is complete (every lane's hook for it has run), so it covers them; it may also cover
+    later backward kernels already queued (conservative).
+C2  The compute lanes wait for their communication streams only when the exchange ends
+    (:meth:`CommStreams.wait`: ``_Exchange.wait`` at the end of the iteration's exchange), not
+    per collective: a wait queued mid-backward would hold the rest of that lane's backward
+    behind the collective, which is what this avoids. The step, the next ``attach`` (zeroing)
+    and the next backward run after it.
+C3  Memory: the gradient buckets live for the run (made on the compute streams, used on both,
+    every use ordered by C1/C2); the sign path's scratch is made and used on the communication
+    streams only (``sign_groups`` over ``comm.lanes``). Nothing is freed between a use on one
+    stream and the join.
+C4  Teardown, also on failure: :meth:`join` (C2 for whatever was issued) before the session's
+    ``ReplicaSet.close`` joins the compute lanes with the current stream (R5).
+
+One process only (the session does not use it across processes) and only where lanes have
+streams (accelerators; on CPU streams are no-ops and it would change nothing). Not run on a
+GPU: the ordering is checked on CPU with logical streams, the overlap itself is not measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dpq.streams import Lane
+
+__all__ = ["CommStreams", "comm_lanes"]
+
+
+def comm_lanes(lanes: Sequence[Lane]) -> list[Lane]:
+    """A communication lane per lane: same index and device, a fresh stream (None where the lane has none)."""
+    return [Lane(index=lane.index, device=lane.device,
+                 stream=lane.backend.new_stream(lane.device) if lane.stream is not None else None)
+            for lane in lanes]
+
+
+class CommStreams:
+    """A communicator over :func:`comm_lanes` whose collectives run beside the compute lanes'
+    work (module docstring: C1-C4). ``inner`` is built over the communication lanes; ``compute``
+    are the lanes the replicas and gradient buckets live on, in the same order."""
+
+    def __init__(self, inner, compute: Sequence[Lane]) -> None:
+        if len(inner.lanes) != len(compute):
+            raise ValueError(f"dpq: {len(inner.lanes)} communication lanes for {len(compute)} lanes")
+        self.inner = inner
+        self.compute = list(compute)
+        self.lanes = list(inner.lanes)
+        self.name = f"{inner.name}+comm-streams"
+
+    def __getattr__(self, name: str):  # world, wire_bytes, rank, ...: the inner communicator's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def begin_bucket(self) -> None:
+        """C1: each communication stream waits for its compute lane's stream."""
+        for comm, lane in zip(self.lanes, self.compute, strict=True):
+            comm.wait_for(lane)
+
+    def all_reduce(self, bufs) -> None:
+        self.inner.all_reduce(bufs)
+
+    def reduce_scatter(self, send, recv) -> None:
+        self.inner.reduce_scatter(send, recv)
+
+    def all_gather(self, send, recv) -> None:
+        self.inner.all_gather(send, recv)
+
+    def broadcast(self, bufs, root: int = 0) -> None:
+        self.inner.broadcast(bufs, root)
+
+    def wait(self) -> None:
+        """C2: the compute lanes' later work runs after every collective issued so far."""
+        inner_wait = getattr(self.inner, "wait", None)
+        if inner_wait is not None:
+            inner_wait()
+        self.join()
+
+    def join(self) -> None:
+        """C2 without waiting for a simulated link: the compute lanes wait for the communication streams."""
+        for lane, comm in zip(self.compute, self.lanes, strict=True):
+            lane.wait_for(comm)
+
+    def close(self) -> None:
+        self.join()
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
