@@ -43,10 +43,11 @@ Which thread issues what:
   that completed it, no two threads issue at the same time, and every rank sees the buckets'
   collectives in the same order (each group covers all ranks). The hook first makes its lane's
   stream wait for the stream the gradient was accumulated on (``Lane.wait_for_current``,
-  R1). The collectives are queued on the lanes' own streams, so a lane's backward kernels
-  queued after a collective wait for it (streams run in order): real GPU overlap would need a
-  communication stream per lane, which is not built. None of the accelerator path has run on
-  hardware; it is off by default so the calling thread alone issues there.
+  R1). On the lanes' own streams a lane's backward kernels queued after a collective would wait
+  for it (streams run in order), so with overlap asked for the session builds the communicator
+  over a second stream per lane (:mod:`dpq.comm_streams`; its ``begin_bucket`` is called here,
+  before each bucket). None of the accelerator path has run on hardware; it is off by default
+  so the calling thread alone issues there.
 """
 
 from __future__ import annotations
