@@ -30,7 +30,7 @@ __all__ = [
     "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread", "pool_spread_devices",
     "pool_spread_over", "report_is_dir", "report_unwritable", "rtn_override", "samples_mismatched", "symbol_differs",
     "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
-    "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED",
+    "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF",
     *refusals_processes.__all__,
 ]
 
@@ -45,8 +45,7 @@ _DEVICE_LIST_FIX = "Fix: --parallel_devices with entries like 0,1 or cuda:0,cuda
 EMPTY_DEVICE_LIST = f"the lane device list is empty. {_DEVICE_LIST_FIX}"
 PARALLEL_OFF = ("parallel quantization is off. Fix: --parallel_quantization auto (or a world N) to tune blocks on "
                 "lanes")
-ONE_LANE = ("only one lane available. Fix: --parallel_devices with one device per lane (e.g. 0,1 or cpu,cpu) to "
-            "run more")
+ONE_LANE = "only one lane available. Fix: --parallel_devices with one device per lane (e.g. 0,1 or cpu,cpu)"
 HPU_MULTI_LANE = ("Gaudi's bridge allows one device per process, so several hpu lanes cannot run in one process. "
                   "Fix: one process per Gaudi with one lane each: torchrun --nproc-per-node <Gaudis> -m "
                   "dpq.autoround.cli <args> --parallel_quantization 1 (it starts the HCCL group; not yet run on a "
@@ -356,6 +355,7 @@ def bad_count(iters: object = None, batch_size: object = None, accumulate: objec
 _REPORT_FIX = "Fix: --parallel_report with a file path in a writable folder, e.g. ./dpq_report.json"
 DEBUG_WHILE_OFF = ("--parallel_debug has no effect with --parallel_quantization off (the default). "
                   "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
+OVERLAP_WHILE_OFF = DEBUG_WHILE_OFF.replace("--parallel_debug", "--parallel_overlap")
 REPORT_PATH_EMPTY = f"--parallel_report is empty. {_REPORT_FIX}"
 
 

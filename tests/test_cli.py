@@ -36,6 +36,7 @@ def test_every_bad_flag_is_named_at_once_before_the_model_loads(capsys, tmp_path
     (["--parallel_quantization", "auto", "--parallel_devices", "gpu"], "'gpu' is not a device"),
     (["--parallel_devices", "cpu,cpu"], "parallel quantization is off"),
     (["--parallel_debug"], "--parallel_debug has no effect"),
+    (["--parallel_overlap"], "--parallel_overlap has no effect"),
 ])
 def test_flag_problems_exit_2(capsys, monkeypatch, argv, needle):
     monkeypatch.setitem(sys.modules, "auto_round.__main__", None)

@@ -157,6 +157,8 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = ()) -> list[str]
     off = str(ours.parallel_quantization).strip().lower() == "off"
     if ours.parallel_debug and off:
         problems.append(refusals.DEBUG_WHILE_OFF)
+    if ours.parallel_overlap and off:
+        problems.append(refusals.OVERLAP_WHILE_OFF)
     if off and torchrun_processes() > 1:
         problems.append(refusals.OFF_UNDER_TORCHRUN)
     if torchrun_processes() > 1 and asks_for_evaluation(list(rest)):
