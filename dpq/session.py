@@ -240,8 +240,8 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
             if close is not None:
                 close()
             comm = _exchange_communicator(config, plan, lanes)
-    overlap = _overlap(config, lanes)
-    exchange = (SignExchange if plan.exchange == "sign" else FullSumExchange)(comm, overlap=overlap)
+    # overlap None: the exchange's own default (on for CPU lanes, off on accelerators)
+    exchange = (SignExchange if plan.exchange == "sign" else FullSumExchange)(comm, overlap=config.overlap)
     t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
     try:
@@ -264,10 +264,6 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
         getattr(comm, "join", lambda: None)()
         replicas.close()
     return outcome, task.finish(outcome, plan)
-
-
-def _overlap(config: SessionConfig, lanes: list[Lane]) -> bool:
-    return config.overlap if config.overlap is not None else all(lane.device.type == "cpu" for lane in lanes)
 
 
 def _exchange_communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):

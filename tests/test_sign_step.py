@@ -161,7 +161,7 @@ def test_adapter_vouches_only_for_checked_signsgd(monkeypatch, caplog):
     from dpq.autoround import patches, tune
 
     assert patches.reproduced_changes() == []
-    monkeypatch.setattr(tune, "_sign_step_checked", [])
+    tune._sign_sgd_unchanged.cache_clear()
     assert tune.one_op_sign_step(SignSGD, None) and tune.one_op_sign_step(SignSGD, 0.0)
     assert not tune.one_op_sign_step(SignSGD, 0.9) and not tune.one_op_sign_step(torch.optim.Adam, None)
 
@@ -171,13 +171,16 @@ def test_adapter_vouches_only_for_checked_signsgd(monkeypatch, caplog):
     assert not tune.one_op_sign_step(Sub, None)
     path = "auto_round.algorithms.quantization.sign_round.sign_sgd:_single_tensor_sgd"
     monkeypatch.setitem(patches.REPRODUCED, path, "0" * 16)
-    monkeypatch.setattr(tune, "_sign_step_checked", [])
-    assert patches.reproduced_changes() == [path]
-    messages = []
-    monkeypatch.setattr(tune.logger, "warning", messages.append)
-    assert not tune.one_op_sign_step(SignSGD, None)
-    assert not tune.one_op_sign_step(SignSGD, None)
-    assert len(messages) == 1 and "_single_tensor_sgd" in messages[0] and "Fix:" in messages[0]
+    tune._sign_sgd_unchanged.cache_clear()
+    try:
+        assert patches.reproduced_changes() == [path]
+        messages = []
+        monkeypatch.setattr(tune.logger, "warning", messages.append)
+        assert not tune.one_op_sign_step(SignSGD, None)
+        assert not tune.one_op_sign_step(SignSGD, None)
+        assert len(messages) == 1 and "_single_tensor_sgd" in messages[0] and "Fix:" in messages[0]
+    finally:
+        tune._sign_sgd_unchanged.cache_clear()  # the changed digest's answer must not outlive the test
 
 
 def test_issue_cost_step_ab_smoke(capsys):

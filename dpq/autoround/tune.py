@@ -11,6 +11,7 @@ bitwise the serial loop (``tests/test_parity.py`` holds it to that).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -189,21 +190,20 @@ def is_pure_sign(optimizer_cls: type, momentum: float | None) -> bool:
     return optimizer_cls is SignSGD and not momentum
 
 
-_sign_step_checked: list[bool] = []  # the installed SignSGD's source checked once per process
+@functools.cache
+def _sign_sgd_unchanged() -> bool:
+    """The installed SignSGD's source is the one dpq reproduces (checked, and warned about, once per process)."""
+    changed = reproduced_changes()
+    if changed:
+        logger.warning(refusals.SIGN_STEP_UPSTREAM_CHANGED + f" (changed: {', '.join(changed)})")
+    return not changed
 
 
 def one_op_sign_step(optimizer_cls: type, momentum: float | None) -> bool:
     """True when dpq's one-op step (:mod:`dpq.sign_step`) may replace each lane's ``SignSGD.step``:
     pure SignSGD itself (not a subclass) and its upstream source the one dpq reproduces
     (``patches.REPRODUCED``); else every lane runs auto-round's own step (warned once)."""
-    if not is_pure_sign(optimizer_cls, momentum):
-        return False
-    if not _sign_step_checked:
-        changed = reproduced_changes()
-        if changed:
-            logger.warning(refusals.SIGN_STEP_UPSTREAM_CHANGED + f" (changed: {', '.join(changed)})")
-        _sign_step_checked.append(not changed)
-    return _sign_step_checked[0]
+    return is_pure_sign(optimizer_cls, momentum) and _sign_sgd_unchanged()
 
 
 def signround_spec(
