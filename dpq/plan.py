@@ -244,8 +244,8 @@ def _entry_problem(k: int, e: DeviceEntry, home: torch.device, problems: dict) -
     dev = e.device
     if e.bare_index and dev.type == "cpu":
         return refusals.no_accelerator_for_index(e.raw)
-    if dev.type == "cpu" and dev.index is not None:
-        return refusals.not_a_cpu_index(str(dev))
+    if dev.type == "cpu" and dev.index is not None and dev.index >= backend(dev).device_count():
+        return refusals.not_a_cpu_index(str(dev))  # (a backend of logical CPU devices counts more than one)
     if dev not in problems:
         problems[dev] = check_device_exists(dev)
     if problems[dev]:

@@ -77,12 +77,14 @@ class ForwardFault:
         if self.calls > self.after:
             raise RuntimeError("injected lane failure")
 
-def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64, batch_size: int = 8, **ar_kwargs):
-    """Run ``AutoRound(...).quantize()`` on the tiny Llama and record every block's call."""
+def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64, batch_size: int = 8, *,
+                            model=None, tokenizer=None, dataset=None, **ar_kwargs):
+    """Run ``AutoRound(...).quantize()`` on the tiny Llama (or ``model`` with ``tokenizer`` and
+    ``dataset``) and record every block's call."""
     from auto_round import AutoRound
     from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
 
-    model = build_tiny_llama(TinyLlamaConfig())
+    model = build_tiny_llama(TinyLlamaConfig()) if model is None else model
     recorded: list[RecordedBlock] = []
     orig = SignRoundQuantizer.quantize_block
 
@@ -107,8 +109,8 @@ def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64
     try:
         ar = AutoRound(
             model,
-            tokenizer=build_tokenizer(),
-            dataset=calibration_samples(nsamples, seqlen),
+            tokenizer=build_tokenizer() if tokenizer is None else tokenizer,
+            dataset=calibration_samples(nsamples, seqlen) if dataset is None else dataset,
             device_map="cpu",
             enable_torch_compile=False,
             iters=iters,

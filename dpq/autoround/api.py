@@ -247,6 +247,7 @@ def parallel_tune(
         iters=iters, batch_size=batch_size, gradient_accumulate_steps=gradient_accumulate_steps,
         enable_minmax_tuning=enable_minmax_tuning, not_use_best_mse=not_use_best_mse,
         dynamic_max_gap=dynamic_max_gap, momentum=momentum, amp=amp, amp_dtype=amp_dtype,
+        cache_device=home if home is not None else "cpu",  # the best iteration's values stay with the block
     )
     task = _Task(block, list(inputs) if isinstance(inputs, (list, tuple)) else [], outputs, dict(input_others or {}),
                  home, settings, scheme=scheme, bits=bits, group_size=group_size, sym=sym, lr=lr,
@@ -331,12 +332,15 @@ class _Task:
 
             bar = tqdm(total=s.iters, desc=f"dpq tune (world {plan.world})", leave=False)
         self._bar = bar
-        return signround_spec(self.block, BlockData(self.inputs, self.others, list(outputs), self.valid_token_mask),
+        spec = signround_spec(self.block, BlockData(self.inputs, self.others, list(outputs), self.valid_token_mask),
                               s, runner, lambda m: (lr, minmax_lr),
                               progress=(lambda i, loss: bar.update(1)) if bar else None)
+        self.snapshot = spec.best_params  # finish() waits for its copies (it holds nothing of the run)
+        return spec
 
     def finish(self, outcome, plan: Plan) -> ParallelTuneResult:
         self.close_bar()
+        self.snapshot.wait()  # the snapshot's copies to the host (dpq.autoround.tune.BestSnapshot)
         with torch.no_grad():
             unwrapper_block(self.block, outcome.best_params)
         return ParallelTuneResult(
