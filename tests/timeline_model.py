@@ -75,7 +75,7 @@ import threading
 import traceback
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -1107,9 +1107,3 @@ def _main_issue(ops, issue, end) -> float:
             total += max(0.0, issue[op.id] - prev)
         prev = issue[op.id]
     return total
-
-
-@contextlib.contextmanager
-def recording(devices: int, *, seqlen: int) -> Iterator[TimelineModel]:
-    with TimelineModel(devices, seqlen=seqlen) as model:
-        yield model
