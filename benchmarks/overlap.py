@@ -7,7 +7,8 @@ For each world W: W CPU lanes (``dpq.streams.make_lanes``), one replica of a tin
 layer per lane (``dpq.mirror.ReplicaSet``), dpq's engine (``dpq.tune_loop.TuneEngine``) doing
 whole iterations (forward on every lane, one backward, exchange, step). The tuned values are
 the layer's seven Linear weights in fp32 (the shapes of auto-round's rounding values), the
-loss the MSE against the layer's fp32 outputs under bf16 autocast, as auto-round's.
+loss the MSE against the layer's fp32 outputs, under bf16 autocast where auto-round would use
+it on this CPU (``--amp``), as auto-round's.
 
 The exchange goes over :class:`dpq.simulated_link.SimulatedLink` around the local
 communicator: the real sums, then each collective completes after ``latency + bytes /
@@ -35,6 +36,13 @@ Three timings per world, interleaved over ``--rounds`` rounds, median seconds pe
 
 hidden fraction = 1 - (T_overlap - T_none) / (T_after - T_none). The last line printed is
 ``hidden_fraction=<x> world=<w> link_GBps=<b>`` for the world with the smallest x.
+
+Time budget: the default run fits ``--budget-s`` (270 s from its start: within 5 minutes on a 2-core CPU). It
+times one iteration first and chooses the sizes not given on the command line: fewer iterations
+per round and rounds first (the same quantity, noisier), then, only if even those do not fit,
+fewer tokens per sample (halved, not below 256), and prints what it chose on its first line. One
+8 x 2048-token iteration took ~3 s under bf16 autocast on an AVX512-BF16 Xeon and ~6 s in fp32 (a
+CPU without AVX512-BF16, where auto-round, and so this benchmark by default, runs fp32).
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class Case:
     inputs: list[torch.Tensor]
     others: dict
     outputs: list[torch.Tensor]
+    amp: bool = True  # the lanes' forward under bf16 autocast (auto-round's CPU choice), else fp32
 
     @property
     def tuned_numel(self) -> int:
@@ -81,7 +90,7 @@ class Case:
 
 
 def make_case(hidden: int = 256, intermediate: int = 512, nsamples: int = 8, seqlen: int = 128,
-              heads: int = 4, kv_heads: int = 2) -> Case:
+              heads: int = 4, kv_heads: int = 2, amp: bool = True) -> Case:
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
 
     cfg = TinyLlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
@@ -95,7 +104,7 @@ def make_case(hidden: int = 256, intermediate: int = 512, nsamples: int = 8, seq
     params = dict(layer.named_parameters())
     for n in TUNED:
         params[n].requires_grad_(True)
-    case = Case(layer, inputs[0], others[0], [])
+    case = Case(layer, inputs[0], others[0], [], amp)
     with torch.no_grad():
         case.outputs = [_out(layer(x, **_kwargs(case.others, [i]))) for i, x in enumerate(case.inputs)]
     return case
@@ -123,11 +132,20 @@ def lane_loss_for(case: Case):
     def lane_loss(lane, module, indices):
         x = torch.cat([case.inputs[i] for i in indices])
         y = torch.cat([case.outputs[i] for i in indices])
-        with torch.autocast(device_type=lane.device.type, dtype=torch.bfloat16):
+        with torch.autocast(device_type=lane.device.type, dtype=torch.bfloat16, enabled=case.amp):
             out = _out(module(x, **_kwargs(case.others, indices)))
         return torch.nn.functional.mse_loss(out.float(), y)
 
     return lane_loss
+
+
+def autoround_cpu_amp() -> bool:
+    """Whether auto-round runs a CPU block under bf16 autocast here: only with AVX512-BF16 (its
+    CPUID probe, ``auto_round.utils.device.CpuInfo``); otherwise in fp32. The tests' switch
+    (``PYTHONPATH=tests/site_hooks DPQ_TEST_CPU_BF16=off|on``) forces it, as on another CPU."""
+    from auto_round.utils.device_manager import get_ar_device
+
+    return bool(get_ar_device("cpu").supports_bf16())
 
 
 def make_optimizer(module: torch.nn.Module):
@@ -192,6 +210,70 @@ def timed_backward(into: list[float]):
 
 def policy_class(name: str):
     return {"sign": SignExchange, "full": FullSumExchange}[name]
+
+
+def planned_seconds(per_iter: float, worlds: list[int], iters: int, rounds: int, args) -> float:
+    """Seconds :func:`measure_world` (and ``--breakdown``) take for ``worlds`` at ``per_iter`` seconds
+    per iteration without exchange: the iterations over a simulated link also wait for it (at most
+    ``--exchange-vs-backward`` x one lane's backward, which is under an iteration / W)."""
+    total = 0.0
+    for w in worlds:
+        plain = (2 + iters) + 1 + (2 + rounds * iters)  # backward timing, the wire probe, T_none
+        linked = 2 * (2 + rounds * iters) + (2 * (2 + iters * rounds) if args.breakdown else 0)
+        total += per_iter * (plain + linked * (1 + args.exchange_vs_backward / w))
+    return total
+
+
+def seconds_per_iteration(case: Case, world: int) -> float:
+    """One whole iteration (forward on every lane, the backward, the step; no exchange) after a
+    warm-up one: what the run is sized by. On CPU the lanes share the cores, so it hardly depends
+    on the world."""
+    engine, replicas = make_engine(case, world, lambda lanes: NoExchange(LocalCommunicator(lanes)))
+    batch = [list(range(len(case.inputs)))]
+    times: list[float] = []
+    iterate(engine, batch)
+    iterate(engine, batch, times)
+    replicas.close()
+    return times[0]
+
+
+# (iters, rounds) tried in order until the run fits the budget: the defaults first, then fewer
+# iterations per round, then fewer rounds (medians over rounds x iters per mode: never below 4)
+SIZES = ((4, 3), (3, 3), (2, 3), (2, 2))
+MIN_SEQLEN = 256
+
+
+def size_run(args, worlds: list[int], make, t0: float) -> tuple[Case, str]:
+    """Measure one iteration and choose --iters / --rounds / --seqlen (those not given) so that the
+    run fits ``--budget-s``: fewer iterations first (the same quantity, noisier), then, only if the
+    smallest sizes do not fit, fewer tokens per sample (halved: the exchange-vs-backward ratio the
+    goal is stated at is kept, the link being set from the measured backward; the CPU-only share of
+    the exchange grows, see the module docstring). ``t0``: when the run started (the budget's
+    clock). Returns the case and what was chosen, in words."""
+    seqlen = args.seqlen or 2048
+    sizes = [(args.iters or i, args.rounds or r) for i, r in SIZES] if not (args.iters and args.rounds) \
+        else [(args.iters, args.rounds)]
+    probes = []
+    while True:
+        case = make(seqlen)
+        if args.budget_s <= 0:
+            iters, rounds = sizes[0]
+            break
+        per_iter = seconds_per_iteration(case, max(worlds))
+        probes.append(f"{per_iter:.2f} s at {args.nsamples} x {seqlen} tokens")
+        left = args.budget_s - (time.perf_counter() - t0)
+        fits = [(i, r) for i, r in dict.fromkeys(sizes) if planned_seconds(per_iter, worlds, i, r, args) <= left]
+        if fits or args.seqlen or seqlen // 2 < MIN_SEQLEN:
+            iters, rounds = fits[0] if fits else sizes[-1]
+            break
+        seqlen //= 2
+    args.iters, args.rounds, args.seqlen = iters, rounds, seqlen
+    if args.budget_s <= 0:
+        return case, f"iters {iters}, rounds {rounds}, seqlen {seqlen} (no time budget)"
+    planned = planned_seconds(per_iter, worlds, iters, rounds, args)
+    return case, (f"sized to a {args.budget_s:.0f} s budget: one iteration {', '.join(probes)}; chose iters {iters}, "
+                  f"rounds {rounds}, seqlen {seqlen}: ~{planned:.0f} s planned"
+                  + ("" if fits else " (over budget even at the smallest sizes)"))
 
 
 def measure_world(case: Case, world: int, args) -> dict:
@@ -397,12 +479,20 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--nsamples", type=int, default=8, help="samples per iteration (the global batch)")
-    p.add_argument("--seqlen", type=int, default=2048,
+    p.add_argument("--seqlen", type=int, default=None,
                    help="tokens per sample (default 2048: auto-round's default seqlen; with --nsamples 8, its "
-                        "default batch of 8 x 2048 tokens)")
+                        "default batch of 8 x 2048 tokens; halved while the run does not fit --budget-s)")
     p.add_argument("--buckets", type=int, default=8, help="bucket cap = tuned values / this (default 8)")
-    p.add_argument("--iters", type=int, default=4, help="iterations per mode per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=None, help="iterations per mode per round (default 4, fewer to "
+                                                            "fit --budget-s)")
+    p.add_argument("--rounds", type=int, default=None, help="default 3 (2 to fit --budget-s)")
+    p.add_argument("--budget-s", type=float, default=270.0,
+                   help="time budget of the run from its start (default 270: the default run within 5 minutes on a "
+                        "2-core CPU, interpreter start included); one iteration is timed first and the sizes not "
+                        "given are chosen to fit; 0: no budget (the defaults)")
+    p.add_argument("--amp", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="the lanes' forward under bf16 autocast or in fp32; auto (default): as auto-round runs a "
+                        "CPU block here (bf16 only with AVX512-BF16)")
     p.add_argument("--latency-us", type=float, default=20.0, help="per-collective link latency (default 20 us)")
     p.add_argument("--exchange-vs-backward", type=float, default=1.0,
                    help="link time of one iteration's exchange / one lane's backward time (default 1.0)")
@@ -411,13 +501,21 @@ def main(argv=None) -> int:
                    help="also time each part of an iteration (after and overlapped engines, --iters x --rounds "
                         "iterations each, at the measured link): where the exposed time goes")
     args = p.parse_args(argv)
+    t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    case = make_case(args.hidden, args.intermediate, args.nsamples, args.seqlen)
+    amp = autoround_cpu_amp() if args.amp == "auto" else args.amp == "bf16"
+    worlds = [int(w) for w in args.worlds.split(",")]
+
+    def make(seqlen: int) -> Case:
+        torch.manual_seed(0)
+        return make_case(args.hidden, args.intermediate, args.nsamples, seqlen, amp=amp)
+
+    case, sizing = size_run(args, worlds, make, t0)
+    print(f"{'bf16 autocast' if amp else 'fp32'} forward ({args.amp}); {sizing}", flush=True)
     from benchmarks.report import _busy_cpu_seconds, _cpu_model
 
     wall0, mine0, busy0 = time.perf_counter(), time.process_time(), _busy_cpu_seconds()
-    rows = [measure_world(case, int(w), args) for w in args.worlds.split(",")]
+    rows = [measure_world(case, w, args) for w in worlds]
     busy1 = _busy_cpu_seconds()
     others = None
     if busy0 is not None and busy1 is not None:
@@ -425,7 +523,8 @@ def main(argv=None) -> int:
             ((time.perf_counter() - wall0) * (os.cpu_count() or 1))
     print(f"{_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} intra-op thread(s); "
           f"tiny Llama layer hidden {args.hidden}, intermediate {args.intermediate}, {args.nsamples} x "
-          f"{args.seqlen} tokens; {args.policy} exchange; overlap in TuneEngine.backward")
+          f"{args.seqlen} tokens ({'bf16 autocast' if amp else 'fp32'}); {args.policy} exchange; overlap in "
+          f"TuneEngine.backward; iters {args.iters} x rounds {args.rounds} per mode")
     print()
     print("| world | buckets | wire MB/iter | collectives | one lane's backward ms | link ms/iter | link GB/s "
           "| T_none ms | T_after ms | T_overlap ms | hidden |")

@@ -89,10 +89,34 @@ def machine_info(devices) -> dict:
 # -- the tune comparison --------------------------------------------------------------------
 
 
-def tune_comparison(rec, devices, short: int, iters: int, rounds: int) -> list[dict]:
+# (rounds, short iterations, long iterations) tried in order until the timed runs fit the budget:
+# the defaults, fewer rounds (medians of 3 at least), then shorter runs (the marginal cost per
+# iteration is the same quantity, from a smaller difference)
+SIZES = ((5, 10, 40), (3, 10, 40), (3, 10, 30), (3, 5, 20), (3, 4, 12))
+
+
+def choose_sizes(warm: dict[str, float], warm_iters: int, left_s: float, given: tuple) -> tuple[tuple, float]:
+    """(rounds, short, iters) and the planned seconds: the first of SIZES (with the values given on
+    the command line kept) whose timed runs fit ``left_s``, priced from each configuration's
+    warm-up run of ``warm_iters`` iterations as ``warm x n / warm_iters`` for a run of n
+    iterations (an upper bound: the run's fixed part is priced as iterations too)."""
+    def planned(rounds, short, iters):
+        return sum(rounds * w * (short + iters) / warm_iters for w in warm.values())
+
+    sizes = [tuple(g or d for g, d in zip(given, size, strict=True)) for size in SIZES]
+    sizes = [s for s in dict.fromkeys(sizes) if s[1] < s[2]] or [sizes[0]]
+    for size in sizes:
+        if planned(*size) <= left_s:
+            return size, planned(*size)
+    return sizes[-1], planned(*sizes[-1])
+
+
+def tune_comparison(rec, devices, args, deadline: float | None) -> list[dict]:
+    """Serial, world 1 .. len(devices): ``args.rounds`` interleaved rounds of a ``args.short_iters``
+    and a ``args.iters`` run each. ``deadline`` (``time.perf_counter()`` seconds): the sizes not
+    given are chosen after the warm-up so that the runs end by then (:func:`choose_sizes`)."""
     home = devices[0]
     configs = [(SERIAL, None)] + [(f"dpq world {w}", devices[:w]) for w in range(1, len(devices) + 1)]
-    times: dict[str, dict[int, list[float]]] = {name: {short: [], iters: []} for name, _ in configs}
     extra: dict[str, dict] = {}
 
     def once(name, lanes, n):
@@ -102,8 +126,19 @@ def tune_comparison(rec, devices, short: int, iters: int, rounds: int) -> list[d
                 return tune_cases.timed(lambda: tune_cases.run_serial(rec, block), devices)
             return tune_cases.timed(lambda: tune_cases.run_dpq(rec, block, lanes), devices)
 
-    for name, lanes in configs:  # warm-up: lazy inits, allocator pools
-        once(name, lanes, short)
+    warm_iters = args.short_iters or SIZES[0][1]
+    warm = {name: once(name, lanes, warm_iters)[0] for name, lanes in configs}  # lazy inits, allocator pools
+    given = (args.rounds, args.short_iters, args.iters)
+    if deadline is None:
+        (rounds, short, iters), planned = tuple(g or d for g, d in zip(given, SIZES[0], strict=True)), None
+    else:
+        (rounds, short, iters), planned = choose_sizes(warm, warm_iters, deadline - time.perf_counter(), given)
+    args.rounds, args.short_iters, args.iters = rounds, short, iters
+    print(f"warm-up: {', '.join(f'{n} {w:.1f} s' for n, w in warm.items())} at {warm_iters} iterations; "
+          f"timing {rounds} rounds of {short} and {iters} iterations"
+          + (f" (~{planned:.0f} s planned, sized to --budget-s {args.budget_s:.0f})" if planned is not None else ""),
+          file=sys.stderr, flush=True)
+    times: dict[str, dict[int, list[float]]] = {name: {short: [], iters: []} for name, _ in configs}
     for r in range(rounds):
         for name, lanes in configs:  # interleaved, so drift on a shared machine hits all alike
             for n in (short, iters):
@@ -322,9 +357,13 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", default="cpu,cpu", help="lanes for the largest world, e.g. cpu,cpu or cuda:0,cuda:0")
-    p.add_argument("--iters", type=int, default=40, help="long run length (default 40)")
-    p.add_argument("--short-iters", type=int, default=10, help="short run length (default 10)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration and length (default 5)")
+    p.add_argument("--iters", type=int, default=None, help="long run length (default 40; less to fit --budget-s)")
+    p.add_argument("--short-iters", type=int, default=None, help="short run length (default 10; less to fit)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds per configuration and length (default 5; 3 to fit --budget-s)")
+    p.add_argument("--budget-s", type=float, default=270.0,
+                   help="time budget of the run from its start (default 270: within 5 minutes on a 2-core CPU); "
+                        "after the warm-up runs the sizes not given are chosen to fit (SIZES); 0: no budget")
     p.add_argument("--nsamples", type=int, default=tune_cases.NSAMPLES)
     p.add_argument("--seqlen", type=int, default=tune_cases.SEQLEN)
     p.add_argument("--batch-size", type=int, default=tune_cases.BATCH_SIZE)
@@ -335,7 +374,8 @@ def main(argv=None) -> int:
                         "OpenMP barriers from dominating both serial and dpq")
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "out"), help="output folder (default out/)")
     args = p.parse_args(argv)
-    if args.iters <= args.short_iters:
+    t0 = time.perf_counter()
+    if args.iters is not None and args.short_iters is not None and args.iters <= args.short_iters:
         p.error("--iters must be larger than --short-iters")
 
     from dpq.streams import parse_devices
@@ -350,10 +390,12 @@ def main(argv=None) -> int:
     machine = machine_info(devices)
     print(f"recording a tiny-Llama block on {devices[0]} ...", file=sys.stderr, flush=True)
     rec = tune_cases.record_block(
-        devices[0], iters=args.iters, nsamples=args.nsamples, seqlen=args.seqlen, batch_size=args.batch_size
+        devices[0], iters=args.iters or SIZES[0][2], nsamples=args.nsamples, seqlen=args.seqlen,
+        batch_size=args.batch_size
     )
     print("timing serial and dpq runs ...", file=sys.stderr, flush=True)
-    tune = tune_comparison(rec, devices, args.short_iters, args.iters, args.rounds)
+    # the deadline leaves ~20 s for the communicator timings and the plot
+    tune = tune_comparison(rec, devices, args, t0 + args.budget_s - 20 if args.budget_s > 0 else None)
     comm = []
     if not args.no_comm and len(devices) > 1:
         print("timing communicators ...", file=sys.stderr, flush=True)

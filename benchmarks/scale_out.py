@@ -3,6 +3,9 @@
     .venv/bin/python -m benchmarks.scale_out                # embedded model, 3 layouts, one run each
     .venv/bin/python -m benchmarks.scale_out --iters 20 --rounds 2
 
+The default run keeps a time budget (``--budget-s``, 270 s: within 5 minutes on a 2-core CPU): a
+2-iteration serial probe sizes ``--iters`` (at most 50) when it is not given, and says so.
+
 Runs ``auto-round-dp`` (``python -m dpq.autoround.cli``) on the model that ships in ``dpq/data``
 with the same arguments in each layout, one after another in one invocation (these machines
 are noisy: compare ratios from one run, never across runs):
@@ -76,6 +79,32 @@ def run_layout(layout: str, args: argparse.Namespace, calib: Path, out: Path) ->
             "worlds": [b["world"] for b in blocks], "iters": args.iters}
 
 
+PROBE_ITERS = 2
+
+
+def size_iters(args: argparse.Namespace, layouts: list[str], calib: Path, out: Path, t0: float) -> str:
+    """Choose ``--iters`` (when not given) so that the run ends within ``--budget-s`` of ``t0``: a
+    probe run of the serial layout at PROBE_ITERS iterations gives the command's fixed seconds and
+    the blocks' seconds per iteration, every layout's run is priced like serial's plus 10% (the
+    per-iteration ratio the goal is stated at does not depend on the count, only its noise does),
+    at most 50 iterations, at least 5. Returns what was chosen, in words."""
+    if args.iters is not None or args.budget_s <= 0:
+        args.iters = args.iters or 50
+        return f"{args.iters} iters (given)" if args.budget_s > 0 else f"{args.iters} iters (no time budget)"
+    probe_args = argparse.Namespace(**{**vars(args), "iters": PROBE_ITERS})
+    probe = run_layout("serial", probe_args, calib, out / "probe")
+    per_iter = sum(probe["block_s"]) / PROBE_ITERS
+    fixed = max(0.0, probe["wall_s"] - sum(probe["block_s"]))
+    runs = args.rounds * len(layouts)
+    left = args.budget_s - (time.perf_counter() - t0)
+    args.iters = max(5, min(50, int((left / (1.1 * runs) - fixed) / per_iter)))
+    planned = 1.1 * runs * (fixed + per_iter * args.iters)
+    return (f"sized to a {args.budget_s:.0f} s budget: a {PROBE_ITERS}-iteration serial probe took "
+            f"{probe['wall_s']:.1f} s ({fixed:.1f} s fixed, {per_iter:.2f} s per iteration over the blocks); "
+            f"chose {args.iters} iters, ~{planned:.0f} s planned for {runs} runs"
+            + (" (over budget)" if planned > left else ""))
+
+
 def load_average() -> str:
     try:
         return Path("/proc/loadavg").read_text().split()[0]
@@ -117,7 +146,10 @@ def plot(summary: dict[str, dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=None, help="default 50, fewer to fit --budget-s")
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="time budget of the run from its start (default 270: within 5 minutes on a 2-core CPU); "
+                         "a short serial probe run sizes --iters when it is not given; 0: no budget (50 iters)")
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--batch_size", type=int, default=8)
@@ -125,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default="serial,1x2,2x1")
     ap.add_argument("--out", default="out/scale_out")
     args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     layouts = args.layouts.split(",")
     if "serial" not in layouts or any(name not in LAYOUTS for name in layouts):
         ap.error(f"--layouts: a comma list from {', '.join(LAYOUTS)} that includes serial")
@@ -135,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     calib = calibration_jsonl(out / "calib.jsonl", args.nsamples * 2, args.seqlen)
     load_before = load_average()
+    print(size_iters(args, layouts, calib, out, t0), flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in layouts}
     for r in range(args.rounds):
         for name in layouts:

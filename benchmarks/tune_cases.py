@@ -51,8 +51,8 @@ def record_block(device: str | torch.device = "cpu", iters: int = 20, index: int
     kw = {"nsamples": NSAMPLES, "seqlen": SEQLEN, "batch_size": BATCH_SIZE, **shape}
     device = torch.device(device)
     ctx = contextlib.nullcontext() if device.type == "cpu" else _autoround_device_map(str(device))
-    with ctx:
-        recs = record_autoround_blocks(iters=iters, **kw)
+    with ctx:  # stopped once block ``index`` is recorded: auto-round's own tuning of the blocks is not needed
+        recs = record_autoround_blocks(iters=iters, stop_after=index + 1, **kw)
     rec = recs[index]
     # Serial caches the mask on the quantizer during the recorded run; dpq's (a cached property)
     # is computed here, outside any timed region, so neither side pays for it per run.

@@ -127,10 +127,17 @@ class ForwardFault:
         if self.calls > self.after:
             raise RuntimeError("injected lane failure")
 
-def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64, batch_size: int = 8, *,
-                            model=None, tokenizer=None, dataset=None, **ar_kwargs):
+class _Recorded(Exception):
+    """Stops ``record_autoround_blocks`` once it holds the blocks asked for."""
+
+
+def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64, batch_size: int = 8,
+                            stop_after: int | None = None, *, model=None, tokenizer=None, dataset=None,
+                            **ar_kwargs):
     """Run ``AutoRound(...).quantize()`` on the tiny Llama (or ``model`` with ``tokenizer`` and
-    ``dataset``) and record every block's call."""
+    ``dataset``) and record every block's call. ``stop_after``: stop the run once that many blocks
+    are recorded (before the last one is tuned: for timing runs that need only the blocks, not
+    auto-round's own run of them)."""
     from auto_round import AutoRound
     from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
 
@@ -153,6 +160,8 @@ def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64
                 torch_state=torch.get_rng_state(),
             )
         )
+        if stop_after is not None and len(recorded) >= stop_after:
+            raise _Recorded
         return orig(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kw)
 
     SignRoundQuantizer.quantize_block = recording
@@ -171,6 +180,8 @@ def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64
             **ar_kwargs,
         )
         ar.quantize()
+    except _Recorded:
+        pass
     finally:
         SignRoundQuantizer.quantize_block = orig
     return recorded

@@ -22,7 +22,7 @@ from tests.test_torchrun import same_bits
 
 ITERS, NSAMPLES, BATCH, SEQLEN = 4, 8, 4, 32  # as tests/test_torchrun.py: every block keeps a tuned iteration
 LAYERS = 2  # of the embedded model's 4
-TIMEOUT_S = 120  # the whole spawn (a bound, not the expected time)
+TIMEOUT_S = 360  # the whole spawn: a bound on a hang, not the expected time (120 cut a run at 121 s under load 7)
 
 
 def quantize(calib: Path, world: int, devices: str) -> tuple[dict[str, torch.Tensor], list]:

@@ -10,7 +10,6 @@ wrong loss weight, a dropped lane gradient and a lane reading another lane's sli
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 
@@ -19,7 +18,7 @@ import torch
 
 import dpq
 from dpq.autoround import tune as dp_tune
-from tests import mutants
+from tests import mutants, parity_stats
 from tests.conftest import RecordedBlock, record_autoround_blocks
 
 
@@ -98,28 +97,28 @@ def longer_blocks():
 
 # -- statistical parity at world >= 2 ------------------------------------------------------------
 #
-# Statistic, per (block, seed) pair: the relative difference of the parallel run from serial,
-# (P - S) / S, for two quantities of each run: its best loss (what auto-round keeps) and the mean
-# of its per-iteration losses (the whole trajectory; far less noisy). Both runs draw the same
-# indices (same seed), so a correct parallel run differs from serial only by rounding drift: it is
-# at most as far from serial as a serial run with another seed, whose relative difference has
-# stdev sqrt(2) * SPREAD. The mean over n pairs is therefore held to
-#     |mean (P - S) / S| <= K * sqrt(2) * SPREAD / sqrt(n),   K = 3.
-# SPREAD: serial's own seed-to-seed spread, committed (measured): the pooled relative stdev over
-# seeds 0..5 (python `random` and torch seeded with the seed before auto-round's own
-# quantize_block) of each block of `longer_blocks` (2 blocks, 30 iters, 32 samples x 64 tokens,
-# batch 8), AMD EPYC 2-core, torch 2.13 CPU, auto-round 0.16.1: best loss 1.166% / 1.184%
-# (pooled 1.17%), mean per-iteration loss 0.295% / 0.161% (pooled 0.238%). The same measurement
-# found parallel-vs-serial per pair at world 2/3/4: best loss mean within +-0.6%, stdev <= 1.4%;
-# trajectory mean within +-0.11%, stdev <= 0.32% (all at most serial's spread, as argued). The
-# test re-measures serial's spread on its own seeds and requires it below 3x the committed value:
-# a stale constant (another model, other settings) fails loudly, not as mis-sized bounds.
-# With 4 pairs the bounds are 2.5% (best loss) and 0.50% (trajectory). Mutants at world 2 (same
-# measurement, mean over 12 pairs): a lane weight of 1 moves both by ~+100%, a dropped lane
-# gradient by +15% / +9.4%, a lane reading another lane's slice by +12% / +9.5% -- all far outside
-# (test_parity_bounds_catch_mutants checks it on one pair, where the bounds are 5.0% / 1.0%).
-SPREAD = {"best": 0.0117, "trajectory": 0.00238}
-K = 3.0
+# The formula and its false-failure rate: tests/parity_stats.py. Per (block, seed) pair, the paired
+# relative difference d = (P - S) / S of two quantities of each run: its best loss (what auto-round
+# keeps) and the mean of its per-iteration losses (the whole trajectory; far less noisy); the mean
+# over n pairs is held to K * sqrt(2) * SPREAD / sqrt(n), K = Phi^-1(1 - 1e-3 / (2 * 2)) = 3.48 for
+# the 2 statistics: a correct build fails a test with probability <= 1e-3 (it was K = 3: 5.4e-3).
+# SPREAD: serial's own seed-to-seed spread, committed (measured: scripts/parity_spread.py engine,
+# seeds 0..7, python `random` and torch seeded with the seed before auto-round's own
+# quantize_block, each block of `longer_blocks`: 2 blocks, 30 iters, 32 samples x 64 tokens,
+# batch 8; torch 2.13 CPU, auto-round 0.16.1): best loss 1.17% / trajectory 0.238% (AMD EPYC,
+# fp32: no AVX512-BF16), 1.11% / 0.262% (Xeon, bf16 autocast), on 6-8 seeds pooled over the 2
+# blocks; the committed values are the larger of each. Paired d at world 2/4 measured: best loss
+# mean within +-0.6%, stdev <= 1.4%; trajectory mean within +-0.11%, stdev <= 0.32% (at most
+# sqrt(2) x serial's spread, as the bound assumes; under fp32 often exactly 0). The test
+# re-measures serial's spread on its own seeds and requires it below 3x the committed value
+# (test_serial_spread_matches_committed): a stale constant (another model, other settings) fails
+# loudly, not as mis-sized bounds. With 4 pairs the bounds are 3.0% (best loss) and 0.64%
+# (trajectory). Mutants at world 2 (tests/mutants.py; mean over pairs, both branches: see
+# test_parity_bounds_catch_mutants): a lane weight of 1 moves both by ~+100%, a dropped lane
+# gradient by +15% / +9.4%, a lane reading another lane's slice by +12% / +9.5% -- all far
+# outside the one-pair bounds (6.0% / 1.29%) the mutant test applies.
+SPREAD = {"best": 0.0117, "trajectory": 0.00262}
+K = parity_stats.k_for(len(SPREAD))
 PARITY_BLOCKS = (0, 1)
 PARITY_SEEDS = (0, 1)
 MUTANT_PAIR = (1, 0)  # (block, seed)
@@ -130,12 +129,8 @@ def _seeded(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _stats(losses: list[float]) -> dict[str, float]:
-    return {"best": min(losses), "trajectory": sum(losses) / len(losses)}
-
-
 def parity_bound(stat: str, n_pairs: int) -> float:
-    return K * math.sqrt(2) * SPREAD[stat] / math.sqrt(n_pairs)
+    return parity_stats.bound(SPREAD[stat], n_pairs, K)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +160,7 @@ def parity_check(longer_blocks, serial_runs, world: int, pairs) -> dict[str, tup
                                                          debug_identical=True)  # mirrors bitwise every step
         assert result.world == world
         assert result.indices == drawn  # the serial run's samples, every iteration
-        s, p = _stats(s_losses), _stats(result.losses)
+        s, p = parity_stats.loss_stats(s_losses), parity_stats.loss_stats(result.losses)
         for k in SPREAD:
             rel[k].append((p[k] - s[k]) / s[k])
     out = {k: (statistics.fmean(v), parity_bound(k, len(v))) for k, v in rel.items()}
@@ -176,15 +171,17 @@ def parity_check(longer_blocks, serial_runs, world: int, pairs) -> dict[str, tup
 
 def test_serial_spread_matches_committed(serial_runs):
     """The committed SPREAD still describes serial: re-measured on this test's seeds (2 seeds per
-    block, 2 degrees of freedom pooled: if SPREAD is right, a ratio above 3 has probability ~1e-4)."""
+    block, nu = 2 degrees of freedom pooled over the blocks) and held below C = 3 x SPREAD. If SPREAD
+    is right a statistic fails with P(chi2_2 > 2 C**2) = exp(-9) = 1.2e-4 (tests/parity_stats.py),
+    the test (2 statistics) with 2.5e-4. What it catches: a stale SPREAD far too small. One 10x
+    too small fails a statistic when the measured spread reaches 0.3x the true one, with
+    probability P(chi2_2 > 2 x 0.3**2) = exp(-0.09) = 91%."""
     for stat in SPREAD:
-        variances = []
-        for block in PARITY_BLOCKS:
-            xs = [_stats(serial_runs(block, seed)[0])[stat] for seed in PARITY_SEEDS]
-            mean = statistics.fmean(xs)
-            variances.append(statistics.variance([x / mean for x in xs]))
-        measured = math.sqrt(statistics.fmean(variances))
-        print(f"serial {stat} spread: measured {measured:.3%}, committed {SPREAD[stat]:.3%}")
+        measured, nu = parity_stats.pooled_relative_spread(
+            [[parity_stats.loss_stats(serial_runs(block, seed)[0])[stat] for seed in PARITY_SEEDS]
+             for block in PARITY_BLOCKS])
+        print(f"serial {stat} spread: measured {measured:.3%} ({nu} dof), committed {SPREAD[stat]:.3%}; "
+              f"P(false failure) {parity_stats.chi2_sf(nu * 9, nu):.1e}")
         assert measured < 3 * SPREAD[stat]
 
 
