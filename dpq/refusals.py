@@ -30,7 +30,8 @@ __all__ = [
     "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread", "pool_spread_devices",
     "pool_spread_over", "report_is_dir", "report_unwritable", "rtn_override", "samples_mismatched", "symbol_differs",
     "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
-    "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF",
+    "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF", "inference_tensors",
+    "others_empty", "others_not_pairs", "setting_type",
     *refusals_processes.__all__,
 ]
 
@@ -296,6 +297,34 @@ def outputs_shape(bad: Sequence[int]) -> str:
 
 def others_count(key: str, n: int) -> str:
     return f"input_others[{key!r}] has {n} entries. Fix: give one per sample, or one shared"
+
+
+def others_empty(key: str) -> str:
+    """An empty list or tuple in ``input_others`` (the block's forward would unpack or index nothing)."""
+    return (f"input_others[{key!r}] is empty. Fix: give the values the block's forward takes (one per sample, or one "
+            "shared), or leave the key out")
+
+
+def others_not_pairs(key: str) -> str:
+    return (f"input_others[{key!r}] must hold (cos, sin) pairs, one per sample or one shared, as the rotary embedding "
+            "returns them. Fix: pass the pairs captured from the model's forward, or leave the key out")
+
+
+def inference_tensors(where: Sequence[str]) -> str:
+    """``where``: what holds tensors made under ``torch.inference_mode()`` ('inputs', 'the block's weights', ...)."""
+    return (f"{_list(where)} hold inference tensors (made under torch.inference_mode()), which autograd cannot save "
+            "for the tuning's backward. Fix: capture them under torch.no_grad() instead, or pass clones made outside "
+            "inference mode (t.clone()); for the block, load or build the model outside inference mode")
+
+
+_SETTING_KINDS = {"count": "an integer >= 1", "int": "an integer", "int or None": "an integer or None",
+                  "positive": "a finite number > 0, or None", "non-negative": "a finite number >= 0, or None"}
+
+
+def setting_type(name: str, value: str, kind: str = "count") -> str:
+    """``value``: repr of what was given; ``kind``: a key of ``_SETTING_KINDS`` (what ``name`` must be)."""
+    want = _SETTING_KINDS[kind]
+    return f"{name} must be {want}, got {value}. Fix: pass {name} as {want} (see dpq.parallel_tune's defaults)"
 
 
 def others_on_meta(key: str) -> str:
