@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 __all__ = [
     "OFF_UNDER_TORCHRUN", "PASS_HOOKS_PROCESSES", "TASKS_UNDER_TORCHRUN", "accelerator_shared", "auto_fewest_lanes",
-    "auto_lanes_for_samples", "parallel_timeout_bad", "processes_outnumber_samples", "rank_failure", "rank_raised",
-    "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "serial_every_rank",
-    "worlds_differ",
+    "auto_lanes_for_samples", "group_start_failed", "parallel_timeout_bad", "processes_outnumber_samples",
+    "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices",
+    "ranks_silent", "serial_every_rank", "world_size_without_launcher", "worlds_differ",
 ]
 
 OFF_UNDER_TORCHRUN = ("--parallel_quantization off under torchrun (WORLD_SIZE > 1) would run the whole job once per "
@@ -29,9 +29,24 @@ TASKS_UNDER_TORCHRUN = ("--tasks under torchrun (WORLD_SIZE > 1) would run auto-
                         "process (auto-round --eval --model <output_dir> --tasks ...)")
 
 
-def parallel_timeout_bad(value: str) -> str:
-    return (f"--parallel_timeout {value!r} is not a positive number of seconds. Fix: e.g. --parallel_timeout 600 "
+def parallel_timeout_bad(value: str, low: float = 10, high: float = 604800) -> str:
+    return (f"--parallel_timeout {value!r} is not a number of seconds from {low:g} to {high:g} (the process group's "
+            "start waits that long for every rank, and a collective for a lost one). Fix: e.g. --parallel_timeout 600 "
             "(how long a rank waits in a collective for the others before the run stops)")
+
+
+def world_size_without_launcher(world_size: str, missing: Sequence[str]) -> str:
+    """``WORLD_SIZE`` > 1 is set but the rest of a launcher's environment is not."""
+    return (f"WORLD_SIZE={world_size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: this "
+            "process was not started by torchrun (which sets them all), so it has no process group to join. Fix: unset "
+            "WORLD_SIZE to run in one process, or launch the command with torchrun --nproc-per-node N -m "
+            "dpq.autoround.cli ...")
+
+
+def group_start_failed(backend: str, err: str) -> str:
+    return (f"the {backend} process group did not start: {err}. Fix: start every rank with the same torchrun "
+            "command (one rendezvous endpoint), check that the ranks can reach each other, or a longer "
+            "--parallel_timeout when ranks start far apart")
 
 
 def worlds_differ(each: str) -> str:

@@ -84,6 +84,15 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+def launcher_missing() -> list[str]:
+    """The variables of torchrun's environment (besides ``WORLD_SIZE``) that are not set: with
+    ``WORLD_SIZE`` > 1 and any of them missing, no launcher started this process."""
+    return [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+
+
+TIMEOUT_RANGE_S = (10.0, 604800.0)  # --parallel_timeout: the group's start waits that long for every rank; a week
+
+
 GRACE_S = 15.0  # after torchrun's SIGTERM: time to name the failed rank (dpq.distributed waits 5 s for reports)
 
 
@@ -163,12 +172,15 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = ()) -> list[str]
         problems.append(refusals.OFF_UNDER_TORCHRUN)
     if torchrun_processes() > 1 and asks_for_evaluation(list(rest)):
         problems.append(refusals.TASKS_UNDER_TORCHRUN)  # every rank would evaluate the same model
+    if torchrun_processes() > 1 and (missing := launcher_missing()):
+        problems.append(refusals.world_size_without_launcher(os.environ["WORLD_SIZE"], missing))
     try:
-        ok = float(ours.parallel_timeout) > 0
+        low, high = TIMEOUT_RANGE_S
+        ok = low <= float(ours.parallel_timeout) <= high  # false for nan; inf is out of range
     except ValueError:
         ok = False
     if not ok:
-        problems.append(refusals.parallel_timeout_bad(str(ours.parallel_timeout)))
+        problems.append(refusals.parallel_timeout_bad(str(ours.parallel_timeout), *TIMEOUT_RANGE_S))
     # only rank 0 writes the report (the others create nothing)
     return problems + (report_path_errors(ours.parallel_report) if _rank() == 0 else [])
 
@@ -205,12 +217,23 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     devices = ours.parallel_devices
     if torchrun_processes() == 1:
         return _run(ours, world, devices, recipe, rest)
-    from dpq.autoround.process_setup import process_lanes, start_group
+    from dpq import refusals
+    from dpq.autoround.process_setup import SETUPS, process_lanes, start_group
+    from dpq.plan import PlanRefused, lane_device_errors
     from dpq.streams import default_accelerator_type
 
     devices, rest, kind = process_lanes(world, devices, rest, int(os.environ.get("LOCAL_RANK", "0")),
                                         default_accelerator_type())
-    start_group(kind, float(ours.parallel_timeout), (devices or "").split(",")[0] or None)
+    # before the group's setup binds a device or imports a vendor's backend for it: the plan's refusal
+    missing = lane_device_errors(devices) if devices is not None else []
+    if missing:
+        print(f"auto-round-dp: {PlanRefused(missing)}", file=sys.stderr)
+        return 1
+    try:
+        start_group(kind, float(ours.parallel_timeout), (devices or "").split(",")[0] or None)
+    except Exception as err:  # a rank that never came, a store it cannot reach: said, not a traceback
+        print(f"auto-round-dp: dpq: {refusals.group_start_failed(SETUPS[kind].backend, repr(err))}", file=sys.stderr)
+        return 1
     _name_the_rank_before_leaving()
     try:
         return _run(ours, world, devices, recipe, rest)
