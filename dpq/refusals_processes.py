@@ -9,8 +9,8 @@ from collections.abc import Sequence
 __all__ = [
     "OFF_UNDER_TORCHRUN", "PASS_HOOKS_PROCESSES", "TASKS_UNDER_TORCHRUN", "accelerator_shared", "auto_fewest_lanes",
     "auto_lanes_for_samples", "group_start_failed", "parallel_timeout_bad", "processes_outnumber_samples",
-    "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices",
-    "ranks_silent", "serial_every_rank", "world_size_without_launcher", "worlds_differ",
+    "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable",
+    "ranks_drew_other_indices", "ranks_silent", "serial_every_rank", "world_size_without_launcher", "worlds_differ",
 ]
 
 OFF_UNDER_TORCHRUN = ("--parallel_quantization off under torchrun (WORLD_SIZE > 1) would run the whole job once per "
@@ -84,6 +84,10 @@ def auto_lanes_for_samples(lanes: int, samples: int) -> str:
             "larger --batch_size for more lanes")
 
 
+def rank_cancelled(rank: int, cause: str) -> str:
+    return f"rank {rank} was cancelled ({cause})"
+
+
 def rank_raised(rank: int, err: str) -> str:
     return f"the run failed on rank {rank}: {err}"
 
@@ -107,11 +111,22 @@ def rank_reported_first(rank: int, err: str) -> str:
     return f"the run failed; rank {rank} reported first: {err}"
 
 
-def rank_failure(head: str, rank: int, reports: Sequence[str]) -> str:
+_RANK_FAILURE_FIX = {
+    "raised": "the rank that raised printed its error with its traceback (in its own output, above); fix the cause "
+              "and rerun the whole job",
+    "silent": "find why the named rank stopped (its own output; a process killed for memory, a host gone), then rerun "
+              "the whole job",
+    "cancelled": "rerun the whole job when it should run",
+    "lost": "each rank's own output says what it saw; fix the cause and rerun the whole job",
+}
+
+
+def rank_failure(head: str, rank: int, reports: Sequence[str], kind: str = "raised") -> str:
     """A multi-process run stopped (dpq.distributed.RankFailure). ``head``: one of the texts above
-    (:func:`rank_raised` ...), ``rank``: this rank, ``reports``: each rank's report, "rank N raised|lost: error"."""
+    (:func:`rank_raised` ...), ``rank``: this rank, ``reports``: each rank's report, "rank N raised|lost|cancelled:
+    ...", ``kind``: how it started (a key of ``_RANK_FAILURE_FIX``)."""
     return "\n".join([f"dpq: {head}",
                       f"every rank stops (no serial rerun across processes); this is rank {rank}, its home block "
-                      "restored. Fix: the named rank's own log holds the cause and its traceback; fix that and "
-                      "rerun the whole job (auto-round-dp saves no model after a failure)",
+                      "restored, and --output_dir is left as it was (a model is moved into place only once wholly "
+                      f"saved). Fix: {_RANK_FAILURE_FIX[kind]}",
                       *(f"  {r}" for r in reports)])

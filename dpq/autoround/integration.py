@@ -123,7 +123,8 @@ def _run_state() -> _State | None:
 
 
 def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False,
-           auto_world: AutoWorld | None = None, overlap: bool | None = None) -> None:
+           auto_world: AutoWorld | None = None, overlap: bool | None = None,
+           processes: ProcessSet | None = None) -> None:
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
 
     ``parallel_quantization``: 'off', 'auto' (use what fits; never refuses) or an int world
@@ -142,7 +143,9 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     time (:class:`dpq.cost_model.AutoWorld`); default: a fresh one for this ``enable()``, used
     where the lanes are on distinct devices (lanes sharing one device keep every fitting lane:
     the model divides compute over devices). A given one is used for any lanes. ``overlap``: as
-    :func:`dpq.parallel_tune`'s (None: on for CPU lanes, off for accelerator lanes).
+    :func:`dpq.parallel_tune`'s (None: on for CPU lanes, off for accelerator lanes). ``processes``:
+    the group's :class:`dpq.distributed.ProcessSet` when the caller made one for the job already
+    (auto-round-dp does: a cancel is reported through it; default: detected).
 
     Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
     back the settings of the ``enable()`` before it (or, after the outermost, auto-round's
@@ -157,7 +160,7 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
         raise ValueError("dpq: bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     world = validate_world(parallel_quantization)
     model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
-    procs = ProcessSet.detect() if world != "off" else None
+    procs = (processes if processes is not None else ProcessSet.detect()) if world != "off" else None
     new = _State(world=world, devices=devices, debug_identical=debug_identical, overlap=overlap, auto_world=model,
                  auto_given=auto_world is not None, processes=procs if procs is not None and procs.size > 1 else None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)

@@ -1,0 +1,148 @@
+"""A torchrun job stops whole (issue 18): auto-round-dp under torchrun, 2 processes x 1 lane on
+gloo, on the embedded model, its shards small (``--max_shard_size``: auto-round writes them while
+it quantizes, so a half-written output would show).
+
+* cancel: SIGTERM to torchrun while rank 1 hangs in block 1 (``DPQ_TEST_FAULT=hang``) and rank 0
+  waits for it in a gloo collective: every worker is gone within 10 s, nothing is in
+  ``--output_dir``, no partial folder is left beside it, and each worker says it was cancelled;
+* the launcher killed (SIGKILL) at the same point: no worker is alive 10 s later;
+* rank 1 raises in block 2 while a model saved before sits in ``--output_dir``: that model is
+  bitwise untouched, no partial folder is left, rank 1 prints its error with its traceback and
+  rank 0 names rank 1.
+
+The three runs are made once, two at a time (two cores), and their times printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from dpq import refusals
+from tests.test_cli import earlier_model, tree_bytes
+from tests.test_torchrun import _args, _env, _torchrun
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through /proc")
+
+STOP_S = 10.0  # every worker gone this long after the launcher's SIGTERM or SIGKILL
+SHARDS = ("--max_shard_size", "100KB")
+HANG = "dpq test hook: rank 1 hangs in block 1"
+WORKER_TRACEBACK = re.compile(r'File ".*/(dpq|auto_round)/')  # a worker's traceback (torchrun prints its own)
+
+
+def _cli(tmp: Path, *extra: str) -> list[str]:
+    return [*_torchrun(2), "-m", "dpq.autoround.cli", *_args(tmp, str(tmp / "out"), "--parallel_quantization", "1",
+                                                             "--parallel_timeout", "60", *SHARDS, *extra)]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, ...); None: no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit() and (st := _stat(int(d))) and int(st[1]) == pid]
+
+
+def _alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")  # an exited worker nobody reaped yet is a zombie
+
+
+def _run(cmd: list[str], env: dict[str, str], stop: signal.Signals | None = None) -> dict:
+    """Run ``cmd``; with ``stop``: once rank 1 hangs (and rank 0 waits in the collective), send it to
+    torchrun and time how long its workers live on."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    hung = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if HANG in line:
+                hung.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    out: dict = {}
+    try:
+        if stop is not None:
+            assert hung.wait(240), "".join(lines)[-4000:]
+            time.sleep(1.0)  # rank 0 reaches the collective rank 1 never joins
+            workers = _children(proc.pid)
+            assert len(workers) == 2, workers
+            sent = time.monotonic()
+            proc.send_signal(stop)
+            while any(_alive(w) for w in workers) and time.monotonic() - sent < 30:
+                time.sleep(0.05)
+            out["workers_s"] = time.monotonic() - sent
+            out["alive"] = [w for w in workers if _alive(w)]
+        out["rc"] = proc.wait(240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in out.get("alive", []):
+            os.kill(pid, signal.SIGKILL)  # what this test started, by its pid
+    reader.join(30)
+    out.update(text="".join(lines), seconds=time.monotonic() - t0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("sigterm", "sigkill", "raised")}
+    before = earlier_model(dirs["raised"] / "out")
+    jobs = {
+        "sigterm": (_cli(dirs["sigterm"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGTERM),
+        "sigkill": (_cli(dirs["sigkill"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGKILL),
+        "raised": (_cli(dirs["raised"]), _env(DPQ_TEST_FAULT="raise:1:2:1"), None),
+    }
+    with ThreadPoolExecutor(2) as pool:  # threads only wait on the subprocesses
+        futures = {name: pool.submit(_run, *job) for name, job in jobs.items()}
+        done = {name: f.result() for name, f in futures.items()}
+    for name, r in done.items():
+        r["dir"] = dirs[name]
+        print(f"{name}: rc {r['rc']}, {r['seconds']:.1f} s" + (f", workers gone {r['workers_s']:.2f} s after the "
+                                                             "signal" if "workers_s" in r else ""))
+    done["raised"]["before"] = before
+    return done
+
+
+def _left(tmp: Path) -> list[str]:
+    """What a run left in its folder besides its inputs."""
+    inputs = {"calib.jsonl"}
+    return sorted(p.name for p in tmp.iterdir() if p.name not in inputs)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_stopping_the_launcher_mid_block_stops_every_worker(runs, how):
+    r = runs[how]
+    assert not r["alive"] and r["workers_s"] < STOP_S, (r["workers_s"], r["text"][-4000:])
+    assert _left(r["dir"]) == [], _left(r["dir"])  # no --output_dir (no shard, no config.json), no partial folder
+    cause = "SIGTERM" if how == "sigterm" else "its launcher is gone"
+    assert r["text"].count(f"dpq: {refusals.cancelled(cause)}") >= 2, r["text"][-4000:]  # each worker said why
+    assert not WORKER_TRACEBACK.search(r["text"]), r["text"][-4000:]
+
+
+def test_a_failed_run_leaves_an_earlier_model_untouched_and_names_the_rank(runs):
+    r = runs["raised"]
+    text = r["text"]
+    assert r["rc"] != 0
+    assert tree_bytes(r["dir"] / "out") == r["before"]  # bitwise, and no stray shard beside it
+    assert _left(r["dir"]) == ["out"]  # no partial folder
+    assert "auto-round-dp: dpq: rank 1 raised:\nTraceback (most recent call last):" in text, text[-4000:]
+    assert "RuntimeError: injected lane failure (dpq test hook)" in text
+    assert "dpq: the run failed on rank 1: RuntimeError: injected lane failure" in text and "this is rank 0" in text
+    assert "the rank that raised printed its error with its traceback" in text
