@@ -8,6 +8,8 @@ nothing of the tuner:
 * :class:`ProcessSet`: the group a run spans, given to the session explicitly
   (``SessionConfig.processes``; :meth:`ProcessSet.detect` reads an initialised group).
 * :class:`ProcessLayout`: the agreed layout (processes, rank, local lanes, world, lane offset).
+* :func:`agree_job`: every rank's whole job (model and data by content, every setting) compared
+  before any work; a mismatch stops every rank, naming each differing setting and rank.
 * :func:`agree`: every rank's plan exchanged; a refusal anywhere stops every rank before any
   work, with every rank's reasons; every rank runs the same local lane count.
 * :meth:`ProcessSet.stop`: the failure policy across processes. Any failure is fatal on every
@@ -29,7 +31,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["ProcessLayout", "ProcessSet", "RankFailure", "agree", "lane_offset", "peer_lost"]
+__all__ = ["JobMismatch", "ProcessLayout", "ProcessSet", "RankFailure", "agree", "agree_job", "lane_offset",
+           "peer_lost"]
 
 
 HEARTBEAT_S = 1.0  # rank 0's heartbeat period during a step the others wait for (ProcessSet.beat)
@@ -297,6 +300,49 @@ def _failure_message(me: int, size: int, reports: dict[int, str], grace_s: float
         head = refusals.rank_reported_first(first, parsed[first][2])
     each = [f"rank {r} {parsed[r][1]}: {parsed[r][2]}" for r in sorted(parsed)]
     return refusals.rank_failure(head, name(me), each, kind), cause
+
+
+class JobMismatch(ValueError):
+    """The ranks were given different jobs (:func:`agree_job`). ``reasons``: each differing setting,
+    with every rank's value."""
+
+    def __init__(self, reasons: Sequence[str]) -> None:
+        from dpq import refusals
+
+        self.reasons = list(reasons)
+        super().__init__(refusals.jobs_differ(self.reasons))
+
+
+def agree_job(procs: ProcessSet, mine: dict[str, tuple[str, str]] | None) -> None:
+    """Every rank's job, compared before any work; the same answer on every rank.
+
+    ``mine``: this rank's settings, name -> (what is compared, what is shown), e.g. a local model
+    compared by its content digest and shown with its path (:func:`dpq.autoround.job.settings`);
+    None: this rank cannot say (its arguments are rejected where it parses them; it stops there
+    itself). Raises :class:`JobMismatch` on every rank, naming every setting whose compared value
+    differs and each rank's value. Rank 0 also draws the job's token here (see :func:`agree`)."""
+    from dpq import refusals
+
+    token = uuid.uuid4().hex if procs.job is None and procs.rank == 0 else ""
+    gathered = procs.all_gather_object((token, mine))
+    procs.job = procs.job or gathered[0][0] or None
+    jobs = [job for _, job in gathered]
+    if any(job is None for job in jobs):
+        return
+    missing = ("(not set)", "(not set)")
+    problems = []
+    for name in sorted(set().union(*jobs), key=lambda n: (n != "--model", n != "--dataset", n)):
+        values = [job.get(name, missing) for job in jobs]
+        if len({compared for compared, _ in values}) < 2:
+            continue
+        groups: dict[str, list[int]] = {}
+        for r, (compared, _) in enumerate(values):
+            groups.setdefault(compared, []).append(procs.name(r))
+        shown = {compared: next(s for c, s in values if c == compared) for compared in groups}
+        each = "; ".join(f"rank {', '.join(map(str, ranks))}: {shown[c]}" for c, ranks in groups.items())
+        problems.append(refusals.setting_differs(name, each))
+    if problems:
+        raise JobMismatch(problems)
 
 
 @dataclass

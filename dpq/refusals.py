@@ -486,7 +486,7 @@ def symbol_differs(symbol: str, found: str, checked: str) -> str:
 
 # parts of another text, which names the fix: patch_mismatch's lines (symbol_*), rank_failure's heads
 LINES = ("symbol_differs", "symbol_missing", "rank_raised", "rank_reported_first", "rank_store_unreachable",
-         "ranks_silent", "rank_cancelled")
+         "ranks_silent", "rank_cancelled", "setting_differs")
 
 
 def patch_mismatch(version: str, checked: Sequence[str], problems: Sequence[str]) -> str:

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 __all__ = [
     "OFF_UNDER_TORCHRUN", "PASS_HOOKS_PROCESSES", "TASKS_UNDER_TORCHRUN", "accelerator_shared", "auto_fewest_lanes",
-    "auto_lanes_for_samples", "group_start_failed", "parallel_timeout_bad", "processes_outnumber_samples",
-    "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable",
-    "ranks_drew_other_indices", "ranks_silent", "serial_every_rank", "world_size_without_launcher", "worlds_differ",
+    "auto_lanes_for_samples", "group_start_failed", "jobs_differ", "parallel_timeout_bad",
+    "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first",
+    "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "serial_every_rank", "setting_differs",
+    "world_size_without_launcher", "worlds_differ",
 ]
 
 OFF_UNDER_TORCHRUN = ("--parallel_quantization off under torchrun (WORLD_SIZE > 1) would run the whole job once per "
@@ -47,6 +48,19 @@ def group_start_failed(backend: str, err: str) -> str:
     return (f"the {backend} process group did not start: {err}. Fix: start every rank with the same torchrun "
             "command (one rendezvous endpoint), check that the ranks can reach each other, or a longer "
             "--parallel_timeout when ranks start far apart")
+
+
+def setting_differs(setting: str, each: str) -> str:
+    """A line of :func:`jobs_differ`: ``each``, every rank's value, e.g. "rank 0: 4; rank 1: 5"."""
+    return f"{setting} differs ({each})"
+
+
+def jobs_differ(lines: Sequence[str]) -> str:
+    """``lines``: :func:`setting_differs` for each setting the ranks were given differently."""
+    return ("dpq: the ranks were given different jobs, so every rank stops before any work:\n"
+            + "\n".join(f"  - {line}" for line in lines)
+            + "\nFix: run every rank with the same command, model and data (only the devices, --output_dir and the "
+            "paths to the same files may differ between ranks)")
 
 
 def worlds_differ(each: str) -> str:

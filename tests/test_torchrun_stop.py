@@ -6,19 +6,24 @@ it quantizes, so a half-written output would show).
   waits for it in a gloo collective: every worker is gone within 10 s, nothing is in
   ``--output_dir``, no partial folder is left beside it, and each worker says it was cancelled;
 * the launcher killed (SIGKILL) at the same point: no worker is alive 10 s later;
+* a rank given another model (one weight's bit flipped), another dataset and another ``--iters``:
+  every rank refuses before the model loads, naming the three settings with each rank's value;
 * rank 1 raises in block 2 while a model saved before sits in ``--output_dir``: that model is
   bitwise untouched, no partial folder is left, rank 1 prints its error with its traceback and
   rank 0 names rank 1.
 
-The three runs are made once, two at a time (two cores), and their times printed.
+The four runs are made once, two at a time (two cores), and their times printed.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -100,13 +105,35 @@ def _run(cmd: list[str], env: dict[str, str], stop: signal.Signals | None = None
     return out
 
 
+def _per_rank(tmp: Path) -> list[str]:
+    """Rank 1 given another model (a bit of one weight flipped), another dataset and another --iters."""
+    from dpq.demo.embedded import DATA_DIR, calibration_jsonl
+
+    for r in (0, 1):
+        shutil.copytree(DATA_DIR, tmp / f"model{r}")
+        calibration_jsonl(tmp / f"calib{r}.jsonl", 16 + r, 32)
+    weights = tmp / "model1" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 1
+    weights.write_bytes(data)
+    args = _args(tmp, "OUT", "--parallel_quantization", "1", "--parallel_timeout", "60")
+    for flag, value in (("--model", "MODEL"), ("--dataset", "DATA"), ("--iters", "ITERS")):
+        args[args.index(flag) + 1] = value
+    line = shlex.join([sys.executable, "-m", "dpq.autoround.cli", *args])
+    line = (line.replace(" MODEL ", f' {shlex.quote(str(tmp))}/model"$RANK" ')
+            .replace(" DATA ", f' {shlex.quote(str(tmp))}/calib"$RANK".jsonl ')
+            .replace(" ITERS ", ' "$((4 + RANK))" ').replace(" OUT ", f" {shlex.quote(str(tmp / 'out'))} "))
+    return [*_torchrun(2), "--no-python", "bash", "-c", f"exec {line}"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    dirs = {name: tmp_path_factory.mktemp(name) for name in ("sigterm", "sigkill", "raised")}
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("sigterm", "sigkill", "mismatch", "raised")}
     before = earlier_model(dirs["raised"] / "out")
     jobs = {
         "sigterm": (_cli(dirs["sigterm"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGTERM),
         "sigkill": (_cli(dirs["sigkill"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGKILL),
+        "mismatch": (_per_rank(dirs["mismatch"]), _env(), None),
         "raised": (_cli(dirs["raised"]), _env(DPQ_TEST_FAULT="raise:1:2:1"), None),
     }
     with ThreadPoolExecutor(2) as pool:  # threads only wait on the subprocesses
@@ -122,7 +149,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 
 def _left(tmp: Path) -> list[str]:
     """What a run left in its folder besides its inputs."""
-    inputs = {"calib.jsonl"}
+    inputs = {"calib.jsonl", "calib0.jsonl", "calib1.jsonl", "model0", "model1"}
     return sorted(p.name for p in tmp.iterdir() if p.name not in inputs)
 
 
@@ -134,6 +161,20 @@ def test_stopping_the_launcher_mid_block_stops_every_worker(runs, how):
     cause = "SIGTERM" if how == "sigterm" else "its launcher is gone"
     assert r["text"].count(f"dpq: {refusals.cancelled(cause)}") >= 2, r["text"][-4000:]  # each worker said why
     assert not WORKER_TRACEBACK.search(r["text"]), r["text"][-4000:]
+
+
+def test_a_rank_with_another_job_is_refused_before_the_model_loads(runs):
+    r = runs["mismatch"]
+    text = r["text"]
+    assert r["rc"] != 0 and not WORKER_TRACEBACK.search(text), text[-4000:]
+    assert text.count("the ranks were given different jobs, so every rank stops before any work") == 2, text[-4000:]
+    tmp = str(r["dir"])
+    assert f"--model differs (rank 0: {tmp}/model0 (content " in text and f"rank 1: {tmp}/model1 (content " in text
+    assert f"--dataset differs (rank 0: {tmp}/calib0.jsonl (content " in text
+    assert "--iters differs (rank 0: 4; rank 1: 5)" in text
+    assert "--output_dir" not in text.partition("different jobs")[2].partition("Fix:")[0]  # the same here anyway
+    assert "start to quantize" not in text  # auto-round's first line after the model's name
+    assert _left(r["dir"]) == []
 
 
 def test_a_failed_run_leaves_an_earlier_model_untouched_and_names_the_rank(runs):

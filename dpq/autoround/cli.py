@@ -19,7 +19,9 @@ end. A failure on any rank stops every rank with a non-zero exit and a message n
 With dpq on, the output is staged beside ``--output_dir`` and moved into place only once saved
 whole (:mod:`dpq.autoround.ranks`). As a command it handles SIGTERM and SIGINT itself
 (:mod:`dpq.cancel`): a cancel stops every rank within seconds, writes nothing more, and exits 130
-(SIGINT), 143 (SIGTERM) or 129 (a torchrun worker's launcher gone).
+(SIGINT), 143 (SIGTERM) or 129 (a torchrun worker's launcher gone). Under torchrun every rank's
+whole job (model and data by content, every setting: :mod:`dpq.autoround.job`) is agreed before
+the model loads; a rank given another job stops every rank, naming each differing setting.
 
 Recipes: ``auto-round-dp-best``, ``-light``, ``-rtn``, ``-opt-rtn``, ``-mllm`` run auto-round's
 ``auto-round-best`` etc. (:data:`RECIPES`) with the same flags.
@@ -219,10 +221,12 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
 
 
 def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str]) -> int:
-    """Under torchrun: this process's lanes, the group, the run over it, the group destroyed."""
+    """Under torchrun: this process's lanes, the group, the job agreed by every rank
+    (:mod:`dpq.autoround.job`), the run over the group, the group destroyed."""
     from dpq import cancel, refusals
+    from dpq.autoround.job import settings
     from dpq.autoround.process_setup import SETUPS, process_lanes, start_group
-    from dpq.distributed import ProcessSet
+    from dpq.distributed import JobMismatch, ProcessSet, agree_job, peer_lost
     from dpq.plan import PlanRefused, lane_device_errors
     from dpq.streams import default_accelerator_type
 
@@ -245,6 +249,15 @@ def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe:
     if cancel.installed():
         cancel.install(peers=procs)
     try:
+        try:  # every rank runs the same job, or none starts: before the model loads
+            agree_job(procs, settings(ours, rest, recipe))
+        except JobMismatch as err:
+            print(f"auto-round-dp: {err}", file=sys.stderr)
+            return 1
+        except Exception as err:  # a rank lost while agreeing
+            failure = procs.stop(err, peer_lost(err))
+            print(f"auto-round-dp: {failure}", file=sys.stderr)
+            return failure.exit_status
         return _run(ours, world, devices, recipe, rest, procs)
     finally:
         if dist.is_initialized():  # a failure destroyed it already (dpq.distributed.ProcessSet.stop)

@@ -145,7 +145,7 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     the model divides compute over devices). A given one is used for any lanes. ``overlap``: as
     :func:`dpq.parallel_tune`'s (None: on for CPU lanes, off for accelerator lanes). ``processes``:
     the group's :class:`dpq.distributed.ProcessSet` when the caller made one for the job already
-    (auto-round-dp does: a cancel is reported through it; default: detected).
+    (auto-round-dp does, to agree on the job and report a cancel through it; default: detected).
 
     Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
     back the settings of the ``enable()`` before it (or, after the outermost, auto-round's
