@@ -285,3 +285,24 @@ def test_auto_rounds_own_ddp_lane_is_never_on_dpqs_path(monkeypatch):
         assert quantizer.setup_ddp_if_needed_(None, block, [0]) == (block, ranks._no_sync) and calls == []
     with integration.parallel_quantization("off"):
         assert quantizer.setup_ddp_if_needed_(None, block, [0]) == (block, None) and calls == [block]
+
+
+def test_more_lanes_over_the_processes_than_samples_is_refused_before_the_blocks_work(recorded_blocks):
+    """An explicit world's refusal that only the processes together see (5 processes x 2 lanes, 8
+    samples per iteration): at the block's dispatch, before its collection passes ran at another
+    world, as in one process; agreed, so every rank stops there with the same reasons."""
+    from dpq.autoround import integration
+    from dpq.distributed import ProcessSet
+    from dpq.plan import PlanRefused
+
+    class EveryRankAlike(ProcessSet):
+        def all_gather_object(self, value):  # the agreement's one collective: every rank sent the same
+            return [value] * self.size
+
+    rec = recorded_blocks[0]
+    assert rec.quantizer.calibration_context.batch_size == 8
+    with integration.parallel_quantization(2, "cpu,cpu", processes=EveryRankAlike(0, 5, store=None)):
+        with pytest.raises(PlanRefused, match=r"5 processes x 2 lane\(s\) but only 8 samples per iteration"):
+            rec.quantizer.dispatch_block(rec.fresh_block(), list(rec.fp_inputs), dict(rec.input_others))
+    with integration.parallel_quantization(2, "cpu,cpu", processes=EveryRankAlike(0, 4, store=None)):
+        rec.quantizer.dispatch_block(rec.fresh_block(), list(rec.fp_inputs), dict(rec.input_others))  # 8 lanes: fits

@@ -200,7 +200,7 @@ def _whole_block_dispatch(self, block, input_ids, input_others):
     if cfg is None or cfg.world == "off":
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     block = _dispatch(self, block, input_ids, input_others)
-    if isinstance(cfg.world, int) and cfg.processes is None:  # several processes: refused by the agreement
+    if isinstance(cfg.world, int):
         _preflight(cfg, self, block, input_ids)
     return block
 
@@ -253,8 +253,15 @@ def auto_world_report() -> list[dict]:
 def _preflight(cfg: _State, q, block, inputs) -> None:
     """An explicit world's plan for this block, resolved before any of the block's work (the
     collection passes come first): raises :class:`dpq.plan.PlanRefused` with every reason at
-    once, the tuner's feature reasons included."""
-    resolve(_tuner_request(cfg, q, block, inputs))
+    once, the tuner's feature reasons included. Several processes: agreed by every rank
+    (:func:`dpq.session.agree_plan`, as the tune's plan is), so a refusal on any rank (more lanes
+    over the processes than samples per iteration among them) stops every rank here."""
+    request = _tuner_request(cfg, q, block, inputs)
+    if cfg.processes is None:
+        resolve(request)
+    else:
+        session.agree_plan(_session_config(cfg, None), cfg.processes, request.samples_per_iter,
+                           bool(request.extra_reasons), lambda: resolve(request))
 
 
 def _lane_devices(cfg: _State):
