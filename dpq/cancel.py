@@ -196,12 +196,12 @@ def _watch(read_fd: int) -> None:
         deadline = time.monotonic() + BACKSTOP_S
         while time.monotonic() < deadline and not _state.again:
             _poll(read_fd)
-    _leave()
+    _leave(read_fd)
 
 
-def _poll(read_fd: int) -> None:
-    """Wait up to 0.2 s for a signal's byte on the wakeup fd; then look at the launcher."""
-    ready, _, _ = select.select([read_fd], [], [], 0.2)
+def _poll(read_fd: int, timeout_s: float = 0.2) -> None:
+    """Wait up to ``timeout_s`` for a signal's byte on the wakeup fd; then look at the launcher."""
+    ready, _, _ = select.select([read_fd], [], [], timeout_s)
     if ready:
         for sig in os.read(read_fd, 64):  # one byte per signal delivered
             if sig in (signal.SIGTERM, signal.SIGINT):
@@ -228,7 +228,7 @@ def _quiet(call: Callable[[], object]) -> object:
         return None
 
 
-def _leave() -> None:
+def _leave(read_fd: int) -> None:
     """The watcher's end of a cancel (module docstring); never returns."""
     signum, peers = _state.signum, _state.peers
     if peers is not None and signum != LAUNCHER_GONE:
@@ -239,7 +239,7 @@ def _leave() -> None:
                 deadline = max(deadline, _state.failing_since + peers.grace_s + 1.0)
             elif _bounded(peers.cancelled_everywhere, 1.0):
                 break
-            time.sleep(0.05)
+            _poll(read_fd, 0.05)  # a second signal: leave at once
     with _state.protected:  # a move into place that started before the cancel finishes first
         pass
     if not _state.said:

@@ -98,6 +98,8 @@ def test_several_processes_leave_from_the_watcher():
     assert refusals.cancelled("SIGTERM") in err
     rc, out, err, seconds = _cancel("peers", signal.SIGTERM)
     assert rc == 143 and "reported SIGTERM" in out and 0.9 < seconds < 5, (rc, out, err, seconds)
+    rc, out, err, seconds = _cancel("peers", signal.SIGTERM, signal.SIGTERM, gap_s=0.2)
+    assert rc == 143 and seconds < 0.9, (rc, seconds)  # a second signal: at once
 
 
 def test_a_move_into_place_finishes_before_the_cancel():

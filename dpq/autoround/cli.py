@@ -52,7 +52,8 @@ dpq (data-parallel tuning) options:
                         losses) as JSON
   --parallel_timeout SECONDS
                         under torchrun: how long a rank waits in a collective for the others before
-                        the run stops (a hung or lost rank). Default: 600
+                        the run stops (a hung or lost rank), 10 to 604800; the others wait for rank 0's
+                        save as long as it takes (on its heartbeat). Default: 600
 """
 
 
