@@ -233,7 +233,7 @@ class _Exchange:
 
     def __init__(self, comm: Communicator, *, overlap: bool | None = None) -> None:
         self.comm = comm
-        self.overlap = all(lane.device.type == "cpu" for lane in comm.lanes) if overlap is None else bool(overlap)
+        self.overlap = not any(lane.accelerator for lane in comm.lanes) if overlap is None else bool(overlap)
         self.last_wire_bytes = 0  # bytes of the last exchange() call
         self.total_wire_bytes = 0  # bytes of every bucket ever exchanged
 
@@ -312,7 +312,7 @@ class BackwardExchange:
 
     def _hook(self, lane: Lane, k: int, j: int):
         b = self.buckets.bucket_of[j]
-        on_cpu = lane.device.type == "cpu"
+        on_cpu = not lane.accelerator
         # R1 (the collective comes after this gradient's accumulation); nothing to order without a stream
         wait = lane.wait_for_current if lane.stream is not None else None
         fired = self._fired[k]

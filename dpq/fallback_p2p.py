@@ -123,7 +123,7 @@ class _RootReduce(CommunicatorBase):
     def __init__(self, lanes: Sequence[Lane]) -> None:
         super().__init__(lanes)
         # Pinned host memory lets device<->host copies run async; CPU lanes have nothing to pin for.
-        self._pin = any(lane.device.type != "cpu" for lane in self.lanes)
+        self._pin = next((be for be in (backend(lane.device) for lane in self.lanes) if be.accelerator), None)
 
     # -- moving data ---------------------------------------------------------------------
 
@@ -132,7 +132,7 @@ class _RootReduce(CommunicatorBase):
 
     def _empty_at(self, place: int | None, numel: int, dtype: torch.dtype) -> Tensor:
         if place is _HOST:
-            return torch.empty(numel, dtype=dtype, pin_memory=self._pin)
+            return torch.empty(numel, dtype=dtype) if self._pin is None else self._pin.pinned_empty(numel, dtype)
         with self.lanes[place].issue():  # allocated for (and owned by) that lane's stream
             return torch.empty(numel, dtype=dtype, device=self.lanes[place].device)
 

@@ -19,6 +19,11 @@ builds one mirror per extra lane. Invariants kept here:
   bitwise equal (``check_identical`` verifies it; the engine calls it in debug mode).
 * **Teardown.** ``close()`` drops every mirror and the references this object holds, so
   the memory returns to the pre-block baseline; the home module is never modified here.
+* **Lane-local data** (R7 in ``dpq.streams``). :class:`LaneData` is each lane's view of the
+  block's pool: every sample a lane reads reaches it through :meth:`Lane.bring
+  <dpq.streams.Lane.bring>` (from the lane's own device: as it is; from another device: on the
+  lane's side stream there; from host memory: pinned once per block, copied ``non_blocking``),
+  and per-block constants (masks, shared positional inputs) are brought to each lane once.
 * **Stream order** (rules in ``dpq.streams``). A lane's stream waits for the current stream
   before its mirror is copied from home, and the current stream waits for the copies before
   home may write what they read (R1); the identical-state check and ``close()`` make
@@ -35,9 +40,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from dpq.streams import Lane
+from dpq.streams import Lane, backend, map_tensors
 
-__all__ = ["ReplicaMismatchError", "ReplicaSet", "module_tensors", "tensors_in"]
+__all__ = ["LaneData", "ReplicaMismatchError", "ReplicaSet", "module_tensors", "tensors_in"]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -173,6 +178,8 @@ class ReplicaSet:
         have no device allocator to hand memory back to).
         """
         self.join_lanes()
+        for lane in self.lanes:
+            lane.join_sides()  # R5 for what the lanes brought from other devices (R7)
         had_mirrors = len(self.modules) > 1
         del self.modules[1:]
         del self._tuned[1:]
@@ -185,3 +192,43 @@ class ReplicaSet:
             if lane.device.type == "cuda":
                 torch.cuda.empty_cache()
                 break
+
+
+class LaneData:
+    """Each lane's view of one block's pool (module docstring: lane-local data).
+
+    Call its methods inside the lane's ``issue()`` (the lane loss runs there): the copies land in
+    memory of the lane's stream. Host memory is pinned once per tensor (kept for the block, so the
+    source of every asynchronous copy outlives it); per-block constants are brought once per lane.
+    """
+
+    def __init__(self) -> None:
+        self._once: dict[tuple[int, str], object] = {}
+        self._pinned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def ready(self, lane: Lane, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as :meth:`Lane.bring` wants it: pinned when it is in host memory and the lane
+        is an accelerator (a copy once per tensor, kept), else itself."""
+        if not lane.accelerator or not backend(tensor.device).host_memory(tensor.device):
+            return tensor
+        key = id(tensor)
+        if key not in self._pinned:
+            self._pinned[key] = (tensor, lane.backend.pin(tensor))  # the source kept: its id stays unique
+        return self._pinned[key][1]
+
+    def bring(self, lane: Lane, tensor: torch.Tensor) -> torch.Tensor:
+        """One tensor on ``lane`` (R7)."""
+        return lane.bring(self.ready(lane, tensor))
+
+    def once(self, lane: Lane, key: str, value):
+        """``value`` (a tensor, or lists/tuples/dicts of them) on ``lane``, brought the first time
+        ``key`` is asked for on that lane: per-block constants (loss masks, shared positional inputs)."""
+        slot = (lane.index, key)
+        if slot not in self._once:
+            self._once[slot] = map_tensors(value, lambda t: self.bring(lane, t))
+        return self._once[slot]
+
+    def gather(self, lane: Lane, samples, indices, dim: int = 0) -> torch.Tensor:
+        """``samples[i] for i in indices`` concatenated along ``dim`` on ``lane``: each sample
+        brought from where it lives (R7), the concatenation queued on the lane's stream."""
+        return torch.cat([self.bring(lane, samples[i]) for i in indices], dim=dim)

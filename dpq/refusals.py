@@ -27,7 +27,7 @@ __all__ = [
     "lane_failed", "lane_failed_rerun", "lane_failure", "malformed_device_entry", "mirror_does_not_fit",
     "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "on_meta", "others_count", "others_device",
     "others_on_meta", "outputs_count", "outputs_shape", "pass_lane_failed_rerun", "patch_mismatch", "pool_device",
-    "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread", "pool_spread_devices",
+    "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices",
     "pool_spread_over", "report_is_dir", "report_unwritable", "rtn_override", "samples_mismatched", "symbol_differs",
     "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
     "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF", "inference_tensors",
@@ -158,13 +158,6 @@ def block_spans_devices(n: int, devices: Sequence[str]) -> str:
             "block (a smaller --batch_size, --low_gpu_mem_usage)")
 
 
-def pool_spread(n: int, devices: Sequence[str]) -> str:
-    """The tuner's form (the no-grad passes': :func:`pool_spread_devices`)."""
-    return (f"the calibration pool is spread over {n} devices ({devices}, auto-round 0.17's "
-            "--calibration_data_device): dpq stages lane slices from one pool device only. Fix: "
-            "--calibration_data_device with a single device, or --parallel_quantization off")
-
-
 # -- a pass that runs on home alone (dpq.autoround's seams): same result, not sharded ------------
 
 
@@ -221,7 +214,7 @@ def forward_replaced(name: str, kind: str) -> str:
 
 
 def pool_spread_devices(n: int, devices: Sequence[str]) -> str:
-    """The no-grad passes' form of :func:`pool_spread`."""
+    """A no-grad pass over a pool spread over several devices runs on home alone."""
     return home_alone(f"the calibration pool is spread over {n} devices ({devices})",
                       "--calibration_data_device with a single device to shard it")
 

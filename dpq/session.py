@@ -265,7 +265,7 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
         plan.step = engine.step_note
         outcome = run_loop(engine, spec)
         if auto is not None:
-            on_devices = lanes[0].device.type != "cpu"  # on CPU the forward's host time is the compute itself
+            on_devices = lanes[0].accelerator  # on CPU the forward's host time is the compute itself
             auto.measured(task.name, time.perf_counter() - t_loop, iters=spec.iters, world=plan.world,
                           issue_s=outcome.issue_s if on_devices else None)
     finally:

@@ -16,7 +16,7 @@ import sys
 import torch
 from torch import Tensor
 
-from dpq.streams import Lane
+from dpq.streams import Lane, backend
 
 __all__ = [
     "SignBuffers",
@@ -77,7 +77,7 @@ def unpack_signs(packed: Tensor, world: int, idx: Tensor | None = None, out: Ten
 
     On the CPU ``idx`` and ``out`` (int64, W*c/8 each) may be given to reuse their memory."""
     planes = packed.view(world, 2, -1)
-    if packed.device.type == "cpu":
+    if backend(packed.device).host_memory(packed.device):
         # One table lookup per 8 elements: (negative byte, nonzero byte) -> the 8 signs as one int64.
         # CPU only: the table lives in host memory (no stream to order), and the shifts below run
         # ~10x slower on CPU than this. The values are identical.
@@ -137,7 +137,7 @@ class SignBuffers:
             self.tmp = torch.empty(rows * c // 4, dtype=torch.int64, device=dev)
             self.packed = torch.empty(rows * c // 4, dtype=torch.uint8, device=dev)
             self.gathered = torch.empty(rows * m_max // 4, dtype=torch.uint8, device=dev)
-            on_cpu = dev.type == "cpu"  # the table lookup's index and result (CPU only)
+            on_cpu = backend(dev).host_memory(dev)  # the table lookup's index and result (CPU only)
             self.idx = torch.empty(m_max // 8, dtype=torch.int64) if on_cpu else None
             self.signs = torch.empty(m_max // 8, dtype=torch.int64) if on_cpu else None
 

@@ -45,13 +45,30 @@ R5  Teardown, also on the failure path (``finally``): the current stream and eve
     mirror is dropped or the home block is unwrapped, restored or packed: lane work that
     read home's tensors is done before home frees them, and home's reads of lane tensors are
     done before the lanes' allocators reuse them.
-R6  Host syncs: one per iteration, the loss readback (:class:`HostCopy`, queued on the
-    current stream right after the losses and read after the rest of the iteration is
-    issued). Sample selection indexes the pool with host-side ints.
+R6  Host syncs: one per iteration, the loss readback (:class:`HostCopy`: each lane's losses
+    copied to pinned host memory on the lane's own stream right after they are computed, read
+    after the rest of the iteration is issued). Sample selection indexes the pool with host-side
+    ints. Nothing in an iteration copies from pageable host memory (a pageable host-to-device
+    copy waits for the destination stream), calls ``.item()``/``.tolist()``/``.cpu()`` on device
+    tensors, or synchronizes a stream.
+R7  Lane-local data (:meth:`Lane.bring`): a lane's samples, masks and every per-iteration input
+    reach it without a copy queued on another lane's stream. torch runs a device-to-device copy
+    on the *source* device's current stream and makes it wait for the destination's current
+    stream (and the destination wait for it): issued from a lane with the source device's
+    default stream current, it would queue on lane 0's stream between lane 0's kernels, and
+    lane 0 and the lane would wait for each other. So a copy from another device runs on a
+    side stream of that device, one per (lane, source device), made current for the copy: the
+    two-way barrier is then between the lane and its own side stream. Host memory is pinned
+    once per block and copied ``non_blocking`` on the lane's stream.
 
 Lane methods whose name says "current" must be called outside every :meth:`Lane.issue`
 context: inside one, the current stream would be that lane's. ``tests/stream_checker.py``
-checks all of this on CPU lanes with logical streams and vector clocks.
+checks all of this on CPU lanes with logical streams and vector clocks; ``tests/timeline_model.py``
+replays an iteration on logical devices with CUDA's copy and host-sync semantics (R6, R7).
+
+Every branch between host-CPU lanes and accelerator lanes asks the backend
+(:attr:`Backend.accelerator`, :meth:`Backend.host_memory`), never ``device.type``: a backend with
+logical accelerators on the CPU (the timeline model's) then runs exactly the accelerator path.
 """
 
 from __future__ import annotations
@@ -62,7 +79,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Backend", "HostCopy", "Lane", "backend", "make_lanes", "parse_devices"]
+__all__ = ["Backend", "HostCopy", "Lane", "backend", "make_lanes", "map_tensors", "parse_devices"]
 
 
 class Backend:
@@ -70,6 +87,22 @@ class Backend:
 
     type = "cpu"
     has_streams = False
+    # Device memory apart from the host's: copies to and from the host are transfers (pinned
+    # memory keeps them asynchronous) and reading a device value on the host is a sync.
+    accelerator = False
+
+    def host_memory(self, device: torch.device) -> bool:
+        """True when tensors on ``device`` are in host memory (nothing to copy to the host)."""
+        return True
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (host memory) in pinned memory, so that copies from it to a device of this
+        backend run asynchronously (a copy once: call it once per block, not per iteration)."""
+        return tensor
+
+    def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer a device of this backend copies into asynchronously."""
+        return torch.empty(shape, dtype=dtype)
 
     def is_available(self) -> bool:
         return True
@@ -110,6 +143,16 @@ class _TorchAcceleratorBackend(Backend):
     """cuda and xpu share torch's stream API under ``torch.<type>``."""
 
     has_streams = True
+    accelerator = True
+
+    def host_memory(self, device: torch.device) -> bool:
+        return False
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.is_pinned() else tensor.pin_memory()
+
+    def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def __init__(self, type_: str) -> None:
         self.type = type_
@@ -203,10 +246,17 @@ class Lane:
     index: int
     device: torch.device
     stream: object | None = field(default=None, repr=False)
+    # R7: per source device, the side stream this lane's copies from that device run on
+    _sides: dict = field(default_factory=dict, repr=False)
 
     @property
     def backend(self) -> Backend:
         return backend(self.device)
+
+    @property
+    def accelerator(self) -> bool:
+        """The lane's memory is apart from the host's (``Backend.accelerator``)."""
+        return self.backend.accelerator
 
     @property
     def stream_handle(self) -> int:
@@ -279,9 +329,9 @@ class Lane:
         if dest is not None and _device_key(dest) != _device_key(self.device):
             # To the host: a blocking copy (the host may read the result at once; an async copy
             # into pageable memory gives no event to wait for). Device to device: async.
-            blocking = dest.type == "cpu"
+            blocking = backend(dest).host_memory(dest)
             with self.issue():
-                return _map_tensors(value, lambda t: t.to(dest, non_blocking=not blocking))
+                return map_tensors(value, lambda t: t.to(dest, non_blocking=not blocking))
         if mark is not None:
             self.current_waits(mark)
         else:
@@ -291,7 +341,52 @@ class Lane:
             self.record_on_current(t)
             return t
 
-        return _map_tensors(value, record)
+        return map_tensors(value, record)
+
+    def bring(self, tensor: torch.Tensor) -> torch.Tensor:
+        """R7: ``tensor`` readable on this lane's stream, without a copy queued on another lane's
+        stream and without the host waiting. Call inside :meth:`issue`.
+
+        On this lane's device: the tensor itself (its producer is ordered before the lane by R1
+        at the block's start). In host memory: copied ``non_blocking`` on this lane's stream (the
+        tensor must be pinned, :meth:`Backend.pin`, or the copy waits for the stream). On another
+        device: copied on this lane's side stream of that device (made current for the copy, so
+        torch's two-way barrier joins the lane and its own side stream only); the side stream
+        waited for that device's current stream when it was made (R1), the source is recorded
+        on it (R3), and :meth:`join_sides` orders that device's current stream after it (R5).
+        The copy lands in memory of this lane's stream.
+        """
+        src = tensor.device
+        if _device_key(src) == _device_key(self.device):
+            return tensor
+        src_backend = backend(src)
+        if src_backend.host_memory(src):
+            return tensor.to(self.device, non_blocking=True)
+        side = self._side(src)
+        with src_backend.stream_context(side):
+            src_backend.record_stream(tensor, side)
+            return tensor.to(self.device, non_blocking=True)
+
+    def _side(self, device: torch.device):
+        key = _device_key(device)
+        if key not in self._sides:
+            be = backend(device)
+            side = be.new_stream(device)
+            current = be.current_stream(device)
+            if side is not None and current is not None:
+                side.wait_stream(current)  # R1: after what produced the source (the pool)
+            self._sides[key] = (device, side)
+        return self._sides[key][1]
+
+    def join_sides(self) -> None:
+        """R5 for :meth:`bring`: each source device's current stream waits for this lane's side
+        stream there, so what the side streams read is not freed or rewritten under them. The
+        side streams are dropped (the next block makes its own). Call outside every ``issue()``."""
+        sides, self._sides = self._sides, {}
+        for device, side in sides.values():
+            current = backend(device).current_stream(device)
+            if side is not None and current is not None:
+                current.wait_stream(side)
 
     def synchronize(self) -> None:
         """Host waits for this lane's queued work (the host-staged communicator's one sync)."""
@@ -306,37 +401,49 @@ def _device_key(device: torch.device) -> tuple[str, int]:
     return device.type, 0 if device.index is None else device.index
 
 
-def _map_tensors(value, fn):
+def map_tensors(value, fn):
+    """``fn`` on every tensor of ``value`` (a tensor, or lists/tuples/dicts of them); the rest as is."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
+        return type(value)(map_tensors(v, fn) for v in value)
     if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
+        return {k: map_tensors(v, fn) for k, v in value.items()}
     return value
 
 
 class HostCopy:
     """R6: a small tensor's values copied to host memory on the current stream, read later.
 
-    Queue it right after the values are produced; :meth:`tolist` then waits for that copy
-    only (an event), not for the work issued after it (backward, exchange, step).
+    Queue it right after the values are produced (inside a lane's :meth:`Lane.issue` the copy
+    runs on that lane's stream); :meth:`tolist` then waits for that copy only (an event), not
+    for the work issued after it (backward, exchange, step). On an accelerator the copy goes
+    into pinned memory, asynchronously; host memory is read as it is.
     """
 
     def __init__(self, tensor: torch.Tensor) -> None:
         device = tensor.device
-        stream = backend(device).current_stream(device)
-        if device.type == "cpu":
+        be = backend(device)
+        stream = be.current_stream(device)
+        if be.host_memory(device):
             self._host = tensor
         else:  # pinned: the copy runs async; torch's host allocator keeps the buffer alive until it ran
-            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host = be.pinned_empty(tensor.shape, tensor.dtype)
             self._host.copy_(tensor, non_blocking=True)
         self._event = stream.record_event() if stream is not None else None
 
-    def tolist(self) -> list:
+    def wait(self) -> None:
         if self._event is not None:
-            self._event.synchronize()  # the one host sync of an iteration
+            self._event.synchronize()
+
+    def tolist(self) -> list:
+        self.wait()  # the one host sync of an iteration
         return self._host.tolist()
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The values in host memory; read them only after :meth:`wait`."""
+        return self._host
 
 
 def parse_devices(spec: str | Sequence[str | int | torch.device]) -> list[torch.device]:

@@ -14,7 +14,8 @@ One iteration (``TuneEngine.backward`` then ``TuneEngine.step``)::
       backward ONE torch.autograd.backward over every lane's weighted loss: autograd's
                per-device threads run the lanes' backwards concurrently
     exchange   grads -> identical reduced grads on every lane
-    readback   one host sync for the iteration's micro-step losses
+    readback   one host sync for the iteration's micro-step losses (each lane's copied to the host
+               on its own stream, folded on the host in global lane order)
     step       (separate call, so the caller can snapshot best params first) every lane
                applies the same update; the mirrors stay bitwise identical
 
@@ -34,12 +35,14 @@ and for every layout of W. In one process there is nothing to fetch: the same fo
 
 No Python worker threads; no host sync inside an iteration except the one readback.
 
-Stream order (rules R0-R6 in ``dpq.streams``): lane 0 is the current stream; each lane's
+Stream order (rules R0-R7 in ``dpq.streams``): lane 0 is the current stream; each lane's
 optimizer state is built under the lane's stream (it is read and written there only); each
-lane's loss is handed to the current stream at an event recorded right after it (R2 for that
-point only, R3 for its memory), summed there, and copied to the host before backward and the
-exchange are queued, so the readback waits for the losses only. The exchange's communicators
-join the lanes they touch (R4). The caller's teardown joins everything (``ReplicaSet.close``).
+lane's data reaches it through ``Lane.bring`` (R7, in the adapter's lane loss); each lane's
+losses are copied to pinned host memory on the lane's own stream right after they are
+computed, before backward and the exchange are queued, so the readback waits for the losses
+only and no lane's stream waits for another's (R6); the host folds them. The exchange's
+communicators join the lanes they touch (R4). The caller's teardown joins everything
+(``ReplicaSet.close``).
 """
 
 from __future__ import annotations
@@ -142,7 +145,6 @@ class TuneEngine:
         self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)],
                                    lanes=replicas.lanes) if self.world > 1 else None
         self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
-        self._drawn: HostCopy | None = None  # across processes: each global lane's checksum of the indices
         # The step: the optimizers' own (one per lane), or, when the caller vouches that they are
         # pure SignSGD (one_op_sign_step), dpq.sign_step's one foreach op per device and lr. That
         # adds the grads as exact signs: the sign exchange leaves them so; otherwise (world 1: no
@@ -183,9 +185,9 @@ class TuneEngine:
         # micro-batch (the whole iteration batch; see __init__).
         ref_numel = sum(self.sample_numel(i) for i in indices) if world > 1 else 0
         self._fresh_grads()
-        step_losses: list[dict[int, tuple[Lane, torch.Tensor, object]]] = []
+        step_losses: list[dict[int, torch.Tensor]] = []  # per micro-step: global lane -> its loss
         for m in range(steps):
-            roots, lane_losses = [], {}
+            roots, seeds, lane_losses = [], [], {}
             for k, lane in enumerate(self.lanes):
                 if m >= len(per_lane[offset + k]):
                     continue
@@ -196,16 +198,18 @@ class TuneEngine:
                     if w != 1.0:
                         loss = loss * w
                     roots.append(loss * self.loss_scale)
-                    done = lane.mark()  # the loss is final here; backward and the exchange come later
-                lane_losses[offset + k] = (lane, loss.detach(), done)
+                    # the root's gradient made on the lane's stream: autograd would make it on the
+                    # device's current stream at backward(), reading a lane tensor there (R2)
+                    seeds.append(torch.ones_like(roots[-1]))
+                lane_losses[offset + k] = loss.detach()
             step_losses.append(lane_losses)
             reached = [g for g in range(world) if m < len(per_lane[g])]
             if m < steps - 1:
-                self._backward(roots)
+                self._backward(roots, seeds)
                 continue
             # R6: queued now, before the last backward and the exchange, so the readback waits
-            # for the losses only. (Earlier micro-steps' backwards precede it on lane 0's stream.)
-            readback = HostCopy(torch.stack(self._fold_losses(step_losses, per_lane, indices)))
+            # for the losses only. (Earlier micro-steps' backwards precede it on each lane's stream.)
+            readback = self._queue_readback(step_losses, indices)
             before = self._wire_bytes()
             local = [g - offset for g in reached if 0 <= g - offset < len(self.lanes)]
             # Across processes, buckets complete in the same order on every rank only when every
@@ -216,17 +220,55 @@ class TuneEngine:
                 # The last backward exchanges buckets as they fill (exchange.py: overlap);
                 # lanes with fewer micro-steps have final gradients already.
                 with self.exchange.during_backward(self.buckets, local):
-                    self._backward(roots)
+                    self._backward(roots, seeds)
             else:
-                self._backward(roots)
+                self._backward(roots, seeds)
                 if world > 1:  # world 1: one lane already holds the full gradient
                     self.exchange.exchange(self.buckets)
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
         self.issue_s += time.perf_counter() - t_start  # the backward calls took theirs off
-        losses = readback.tolist()  # the one host sync of the iteration
-        if self._drawn is not None:
-            self._check_drawn(self._drawn.tolist())
-        return losses
+        return self._read_losses(readback, per_lane)  # the one host sync of the iteration
+
+    def _queue_readback(self, step_losses: list[dict[int, torch.Tensor]], indices: list[int]) -> list[HostCopy]:
+        """R6: every lane's micro-step losses copied to the host on the lane's own stream (no
+        crossing between lanes: a copy into lane 0's device would join lane 0 and the lane);
+        across processes, one copy of the gathered table instead (its last column: each global
+        lane's checksum of the indices)."""
+        if self.world > len(self.lanes):
+            return [self._gather_losses(step_losses, indices)]
+        copies = []
+        for k, lane in enumerate(self.lanes):
+            mine = [s[self.lane_offset + k] for s in step_losses if self.lane_offset + k in s]
+            with lane.issue():
+                copies.append(HostCopy(torch.stack(mine)))
+        return copies
+
+    def _read_losses(self, readback: list[HostCopy], per_lane: list[list[list[int]]]) -> list[float]:
+        """Each micro-step's loss: the sum of the global lanes' losses in global lane order, folded
+        on the host the same way for every layout (so the same bits on every rank and for 1 x W,
+        P x L and W x 1). The waits follow each other with nothing issued between them: one sync."""
+        for copy in readback:
+            copy.wait()
+        steps = max(len(c) for c in per_lane)
+        # As Python values first (exact), then host tensors of the losses' dtype: nothing below
+        # reads memory that a device stream wrote.
+        if self.world > len(self.lanes):
+            table = readback[0].host.tolist()  # [global lane][micro-step | checksum], float64
+            self._check_drawn([row[steps] for row in table])
+            rows = {g: row[:steps] for g, row in enumerate(table)}
+            dtype = self._loss_dtype
+        else:
+            rows = {self.lane_offset + k: c.host.tolist() for k, c in enumerate(readback)}
+            dtype = readback[0].host.dtype
+        by_lane = {g: torch.tensor(row, dtype=dtype) for g, row in rows.items()}
+        out = []
+        for m in range(steps):
+            terms = [by_lane[g][m] for g in range(self.world) if m < len(per_lane[g])]
+            total = terms[0]
+            for t in terms[1:]:
+                total = total + t  # in the losses' dtype, in global lane order
+            out.append(total)
+        return torch.stack(out).tolist()  # host memory: no further wait
 
     def _check_drawn(self, checksums: list[float]) -> None:
         """Across processes: every global lane's checksum of the iteration's indices agrees."""
@@ -234,50 +276,29 @@ class TuneEngine:
         if others:
             raise RuntimeError(f"dpq: {refusals.ranks_drew_other_indices(others)}")
 
-    def _fold_losses(self, step_losses: list[dict], per_lane: list[list[list[int]]],
-                     indices: list[int]) -> list[torch.Tensor]:
-        """Each micro-step's loss on the current stream: the sum of the global lanes' losses in
-        global lane order, folded the same way for every layout (so the same bits on every rank).
-
-        In one process each lane's loss is handed over at its event (R2 for that point, R3 for
-        its memory; across devices, copied on the lane). Across processes every global lane's
-        losses come from one all-gather (exact copies) instead."""
-        if self.world > len(self.lanes):
-            losses = self._gather_losses(step_losses, indices)
-        else:
-            home = self.lanes[0].device
-            losses = [{g: lane.hand_home(loss, home, mark=done) for g, (lane, loss, done) in s.items()}
-                      for s in step_losses]
-        out = []
-        for m, by_lane in enumerate(losses):
-            terms = [by_lane[g] for g in range(self.world) if m < len(per_lane[g])]
-            out.append(terms[0] if len(terms) == 1 else torch.stack(terms).sum())
-        return out
-
-    def _gather_losses(self, step_losses: list[dict], indices: list[int]) -> list[dict[int, torch.Tensor]]:
-        """Every global lane's micro-step losses, on lane 0 (home), as exact copies: each local
-        lane sends its micro-steps' losses from its own stream as float64 bytes (exact for every
-        float dtype up to 64 bits; zero where it has no chunk), each cast back to the losses'
-        dtype. The communicator orders the lanes' streams around the collective (R4).
-
-        Each lane also sends a checksum of the iteration's indices: every rank must draw the
-        serial run's indices (same sampler, same seed); a rank that drew others stops the run."""
-        dtype = next((loss.dtype for s in step_losses for _, loss, _ in s.values()), None) or self._loss_dtype
+    def _gather_losses(self, step_losses: list[dict[int, torch.Tensor]], indices: list[int]) -> HostCopy:
+        """Every global lane's micro-step losses as exact copies, in one host copy of a table on
+        lane 0: each local lane sends its micro-steps' losses from its own stream as float64 bytes
+        (exact for every float dtype up to 64 bits; zero where it has no chunk) and a checksum of
+        the iteration's indices (every rank must draw the serial run's indices: same sampler, same
+        seed; a rank that drew others stops the run). The checksum is written by a fill on the
+        lane's stream (no host-to-device copy). The communicator orders the lanes' streams around
+        the collective (R4)."""
+        dtype = next((loss.dtype for s in step_losses for loss in s.values()), None) or self._loss_dtype
         self._loss_dtype = dtype
-        drawn = torch.tensor([float(zlib.crc32(repr(indices).encode()))], dtype=torch.float64)  # < 2**32: exact
+        drawn = float(zlib.crc32(repr(indices).encode()))  # < 2**32: exact in float64
         send, recv = [], []
         for k, lane in enumerate(self.lanes):
             g = self.lane_offset + k
             with lane.issue():
                 zero = torch.zeros((), dtype=torch.float64, device=lane.device)
-                mine = [s[g][1].reshape(()).to(torch.float64) if g in s else zero for s in step_losses]
-                send.append(torch.cat([torch.stack(mine), drawn.to(lane.device)]).view(torch.uint8))
+                mine = [s[g].reshape(()).to(torch.float64) if g in s else zero for s in step_losses]
+                check = torch.full((1,), drawn, dtype=torch.float64, device=lane.device)
+                send.append(torch.cat([torch.stack(mine), check]).view(torch.uint8))
                 recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
         self.exchange.comm.all_gather(send, recv)
         steps = len(step_losses)  # the same on every rank: counted from the global split
-        table = recv[0].view(torch.float64).view(self.world, steps + 1)  # [global lane, micro-step | checksum]
-        self._drawn = HostCopy(table[:, steps].clone())  # read after the iteration's one readback
-        return [{g: table[g, m].to(dtype) for g in range(self.world)} for m in range(steps)]
+        return HostCopy(recv[0].view(torch.float64).view(self.world, steps + 1))
 
     def _wire_bytes(self) -> int:
         comm = getattr(self.exchange, "comm", None)
@@ -309,10 +330,10 @@ class TuneEngine:
         if self.debug_identical:
             self.replicas.check_identical()
 
-    def _backward(self, roots: list[torch.Tensor]) -> None:
+    def _backward(self, roots: list[torch.Tensor], seeds: list[torch.Tensor]) -> None:
         if roots:  # across processes, a rank's lanes may all have fewer micro-steps than the longest lane
             t_start = time.perf_counter()
-            torch.autograd.backward(roots)  # on accelerators autograd's device threads run it
+            torch.autograd.backward(roots, seeds)  # on accelerators autograd's device threads run it
             self.issue_s -= time.perf_counter() - t_start
 
 

@@ -217,7 +217,9 @@ class StreamOrderChecker:
     """Context manager: dpq's cpu lanes get logical streams and every op is checked (module docstring).
 
     ``violations`` lists every failure (each is also raised as :class:`StreamOrderError` at the
-    op that made it, or at exit for frees); ``host_syncs`` counts host syncs, ``waits`` stream
+    op that made it, or at exit for frees); ``host_syncs`` counts host syncs (sync *points*: host
+    waits that follow each other with no op booked between them are one point, the host stalls
+    once, until the last of them; ``host_waits`` counts every wait), ``waits`` stream
     and event waits, ``ops`` the aten ops seen.
     """
 
@@ -230,6 +232,8 @@ class StreamOrderChecker:
         self.violations: list[str] = []
         self._pending: list[str] = []
         self.host_syncs = 0
+        self.host_waits = 0
+        self._op_since_sync = True
         self.waits = 0
         self.ops = 0
         self._window: int | None = None  # the running torch.autograd.backward call
@@ -275,7 +279,10 @@ class StreamOrderChecker:
             self._stack().pop()
 
     def _host_sync(self, vc: dict, what: str) -> None:
-        self.host_syncs += 1
+        self.host_waits += 1
+        if self._op_since_sync:
+            self.host_syncs += 1
+        self._op_since_sync = False
         _join(self.host_vc, vc)
 
     def record_stream(self, tensor: torch.Tensor, stream: LogicalStream) -> None:
@@ -399,6 +406,7 @@ class StreamOrderChecker:
         self._raise_pending()
 
     def _book(self, stream: LogicalStream, op: str, reads, writes, outs, sync: bool) -> None:
+        self._op_since_sync = True
         _join(stream.vc, self.host_vc)  # work issued after a host sync runs after what it waited for
         stream.vc[stream.sid] += 1
         clock = stream.vc[stream.sid]

@@ -106,8 +106,8 @@ def _failing_forward(monkeypatch, lane_index: int, at_call: int):
     lane_of: dict[int, int] = {}
     calls = {"n": 0}
 
-    def forward(runner, module, inputs, others, indices):
-        out = real_forward(runner, module, inputs, others, indices)
+    def forward(runner, module, inputs, others, indices, *lane_and_data):
+        out = real_forward(runner, module, inputs, others, indices, *lane_and_data)
         if lane_of.get(id(module)) == lane_index:
             calls["n"] += 1
             if calls["n"] >= at_call:
@@ -296,6 +296,21 @@ def _only_during(monkeypatch, owner, method: str, disable_owner, disable_name: s
     monkeypatch.setattr(owner, method, mutated)
 
 
+def _outside_lanes_during(monkeypatch, owner, method: str) -> None:
+    """``owner.method`` runs with ``Lane.issue`` a no-op: its lane work lands on the current stream."""
+    real = getattr(owner, method)
+
+    def mutated(*a, **k):
+        issue = Lane.issue
+        Lane.issue = lambda self: contextlib.nullcontext()
+        try:
+            return real(*a, **k)
+        finally:
+            Lane.issue = issue
+
+    monkeypatch.setattr(owner, method, mutated)
+
+
 def _private_lane0(monkeypatch):
     """Item 1's defect: lane 0 on a fresh stream of its own, which nothing orders with home."""
     import dpq.session as session
@@ -317,8 +332,8 @@ MUTATIONS = {
     # item 3: the identical-state check reads the lanes' parameters while their steps may be queued
     "identical-check-without-wait": (
         lambda mp: _only_during(mp, ReplicaSet, "check_identical", Lane, "current_waits_for_me"), "tune"),
-    # items 5/6: home sums the lanes' losses without waiting for their events
-    "loss-without-event-wait": (lambda mp: mp.setattr(Lane, "current_waits", lambda *a: None), "tune"),
+    # R6: the lanes' losses copied to the host on the current stream instead of each lane's own
+    "loss-readback-on-current": (lambda mp: _outside_lanes_during(mp, tl.TuneEngine, "_queue_readback"), "tune"),
     # item 1 (block end) / R5: teardown on the failure path without joining the lanes
     "teardown-without-join": (lambda mp: mp.setattr(ReplicaSet, "join_lanes", lambda self: None), "failure"),
     # item 5: collection outputs handed home without record_stream (home uses them after the pass)

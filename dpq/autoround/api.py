@@ -327,6 +327,7 @@ def parallel_tune(
         iters=iters, batch_size=batch_size, gradient_accumulate_steps=gradient_accumulate_steps,
         enable_minmax_tuning=enable_minmax_tuning, not_use_best_mse=not_use_best_mse,
         dynamic_max_gap=dynamic_max_gap, momentum=momentum, amp=amp, amp_dtype=amp_dtype,
+        cache_device=home if home is not None else "cpu",  # the best iteration's values stay with the block
     )
     # the caller's tensors detached: the tune's graph starts at the pool, whatever requires_grad they carry
     task = _Task(block, _detached(list(inputs)) if isinstance(inputs, (list, tuple)) else [], _detached(outputs),
@@ -432,10 +433,12 @@ class _Task:
                               progress=(lambda i, loss: bar.update(1)) if bar else None)
         if self.seed is not None:  # this call's own generator: the draws of random.seed(seed), unshared
             spec.sampler = _private_sampler(random.Random(self.seed))
+        self.snapshot = spec.best_params  # finish() waits for its copies (it holds nothing of the run)
         return spec
 
     def finish(self, outcome, plan: Plan) -> ParallelTuneResult:
         self.close_bar()
+        self.snapshot.wait()  # the snapshot's copies to the host (dpq.autoround.tune.BestSnapshot)
         with torch.no_grad():
             unwrapper_block(self.block, outcome.best_params)
         return ParallelTuneResult(

@@ -18,7 +18,7 @@ import torch
 from dpq import refusals, session
 from dpq.plan import Plan, price_mirror
 
-from .compat import check_auto_round_version, prepare_block_for_tuning, tuner_refusals
+from .compat import check_auto_round_version, prepare_block_for_tuning
 from .seams_common import ParallelLaneError
 
 check_auto_round_version()
@@ -41,7 +41,6 @@ def feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) ->
         reasons.append(refusals.DIST_ACTIVE)
     if not isinstance(fp_inputs, list) or not all(isinstance(t, torch.Tensor) for t in fp_inputs):
         reasons.append(refusals.DICT_POOL)
-    reasons.extend(tuner_refusals(fp_inputs))  # what this auto-round version does that lanes cannot follow yet
     if q._get_scaler() is not None:
         reasons.append(refusals.GRAD_SCALER)
     if q.enable_lfq:
@@ -93,7 +92,8 @@ def task_plan_fields(q, block, fp_inputs) -> dict:
         samples_per_iter=per_iter,
         home=home,
         extra_reasons=feature_refusals(q, block, fp_inputs),
-        mirror_bytes=price_mirror(block, fp_inputs, per_iter) if isinstance(fp_inputs, list) else None,
+        mirror_bytes=(price_mirror(block, fp_inputs, per_iter, compute_dtype=q.model_context.amp_dtype)
+                      if isinstance(fp_inputs, list) else None),
         pure_sign=is_pure_sign(q.optimizer, q.momentum),
     )
 
@@ -118,6 +118,7 @@ class AutoRoundBlock:
         self.fp_outputs, self.q_inputs, self.block_ctx, self.input_ids = fp_outputs, q_inputs, block_ctx, input_ids
         self.progress: _Progress | None = None
         self.layers: tuple = ([], [])
+        self.snapshot = None
 
     def describe(self, serial, records: Sequence) -> session.BlockTask:
         name = self.block_ctx.block_name
@@ -163,12 +164,14 @@ class AutoRoundBlock:
             return (q.lr if lr is None else lr), (q.minmax_lr if mm is None else mm)
 
         self.progress = _Progress(self.block_ctx.block_name, q.iters, _global_world(plan))
-        return signround_spec(
+        spec = signround_spec(
             block, BlockData(active_inputs, self.input_others, self.fp_outputs, valid_token_mask), settings,
             q.block_forward, lr_of,
-            loss_fn=lambda pred, ref, idx, mse, dev: q._get_loss(pred, ref, idx, mse, dev, valid_token_mask),
+            loss_fn=lambda pred, ref, idx, mse, dev, masks: q._get_loss(pred, ref, idx, mse, dev, masks),
             progress=self.progress.update,
         )
+        self.snapshot = spec.best_params  # finish() waits for its copies (it holds nothing of the run)
+        return spec
 
     def finish(self, outcome, plan: Plan) -> dict:
         self.close()
@@ -177,6 +180,7 @@ class AutoRoundBlock:
             unwrapper_block(block, {})
             return {}
         q.compress_context.clear_memory()
+        self.snapshot.wait()  # the snapshot's copies to the host (dpq.autoround.tune.BestSnapshot)
         with torch.no_grad():
             unwrapper_block(block, outcome.best_params)
         if q.config.is_act_nv_fp:

@@ -24,15 +24,6 @@ def series() -> str:
     return ".".join(check_auto_round_version().split(".")[:2])
 
 
-def tuner_refusals(*pools) -> list[str]:
-    """What the installed auto-round does to a block's pools that dpq's lanes cannot follow yet,
-    each with the fix (empty on 0.16). 0.17: ``--calibration_data_device`` may spread a pool over
-    several devices; lanes stage their slices from one pool device only."""
-    from .seams_common import pool_device_refusals
-
-    return pool_device_refusals(*pools)
-
-
 def prepare_block_for_tuning(q, block, active_inputs, batch_size: int) -> None:
     """What the installed auto-round does to a wrapped block before its tune loop and dpq's lanes
     must do too (call after ``wrapper_block``, before mirroring). 0.17: the MoE experts

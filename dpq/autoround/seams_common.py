@@ -190,10 +190,10 @@ def mirror_refusals(module: torch.nn.Module, label: str) -> list[str]:
     return reasons
 
 
-def pool_device_refusals(*pools, text=refusals.pool_spread) -> list[str]:
-    """auto-round 0.17's ``--calibration_data_device`` may spread a pool over several devices;
-    lanes stage slices from one pool device only (not supported yet). ``text``: the tuner's
-    refusal, or a pass's reason to run on home alone (``refusals.pool_spread_devices``)."""
+def pool_device_refusals(*pools, text) -> list[str]:
+    """auto-round 0.17's ``--calibration_data_device`` may spread a pool over several devices: the
+    tune's lanes bring each sample from where it lives (``dpq.mirror.LaneData``), a no-grad pass
+    over such a pool runs on home alone; ``text`` says so (``refusals.pool_spread_devices``)."""
     devices = {t.device for pool in pools if isinstance(pool, list) for t in pool if isinstance(t, torch.Tensor)}
     if len(devices) > 1:
         return [text(len(devices), sorted(map(str, devices)))]

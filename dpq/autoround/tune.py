@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dpq import refusals
-from dpq.streams import Lane
+from dpq.mirror import LaneData
+from dpq.streams import Lane, backend, map_tensors
 from dpq.tune_loop import TuneSpec
 
 from .compat import check_auto_round_version
@@ -88,7 +89,7 @@ def tuned_parameter_groups(block: torch.nn.Module, lr_of: Callable[[torch.nn.Mod
 
 
 def _mse(pred: torch.Tensor, ref: torch.Tensor, mse, indices, device, amp, amp_dtype, valid_token_mask):
-    """auto-round 0.16 ``SignRoundQuantizer._get_loss``, op for op."""
+    """auto-round 0.16 ``SignRoundQuantizer._get_loss``, op for op (``valid_token_mask``: the lane's own)."""
     autocast_ctx = nullcontext() if not amp else torch.autocast(device_type=str(device).split(":")[0], dtype=amp_dtype)
     if valid_token_mask:
         mask = torch.cat([valid_token_mask[i] for i in indices], dim=0).to(device)
@@ -99,53 +100,59 @@ def _mse(pred: torch.Tensor, ref: torch.Tensor, mse, indices, device, amp, amp_d
         return mse(pred.to(torch.float32), ref.to(torch.float32))
 
 
-def _index_tensor(batch: list[int], device: torch.device) -> torch.Tensor:
-    """``batch`` as an index tensor on ``device`` without a host sync (pinned, async copy)."""
-    index = torch.tensor(batch, dtype=torch.long)
-    if device.type == "cpu":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
+def _index_tensor(batch: list[int], lane: Lane, staged: LaneData) -> torch.Tensor:
+    """``batch`` as an index tensor on ``lane`` without a host sync (pinned, async copy on accelerators)."""
+    return staged.bring(lane, torch.tensor(batch, dtype=torch.long))
 
 
-def _select_others(runner, input_others: dict, batch: list[int]) -> dict:
-    """auto-round 0.16 ``BlockForwardRunner._select_batch`` for ``input_others``, with host-side indices."""
+def _select_others(runner, input_others: dict, batch: list[int], lane: Lane, staged: LaneData) -> dict:
+    """auto-round 0.16 ``BlockForwardRunner._select_batch`` for ``input_others``, with host-side
+    indices, every value on ``lane`` (R7: shared values brought once per block, per-sample ones
+    from where they live)."""
     shared = runner.shared_cache_keys
-    selected = {"positional_inputs": input_others.get("positional_inputs")}
+    selected = {"positional_inputs": staged.once(lane, "positional_inputs", input_others.get("positional_inputs"))}
     for key, val in input_others.items():
         if "positional_inputs" in key:
             continue
         if key in shared:
             if isinstance(val, list) and len(val) == 1:
-                selected[key] = val[0]
+                selected[key] = staged.once(lane, f"{key}[0]", val[0])
             elif isinstance(val, list) and len(val) > 1:
                 idx = batch[0] if len(batch) == 1 else 0
-                selected[key] = val[idx] if idx < len(val) else val[0]
+                idx = idx if idx < len(val) else 0
+                selected[key] = staged.once(lane, f"{key}[{idx}]", val[idx])
             else:
-                selected[key] = val
+                selected[key] = staged.once(lane, key, val)
         elif isinstance(val, list):
-            vals = [val[i] for i in batch]
-            selected[key] = vals[0] if len(vals) == 1 else torch.cat(vals, dim=runner.batch_dim)
+            if len(batch) == 1:
+                selected[key] = map_tensors(val[batch[0]], lambda t: staged.bring(lane, t))
+            else:
+                selected[key] = staged.gather(lane, val, batch, dim=runner.batch_dim)
         elif isinstance(val, torch.Tensor):
-            selected[key] = torch.index_select(val, runner.batch_dim, _index_tensor(batch, val.device))
+            whole = staged.once(lane, key, val)
+            selected[key] = torch.index_select(whole, runner.batch_dim, _index_tensor(batch, lane, staged))
         else:
-            selected[key] = val
+            selected[key] = staged.once(lane, key, val)
     return selected
 
 
-def lane_forward(runner, module: torch.nn.Module, inputs: list, input_others: dict, indices: list[int]):
+def lane_forward(runner, module: torch.nn.Module, inputs: list, input_others: dict, indices: list[int],
+                 lane: Lane, staged: LaneData):
     """auto-round 0.16 ``BlockForwardRunner.forward(block, inputs, others, indices)`` for a list
     pool, op for op (same batches, same ``block_forward`` call, same concatenation), except:
 
     * samples are picked with host-side ints: the runner turns ``indices`` into a device tensor
-      and reads every sample's index back with ``.item()``, a host sync per sample (item 8);
+      and reads every sample's index back with ``.item()``, a host sync per sample;
+    * every input reaches the lane through ``staged`` (R7 of ``dpq.streams``): nothing is
+      copied on another lane's stream, nothing from pageable host memory;
     * the output stays on the runner's device (the lane's) instead of going through
-      ``cache_device`` and back (item 7).
+      ``cache_device`` and back.
     """
     outputs = []
     for start in range(0, len(indices), runner.batch_size):
         batch = indices[start : start + runner.batch_size]
-        batch_inputs = torch.cat([inputs[i] for i in batch], dim=runner.batch_dim)
-        batch_others = _select_others(runner, input_others, batch)
+        batch_inputs = staged.gather(lane, inputs, batch, dim=runner.batch_dim)
+        batch_others = _select_others(runner, input_others, batch, lane, staged)
         raw = runner.block_forward(module, batch_inputs, batch_others, runner.amp, runner.amp_dtype,
                                    runner.device, None)
         outputs.append(runner._normalize_output(raw, module))
@@ -156,11 +163,13 @@ def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reducti
     """A LaneLoss closing over the pool: one BlockForwardRunner per lane device.
 
     Everything a lane computes (forward output, reference slice, loss and so its backward)
-    lives on the lane's device; nothing goes through the runner's ``cache_device``.
-    ``loss_fn(pred, ref, indices, mse, device)`` overrides the loss (the integration passes the
-    quantizer's own ``_get_loss``); the default reproduces it.
+    lives on the lane's device; nothing goes through the runner's ``cache_device``, and every
+    input, reference output and loss mask reaches the lane through one :class:`LaneData` (R7).
+    ``loss_fn(pred, ref, indices, mse, device, masks)`` overrides the loss (the integration passes
+    the quantizer's own ``_get_loss``, given the lane's masks); the default reproduces it.
     """
     runners: dict[torch.device, object] = {}
+    staged = LaneData()
 
     def runner_for(device: torch.device):
         if device not in runners:
@@ -175,13 +184,62 @@ def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reducti
     def lane_loss(lane: Lane, module: torch.nn.Module, indices: list[int]) -> torch.Tensor:
         dev = lane.device
         mse = mses.setdefault(dev, torch.nn.MSELoss(reduction=reduction).to(dev))
-        ref = torch.cat([data.outputs[i] for i in indices], dim=0).to(dev)
-        pred = lane_forward(runner_for(dev), module, data.inputs, data.input_others, indices)
+        masks = staged.once(lane, "valid_token_mask", data.valid_token_mask) if data.valid_token_mask else None
+        ref = staged.gather(lane, data.outputs, indices)
+        pred = lane_forward(runner_for(dev), module, data.inputs, data.input_others, indices, lane, staged)
         if loss_fn is not None:
-            return loss_fn(pred, ref, indices, mse, dev)
-        return _mse(pred, ref, mse, indices, dev, settings.amp, settings.amp_dtype, data.valid_token_mask)
+            return loss_fn(pred, ref, indices, mse, dev, masks)
+        return _mse(pred, ref, mse, indices, dev, settings.amp, settings.amp_dtype, masks)
 
     return lane_loss
+
+
+class BestSnapshot:
+    """Serial's ``collect_best_params(home, cache_device)`` snapshot of the best iteration, without a
+    host wait inside the iteration (R6 of ``dpq.streams``).
+
+    auto-round's snapshot copies every tuned tensor to ``cache_device``; with the block on an
+    accelerator and ``cache_device`` the host (``--low_gpu_mem_usage``; ``dpq.parallel_tune``'s
+    default) each copy goes to pageable memory and makes the host wait. Here auto-round's
+    function makes the copies on the block's device (the same structure, the same values), and
+    each is copied on into pinned host memory asynchronously, on the current stream. Call
+    :meth:`wait` before anything reads the snapshot on the host (one wait per block, after the
+    loop); device-side readers on the current stream (the unwrap) are ordered after the copies anyway.
+    """
+
+    def __init__(self, cache_device) -> None:
+        self.cache_device = torch.device(cache_device)
+        self._event = None
+
+    def __call__(self, home: torch.nn.Module) -> dict:
+        device = next((p.device for p in home.parameters()), self.cache_device)
+        src, dst = backend(device), backend(self.cache_device)
+        if not (dst.host_memory(self.cache_device) and not src.host_memory(device)):
+            return collect_best_params(home, self.cache_device)
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            buf = src.pinned_empty(t.shape, t.dtype)
+            buf.copy_(t.data, non_blocking=True)
+            return buf
+
+        # auto-round's structure and keys (copies on the meta device: no memory, no copy), each
+        # entry then copied straight from the tuned tensor it names into pinned memory
+        out: dict = {}
+        for name, entry in collect_best_params(home, "meta").items():
+            if isinstance(entry, dict):
+                module = home.get_submodule(name) if name else home
+                out[name] = {key: to_host(module.params[key]) for key in entry}
+            else:  # home itself is one wrapped layer
+                out[name] = to_host(home.params[name])
+        stream = src.current_stream(device)
+        self._event = stream.record_event() if stream is not None else None
+        return out
+
+    def wait(self) -> None:
+        """The host may read the last snapshot from here on."""
+        event, self._event = self._event, None
+        if event is not None:
+            event.synchronize()
 
 
 def is_pure_sign(optimizer_cls: type, momentum: float | None) -> bool:
@@ -248,7 +306,7 @@ def signround_spec(
         make_optimizer=make_optimizer,
         lane_loss=make_lane_loss(data, runner, settings, mse_reduction, loss_fn),
         sampler=IndexSampler,
-        best_params=lambda home: collect_best_params(home, settings.cache_device),
+        best_params=BestSnapshot(settings.cache_device),
         nsamples=len(data.inputs),
         sample_numel=lambda i: data.inputs[i].numel(),
         iters=settings.iters,

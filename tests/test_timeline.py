@@ -1,0 +1,158 @@
+"""The CUDA timeline model (``tests/timeline_model.py``) on the real tune: one host sync per iteration
+(the loss readback), the lanes side by side, every lane's data lane-local, in one process and under
+torchrun; and the mutations that prove the model sees each of these.
+
+The scenarios (``tests/timeline_scenarios.py``) replay the embedded model's first block, recorded from
+auto-round's own run, through the auto-round adapter (``enable()``: auto-round's ``block_forward`` and
+``_get_loss``) or ``dpq.parallel_tune`` on logical GPUs. Durations: the 70B-class block on 3090-class
+GPUs (``benchmarks/timeline.py``'s default), where one thread's issue cost is small next to a lane's
+compute, so any lane waiting for another shows as lost overlap. The host cost per op is fixed here
+(``HOST_PER_OP_S``; ``benchmarks/timeline.py`` measures it) so the figures do not depend on the load.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.timeline_model import BLOCKS, GPUS, simulate
+from tests.timeline_scenarios import record_block, recorded_class, run_adapter, run_api
+
+HOST_PER_OP_S = 5e-6
+OVERLAP = 0.9  # the issue's bound; the fixed data path gives >= 0.99 at worlds 2-8, the legacy one 0.65
+ITERS = 2  # iteration 0 also brings each lane's per-block constants; iteration 1 is steady
+
+
+@pytest.fixture(scope="module")
+def rec():
+    return record_block()
+
+
+def timeline(model):
+    return simulate(model, recorded_class(), BLOCKS["70b"], GPUS["3090"], HOST_PER_OP_S)
+
+
+def lane_streams(model) -> set[int]:
+    return {lane.stream.sid for lane in model.lanes}
+
+
+def assert_lane_local(model) -> None:
+    """R7: inside the iterations no device-to-device copy runs on a lane's stream (it would join two
+    lanes: torch runs it on the source device's current stream, with barriers on both sides), and no
+    host-to-device copy blocks the host."""
+    lanes = lane_streams(model)
+    for op in model.ops:
+        if op.iteration < 0 or op.kind != "copy":
+            continue
+        if op.link == "d2d":
+            assert op.stream.sid not in lanes, f"{op.name} on lane stream {op.stream.name} at {op.site}"
+        elif op.link == "h2d":
+            assert not op.blocking, f"{op.name} blocks the host at {op.site}"
+
+
+def assert_one_sync(tl) -> None:
+    per_iter = [len(it.syncs) for it in tl.iterations]
+    assert per_iter == [1] * ITERS, [[(s.what, s.site) for s in it.syncs] for it in tl.iterations]
+    for it in tl.iterations:
+        assert "_read_losses" in it.syncs[0].site
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_timeline_one_host_sync_per_iteration(rec, world):
+    model = run_adapter(rec, world, iters=ITERS)
+    tl = timeline(model)
+    assert model.violations == []
+    assert_one_sync(tl)
+    assert tl.lane_overlap() >= OVERLAP, [it.overlap for it in tl.iterations]
+    assert_lane_local(model)
+    assert len(model.lanes) == world and len(lane_streams(model)) == world
+
+
+@pytest.mark.parametrize("pool, cache, world", [("host", "device", 2), ("host", "host", 2), ("spread", "device", 3)])
+def test_timeline_pool_placements(rec, pool, cache, world):
+    """The pool in host memory (pinned once per block, copied async on each lane's stream) and spread
+    over the lanes' devices (auto-round 0.17's --calibration_data_device auto: each sample from the
+    device holding it, on the lane's side stream there). With the best iteration's values kept on the
+    host too (--low_gpu_mem_usage), serial's snapshot copies them over the bus on lane 0's stream
+    whenever the loss improves (asynchronously: no host wait), which delays lane 0: the overlap bound
+    is held where they stay on the device."""
+    model = run_adapter(rec, world, iters=ITERS, pool=pool, cache=cache)
+    tl = timeline(model)
+    assert model.violations == []
+    assert_one_sync(tl)
+    assert_lane_local(model)
+    if cache == "device":
+        assert tl.lane_overlap() >= OVERLAP
+    copies = [op for op in model.ops if op.iteration >= 0 and op.kind == "copy"]
+    if pool == "host":
+        assert any(op.link == "h2d" for op in copies) and not any(op.blocking for op in copies)
+    else:
+        assert any(op.link == "d2d" for op in copies)  # samples from the other lanes' devices
+    if cache == "host":
+        assert any(op.link == "d2h" and op.bytes > 4 and not op.blocking for op in copies)  # the snapshot, async
+
+
+def test_timeline_parallel_tune(rec):
+    model = run_api(rec, 2, iters=ITERS)
+    tl = timeline(model)
+    assert model.violations == []
+    assert_one_sync(tl)
+    assert tl.lane_overlap() >= OVERLAP
+    assert_lane_local(model)
+
+
+@pytest.mark.parametrize("mutation", ["pageable-mask", "home-stream-pool", "item-in-iteration"])
+def test_timeline_mutation_fails(rec, mutation):
+    """Each re-introduced defect fails what the tests above hold: more host syncs, or lanes waiting
+    for each other."""
+    model = run_adapter(rec, 3, iters=ITERS, mutations=[mutation])
+    tl = timeline(model)
+    if mutation == "home-stream-pool":
+        # the samples' copies queue on lane 0's stream: lanes 1.. wait for lane 0's earlier work
+        assert tl.lane_overlap() < OVERLAP
+        with pytest.raises(AssertionError, match="on lane stream"):
+            assert_lane_local(model)
+    else:
+        assert tl.syncs_per_iteration() > 1
+        with pytest.raises(AssertionError):
+            assert_one_sync(tl)
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rec = record_block()  # auto-round's own run, before the group exists (it would set up its DDP lane)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        model = run_adapter(rec, 1, iters=ITERS)  # 2 processes x 1 lane: world 2
+        tl = timeline(model)
+        torch.save({"syncs": [[(s.what, s.site) for s in it.syncs] for it in tl.iterations],
+                    "violations": model.violations,
+                    "collectives": sum(op.kind == "collective" for op in model.ops if op.iteration >= 1)},
+                   f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_timeline_torchrun_2x1(tmp_path):
+    """Under torchrun (2 gloo processes x 1 lane): one host sync per iteration on every rank (the
+    losses and each rank's checksum of the drawn indices come back in one copy of the gathered table)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+        assert p.exitcode == 0
+    for r in range(2):
+        res = torch.load(Path(tmp_path) / f"rank{r}.pt")
+        assert res["violations"] == []
+        assert [len(s) for s in res["syncs"]] == [1] * ITERS, res["syncs"]
+        assert all("_read_losses" in s[0][1] for s in res["syncs"])
+        assert res["collectives"] > 0  # the exchange crossed the processes

@@ -1,0 +1,1115 @@
+"""A CUDA timeline model for CPU lanes: what an iteration of the real code would do on GPUs.
+
+On CPU every copy is synchronous and every lane shares one device, so nothing a CPU test sees
+says whether, on GPUs, the lanes would run at the same time, or how often the host would stall.
+This model runs the real code path on CPU (``dpq.parallel_tune``, or the auto-round adapter with
+auto-round's own ``block_forward`` and ``_get_loss``) with the lanes on *logical accelerators*,
+records every op with its logical device, stream and issuing thread, and replays the record with
+CUDA's and PyTorch's semantics and per-op durations. Everything it finds is a property of the
+op sequence the code issues; nothing in it is a measurement of a GPU.
+
+How the real code is made to take its accelerator path on CPU:
+
+* Devices. Lanes are on ``cpu:1`` .. ``cpu:N`` (logical devices 1..N); ``cpu`` is host memory.
+  dpq's cpu backend (``dpq.streams._BACKENDS["cpu"]``) is replaced by :class:`ModelBackend`:
+  ``accelerator`` is True, ``host_memory`` is true for ``cpu`` only, it counts N+1 cpu devices,
+  gives logical streams and events, and pins by copying into memory it marks pinned. So every
+  branch the runtime takes through the backend (staging, pinning, the readback, the sign
+  exchange's unpack) is the accelerator branch.
+* Places. Every storage has a place (host or a logical device): tensors made before the model
+  are host memory unless :meth:`TimelineModel.place` puts them on a device; an op's outputs live
+  where its inputs do; a factory's where its ``device=`` says. A ``TorchFunctionMode`` makes
+  ``Tensor.device`` report the place (``cpu`` or ``cpu:k``), so every device comparison in dpq,
+  auto-round and transformers sees the logical devices, and intercepts ``Tensor.to``: a move to
+  the place a tensor already has is a no-op (as on CUDA), a move elsewhere is a real copy that
+  the model books as a transfer. An op whose tensors live on two devices is recorded as a
+  violation (CUDA raises "Expected all tensors to be on the same device"; 0-dim host scalars
+  are allowed, as on CUDA).
+
+CUDA semantics modelled (replayed by :func:`simulate`):
+
+* each logical device has a current stream (per stream context, as ``torch.cuda.stream`` sets
+  it for its stream's device only); a kernel runs on the current stream of the device its tensors
+  live on; streams are FIFO; ``wait_stream``/``wait_event``/``record_event`` carry edges;
+* autograd's backward runs each op on the stream its forward op ran on (nodes are tagged at
+  creation), issued by one host thread per device (autograd's device threads), concurrently with
+  each other; the calling thread waits until every node was issued, and each device's stream
+  current at the call waits for the leaf streams of that device; a gradient passed between nodes
+  on different streams makes the consumer wait for the producer (stream and host);
+* copies: host-to-device and device-to-host run on the device's current stream; from pageable
+  memory, or with ``non_blocking=False``, the host waits until the copy (so everything queued
+  before it on that stream) is done (PyTorch's ``memcpy_and_sync``); pinned + ``non_blocking``
+  does not. A device-to-device copy runs on the *source* device's current stream, after that
+  stream waits for the destination's current stream, and the destination's current stream
+  waits for the copy (PyTorch's two-way barrier in ``copy_device_to_device``);
+* ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()`` of a device tensor, ``Event.synchronize``,
+  ``Stream.synchronize`` and device synchronize are host syncs; a *sync point* is a maximal run of
+  host waits with no op issued between them (the host stalls once, until the last of them);
+* collectives (:class:`ModelNccl`, NCCL's semantics: one kernel per lane on its stream, issued
+  in a group) end together, ``latency + wire bytes / link`` after the last member started;
+  ``torch.distributed`` collectives (under torchrun) are one such kernel on the current stream,
+  the other ranks assumed to start at the same time; object collectives are host syncs.
+
+Durations. Each kernel's FLOPs (``torch.utils.flop_counter``'s formulas) and bytes (its tensors)
+are scaled from the recorded block to a target block class (:class:`BlockClass`): an activation
+tensor (its element count a multiple of the recording's sequence length, chosen prime so no
+weight-shaped tensor is one) scales by tokens x hidden, a weight-shaped one by the linear
+parameters, a matmul's FLOPs by tokens x parameters; duration = max(FLOPs / throughput, bytes /
+memory bandwidth) + a launch floor, copies and collectives by bytes over their link
+(:class:`GpuClass`: stated figures, not measured here). The issuing threads' host cost per op is
+``host_per_op`` (measured on this machine by ``benchmarks/timeline.py``: dpq's own issue time
+per op on a launch-bound block) plus the GPU class's launch cost per kernel (stated).
+
+Not modelled: kernel concurrency limits on one device (kernels of different streams of one
+device are free to overlap), copy-engine and link contention, the caching allocator (its memory
+and its ``record_stream`` events), CUDA graphs, NCCL's internal streams and channels, and any
+real timing of a GPU. Stream *ordering* (races) is ``tests/stream_checker.py``'s job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import threading
+import traceback
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+import dpq.streams as dpq_streams
+from dpq.comm_base import CommunicatorBase, ordered_sum
+
+__all__ = ["BLOCKS", "GPUS", "BlockClass", "GpuClass", "ModelNccl", "Timeline", "TimelineModel", "simulate"]
+
+HOST = None  # the place of host memory; devices are 1..N
+_DEVICE = torch.Tensor.device  # the getset descriptor whose __get__ the function mode answers
+_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::convolution",
+           "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
+           "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_cudnn_attention",
+           "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+           "aten::_scaled_dot_product_efficient_attention_backward", "aten::_flash_attention_backward",
+           "aten::_efficient_attention_backward"}
+_HOST_READS = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
+_NODE_KEY = "dpq_timeline_stream"
+
+
+def place_of_device(device: torch.device | str | None, default: int | None = HOST) -> int | None:
+    """``cpu`` -> host, ``cpu:k`` -> logical device k, None -> ``default``."""
+    if device is None:
+        return default
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise ValueError(f"timeline model: device {device} is not a logical device (use cpu or cpu:k)")
+    return device.index if device.index else HOST
+
+
+def device_of_place(place: int | None) -> torch.device:
+    return torch.device("cpu") if place is HOST else torch.device("cpu", place)
+
+
+# -- the record ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Op:
+    """One recorded op, in issue order. ``kind``: kernel (device work), copy (a transfer), collective,
+    wait (a stream waiting for an event), sync (the host waiting), host (host work on host memory),
+    marker (iteration and backward boundaries)."""
+
+    id: int
+    name: str
+    kind: str
+    thread: str
+    stream: ModelStream | None = None
+    deps: list[int] = field(default_factory=list)  # ops this one's start waits for (device side)
+    host_after: int | None = None  # the host thread waits until this op was issued (autograd's ready queue)
+    wait_for: int | None = None  # sync: the op the host waits for
+    flops: float = 0.0
+    bytes: float = 0.0
+    cls: str = "scalar"  # what its sizes scale with: act, weight, scalar
+    link: str = ""  # copies and collectives: h2d, d2h, d2d, nccl
+    blocking: bool = False  # the host waits for this op to finish (a pageable or blocking copy)
+    site: str = ""
+    iteration: int = -1
+    phase: str = ""
+    group: int | None = None  # collective: members of one group end together
+    group_size: int = 1
+
+
+class ModelEvent:
+    def __init__(self, model: TimelineModel) -> None:
+        self.model, self.op = model, None
+
+    def record(self, stream: ModelStream | None = None) -> None:
+        stream = stream if stream is not None else self.model.current_stream(self.model.current_place())
+        self.op = stream.last
+
+    def wait(self, stream: ModelStream | None = None) -> None:
+        stream = stream if stream is not None else self.model.current_stream(self.model.current_place())
+        self.model.stream_wait(stream, self.op, "wait_event")
+
+    def synchronize(self) -> None:
+        self.model.host_sync(self.op, "event.synchronize()")
+
+    def query(self) -> bool:
+        return True
+
+
+class ModelStream:
+    """A logical stream of one logical device; the API dpq uses of ``torch.cuda.Stream``."""
+
+    def __init__(self, model: TimelineModel, sid: int, place: int, name: str) -> None:
+        self.model, self.sid, self.place, self.name = model, sid, place, name
+        self.last: int | None = None  # the last op queued on it
+        self.cuda_stream = 0
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name}>"
+
+    def wait_stream(self, other: ModelStream) -> None:
+        if other is not self:
+            self.model.stream_wait(self, other.last, "wait_stream")
+
+    def record_event(self, event: ModelEvent | None = None) -> ModelEvent:
+        event = event if event is not None else ModelEvent(self.model)
+        event.record(self)
+        return event
+
+    def wait_event(self, event: ModelEvent) -> None:
+        event.wait(self)
+
+    def synchronize(self) -> None:
+        self.model.host_sync(self.last, f"{self.name}.synchronize()")
+
+    def query(self) -> bool:
+        return True
+
+
+class ModelBackend(dpq_streams.Backend):
+    """dpq's cpu backend on logical accelerators (installed by :class:`TimelineModel`)."""
+
+    has_streams = True
+    accelerator = True
+
+    def __init__(self, model: TimelineModel) -> None:
+        self.model = model
+
+    def host_memory(self, device: torch.device) -> bool:
+        return place_of_device(device) is HOST
+
+    def device_count(self) -> int:
+        return self.model.devices + 1
+
+    def new_stream(self, device: torch.device):
+        place = place_of_device(device)
+        return None if place is HOST else self.model.new_stream(place)
+
+    def stream_context(self, stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if stream is None else self.model.stream_context(stream)
+
+    def current_stream(self, device: torch.device):
+        place = place_of_device(device)
+        return None if place is HOST else self.model.current_stream(place)
+
+    def synchronize(self, device: torch.device) -> None:
+        for s in self.model.streams:
+            self.model.host_sync(s.last, "device synchronize()")
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        return None  # the allocator is not modelled
+
+    def mem_get_info(self, device: torch.device) -> tuple[int, int]:
+        return 2**40, 2**40
+
+    def can_access_peer(self, a: torch.device, b: torch.device) -> bool:
+        return True
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.model.is_pinned(tensor):
+            return tensor
+        with self.model.phase_of("pin"):
+            pinned = tensor.clone()  # a host memcpy, booked as host work
+        self.model.mark_pinned(pinned)
+        return pinned
+
+    def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        self.model.mark_pinned(t)
+        return t
+
+
+class ModelNccl(CommunicatorBase):
+    """NCCL's semantics for lanes on distinct logical devices: each collective is one kernel per
+    lane on the lane's stream, ending together (module docstring); the sums are the canonical
+    ordered sums, computed on the host while the record is paused."""
+
+    name = "model-nccl"
+
+    def __init__(self, lanes, model: TimelineModel | None = None) -> None:
+        super().__init__(lanes)
+        self.model = model if model is not None else TimelineModel.active
+
+    def _group(self, op: str, bufs_per_lane: list[list[torch.Tensor]], wire: int, compute: Callable[[], None]) -> None:
+        with self.model.paused():
+            compute()
+        self.model.collective(op, [(lane, bufs) for lane, bufs in zip(self.lanes, bufs_per_lane, strict=True)], wire)
+
+    def _all_reduce(self, bufs):
+        n = bufs[0].numel() * bufs[0].element_size()
+        self._group("all_reduce", [[b] for b in bufs], 2 * n * (self.world - 1) // self.world,
+                    lambda: [b.copy_(s) for s in [ordered_sum(list(bufs), torch.empty_like(bufs[0]))] for b in bufs])
+
+    def _reduce_scatter(self, send, recv):
+        n = recv[0].numel()
+
+        def compute():
+            for k, out in enumerate(recv):
+                ordered_sum([s[k * n:(k + 1) * n] for s in send], out)
+
+        self._group("reduce_scatter", [[s, r] for s, r in zip(send, recv, strict=True)],
+                    n * recv[0].element_size() * (self.world - 1), compute)
+
+    def _all_gather(self, send, recv):
+        n = send[0].numel()
+
+        def compute():
+            for r in recv:
+                for j, s in enumerate(send):
+                    r[j * n:(j + 1) * n].copy_(s)
+
+        self._group("all_gather", [[s, r] for s, r in zip(send, recv, strict=True)],
+                    n * send[0].element_size() * (self.world - 1), compute)
+
+    def _broadcast(self, bufs, root):
+        self._group("broadcast", [[b] for b in bufs], bufs[0].numel() * bufs[0].element_size(),
+                    lambda: [b.copy_(bufs[root]) for k, b in enumerate(bufs) if k != root])
+
+    def _reduce(self, bufs, root):
+        self._group("reduce", [[b] for b in bufs], bufs[0].numel() * bufs[0].element_size(),
+                    lambda: ordered_sum(list(bufs), bufs[root]))
+
+
+# -- the recorder ---------------------------------------------------------------------------------
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _site() -> str:
+    """The innermost two frames of dpq, auto-round or a test (what caused a sync or a copy)."""
+    frames = [f for f in traceback.extract_stack()[:-1]
+              if "/torch/" not in f.filename and not f.filename.endswith("timeline_model.py")]
+    keep = [f for f in frames if "/dpq/" in f.filename or "auto_round" in f.filename or "/tests/" in f.filename]
+    keep = keep[-2:] if keep else frames[-2:]
+    return " <- ".join(f"{f.filename.split('/site-packages/')[-1].split('/work/main/')[-1]}:{f.lineno} {f.name}"
+                       for f in reversed(keep))
+
+
+class _Places(TorchFunctionMode):
+    """``Tensor.device`` reports the place; ``Tensor.to``/``.cpu()`` move between places as CUDA would;
+    host reads (``tolist``) of device tensors are syncs; new autograd nodes are tagged with their stream."""
+
+    def __init__(self, model: TimelineModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        m = self.model
+        if getattr(func, "__self__", None) is _DEVICE:
+            return device_of_place(m.place_of(args[0]))
+        if func is torch.Tensor.is_pinned:
+            return m.is_pinned(args[0])
+        if func is torch.Tensor.to or func is torch.Tensor.cpu:
+            return m.move(func, args, kwargs)
+        if func is torch.Tensor.tolist and m.place_of(args[0]) is not HOST:
+            m.device_read(args[0], "tolist()")
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled() and not m.paused_now:
+            roots = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+            if roots:
+                m.tag_nodes(roots, _tensors(out)[0])
+        return out
+
+
+class _Record(TorchDispatchMode):
+    def __init__(self, model: TimelineModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.model.paused_now:
+            with torch._C.DisableTorchFunction():
+                self.model.on_op(func, args, kwargs, out)
+        return out
+
+
+class TimelineModel:
+    """Context manager: record the real code on ``devices`` logical accelerators (module docstring).
+
+    ``ops`` is the record; ``violations`` lists device mixes (an op reading tensors of two devices);
+    ``lanes`` the lanes the session made (captured from ``dpq.session.make_lanes``)."""
+
+    active: TimelineModel | None = None
+
+    def __init__(self, devices: int, *, seqlen: int) -> None:
+        self.devices = devices
+        self.seqlen = seqlen  # the recording's sequence length: an activation's numel is a multiple of it
+        self.ops: list[Op] = []
+        self.streams: list[ModelStream] = []
+        self.violations: list[str] = []
+        self.lanes: list = []
+        self._places: dict[int, int | None] = {}
+        self._pinned: set[int] = set()
+        self._default: dict[int, ModelStream] = {}
+        self._tls = threading.local()
+        self._iteration = -1
+        self._phase = ""
+        self._window: int | None = None  # the running backward call
+        self._window_writes: dict[int, Op] = {}  # storage -> last backward op that wrote it (this window)
+        self._window_streams: dict[int, dict[int, ModelStream]] = {}
+        self._paused = 0
+        self._groups = itertools.count()
+        self._restore: list[Callable[[], None]] = []
+
+    # -- places ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int | None:
+        try:
+            with torch._C.DisableTorchFunction():
+                s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        return id(s)
+
+    def _book(self, t: torch.Tensor, place: int | None) -> None:
+        key = self._key(t)
+        if key is None or key in self._places:
+            return
+        self._places[key] = place
+        with torch._C.DisableTorchFunction():
+            weakref.finalize(t.untyped_storage(), self._forget, key).atexit = False
+
+    def _forget(self, key: int) -> None:
+        self._places.pop(key, None)
+        self._pinned.discard(key)
+        self._window_writes.pop(key, None)
+
+    def place_of(self, t: torch.Tensor) -> int | None:
+        key = self._key(t)
+        return self._places.get(key, HOST) if key is not None else HOST
+
+    def place(self, value, device: torch.device | str) -> None:
+        """Every tensor in ``value`` (tensors, lists/tuples/dicts, modules) lives on ``device`` from
+        now on (no copy: what a pool cached on that device, or a block moved there, would be)."""
+        place = place_of_device(device)
+        if isinstance(value, torch.nn.Module):
+            value = [*value.parameters(), *value.buffers(),
+                     *(t for m in value.modules() for t in _tensors(list(m.__dict__.values())))]
+        for t in _tensors(value):
+            key = self._key(t)
+            if key is not None:
+                self._places.pop(key, None)
+                self._book(t, place)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return self._key(t) in self._pinned
+
+    def mark_pinned(self, t: torch.Tensor) -> None:
+        self._book(t, HOST)
+        self._pinned.add(self._key(t))
+
+    # -- streams -----------------------------------------------------------------------------------
+
+    def new_stream(self, place: int, name: str | None = None) -> ModelStream:
+        n = sum(x.place == place and x not in self._default.values() for x in self.streams)
+        s = ModelStream(self, len(self.streams), place, name or f"dev{place}.s{n + 1}")
+        self.streams.append(s)
+        return s
+
+    def default_stream(self, place: int) -> ModelStream:
+        if place not in self._default:
+            self._default[place] = self.new_stream(place, f"dev{place}.default")
+        return self._default[place]
+
+    def _stack(self) -> list:
+        if not hasattr(self._tls, "stack"):
+            self._tls.stack = []
+        return self._tls.stack
+
+    def current_stream(self, place: int) -> ModelStream:
+        for s in reversed(self._stack()):
+            if s.place == place:
+                return s
+        node_stream = self._node_stream()
+        if node_stream is not None and node_stream.place == place:
+            return node_stream
+        return self.default_stream(place)
+
+    def current_place(self) -> int:
+        stack = self._stack()
+        return stack[-1].place if stack else 1
+
+    @contextlib.contextmanager
+    def stream_context(self, stream: ModelStream):
+        self._stack().append(stream)
+        try:
+            yield
+        finally:
+            self._stack().pop()
+
+    def _node_stream(self) -> ModelStream | None:
+        if self._window is None:
+            return None
+        node = torch._C._current_autograd_node()
+        return node.metadata.get(_NODE_KEY) if node is not None else None
+
+    def tag_nodes(self, roots, out: torch.Tensor) -> None:
+        place = self.place_of(out)
+        if place is HOST:
+            return
+        stream = self.current_stream(place)
+        todo = list(roots)
+        while todo:
+            node = todo.pop()
+            if node is None or _NODE_KEY in node.metadata:
+                continue
+            node.metadata[_NODE_KEY] = stream
+            todo.extend(n for n, _ in node.next_functions)
+
+    # -- recording ---------------------------------------------------------------------------------
+
+    @property
+    def paused_now(self) -> bool:
+        return self._paused > 0
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @contextlib.contextmanager
+    def phase_of(self, phase: str):
+        outer, self._phase = self._phase, phase
+        try:
+            yield
+        finally:
+            self._phase = outer
+
+    def _thread(self) -> str:
+        s = self._node_stream()
+        return f"autograd dev{s.place}" if s is not None else "main"
+
+    def _add(self, op: Op) -> Op:
+        phase = op.phase or self._phase
+        if self._window is not None and phase in ("", "forward"):
+            phase = "backward"
+        op.iteration, op.phase = self._iteration, phase
+        self.ops.append(op)
+        if op.stream is not None and op.kind in ("kernel", "copy", "collective", "wait"):
+            op.stream.last = op.id
+        return op
+
+    def _new(self, name: str, kind: str, **kw) -> Op:
+        return Op(len(self.ops), name, kind, kw.pop("thread", None) or self._thread(), **kw)
+
+    def stream_wait(self, stream: ModelStream, op_id: int | None, what: str) -> None:
+        if op_id is not None and not self.paused_now:
+            self._add(self._new(what, "wait", stream=stream, deps=[op_id]))
+
+    def host_sync(self, op_id: int | None, what: str) -> None:
+        if not self.paused_now:
+            self._add(self._new(what, "sync", wait_for=op_id, site=_site()))
+
+    def marker(self, name: str) -> None:
+        self._add(self._new(name, "marker", thread="main"))
+
+    def _cls(self, tensors: Sequence[torch.Tensor]) -> str:
+        numels = [t.numel() for t in tensors]
+        if any(n > 1 and n % self.seqlen == 0 for n in numels):
+            return "act"
+        return "weight" if any(n > 1 for n in numels) else "scalar"
+
+    def _bytes(self, tensors: Sequence[torch.Tensor]) -> float:
+        return float(sum(t.numel() * t.element_size() for t in tensors))
+
+    def device_read(self, t: torch.Tensor, what: str) -> None:
+        """A host read of a device tensor: a blocking device-to-host copy on its device's current stream."""
+        place = self.place_of(t)
+        stream = self.current_stream(place)
+        op = self._add(self._new(what, "copy", stream=stream, link="d2h", bytes=self._bytes([t]), cls=self._cls([t]),
+                                 blocking=True, site=_site()))
+        self._add(self._new(f"{what} (wait)", "sync", wait_for=op.id, site=op.site))
+
+    def move(self, func, args, kwargs):
+        """``Tensor.to`` / ``Tensor.cpu`` between places (see the module docstring)."""
+        t = args[0]
+        src = self.place_of(t)
+        if func is torch.Tensor.cpu:
+            device, dtype, non_blocking = torch.device("cpu"), None, False
+        elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # t.to(other): other's place and dtype
+            device, dtype = device_of_place(self.place_of(args[1])), args[1].dtype
+            non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        else:
+            kw = {k: v for k, v in kwargs.items() if k != "copy"}
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kw)
+        if device is not None and torch.device(device).type != "cpu":  # e.g. meta: not a place
+            with torch._C.DisableTorchFunction():
+                return func(*args, **kwargs)
+        dst = place_of_device(device, default=src)
+        copy = bool(kwargs.get("copy", False))
+        if dst == src:
+            with torch._C.DisableTorchFunction():
+                if dtype is None and not copy:
+                    return t
+                return t.to(dtype=dtype if dtype is not None else t.dtype, copy=copy)  # a kernel where it is
+        with torch._C.DisableTorchFunction(), self.paused():
+            out = t.to(dtype=dtype if dtype is not None else t.dtype, copy=True)  # the physical copy
+        self._transfer(t, out, src, dst, non_blocking, "Tensor.to")
+        return out
+
+    def _transfer(self, src_t, dst_t, src: int | None, dst: int | None, non_blocking: bool, what: str) -> None:
+        """Book a copy between two places (the physical CPU copy itself is not booked)."""
+        self._places.pop(self._key(dst_t), None)
+        self._book(dst_t, dst)
+        nbytes, cls = self._bytes([dst_t]), self._cls([dst_t])
+        if src is HOST and dst is HOST:
+            self._add(self._new(what, "host", bytes=nbytes, cls=cls))
+            return
+        if src is HOST or dst is HOST:
+            device = dst if src is HOST else src
+            stream = self.current_stream(device)
+            pinned = self.is_pinned(src_t if src is HOST else dst_t)
+            blocking = not (non_blocking and pinned)
+            link = "h2d" if src is HOST else "d2h"
+            op = self._add(self._new(f"{what} {link}{' pageable' if not pinned else ''}", "copy", stream=stream,
+                                     link=link, bytes=nbytes, cls=cls, blocking=blocking,
+                                     site=_site() if blocking or not pinned else ""))
+            if blocking:
+                self._add(self._new(f"{link} copy (host waits)", "sync", wait_for=op.id, site=op.site))
+            return
+        src_stream, dst_stream = self.current_stream(src), self.current_stream(dst)
+        deps = [dst_stream.last] if dst_stream.last is not None else []
+        op = self._add(self._new(f"{what} d2d dev{src}->dev{dst}", "copy", stream=src_stream, deps=deps, link="d2d",
+                                 bytes=nbytes, cls=cls, site=_site()))
+        self._add(self._new("d2d barrier", "wait", stream=dst_stream, deps=[op.id]))
+
+    def collective(self, name: str, members, wire: int) -> None:
+        """One group: a kernel per (lane, buffers) on the lane's stream (:class:`ModelNccl`)."""
+        gid = next(self._groups)
+        for lane, bufs in members:
+            stream = lane.stream if lane.stream is not None else self.current_stream(place_of_device(lane.device))
+            self._add(self._new(f"nccl {name}", "collective", stream=stream, link="nccl", bytes=float(wire),
+                                cls="weight" if self._cls(bufs) != "act" else "act", group=gid,
+                                group_size=len(members)))
+
+    def on_op(self, func, args, kwargs, out) -> None:
+        schema = func._schema
+        name = schema.name
+        if schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+            return  # a view: metadata only
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        if name == "aten::copy_":
+            dst_t, src_t = args[0], args[1]
+            src, dst = self.place_of(src_t), self.place_of(dst_t)
+            if src != dst:
+                self._transfer(src_t, dst_t, src, dst, bool(kwargs.get("non_blocking", len(args) > 2 and args[2])),
+                               "copy_")
+                self._places.pop(self._key(dst_t), None)  # copy_ writes in place: dst keeps its place
+                self._book(dst_t, dst)
+                return
+        device = kwargs.get("device")
+        if name == "aten::_to_copy" and device is not None and torch.device(device).index:  # torch.tensor(x, device=)
+            src, dst = self.place_of(args[0]), place_of_device(device)
+            if src != dst:
+                self._transfer(args[0], out, src, dst, bool(kwargs.get("non_blocking", False)), "_to_copy")
+                return
+        if name == "aten::lift_fresh":
+            return  # torch.tensor(<Python data>): host memory
+        places = {self.place_of(t) for t in ins}
+        devs = {p for p in places if p is not HOST}
+        host_big = [t for t in ins if self.place_of(t) is HOST and t.dim() > 0]
+        if not ins:
+            place = place_of_device(kwargs.get("device"))
+        elif devs:
+            place = min(devs)
+            if len(devs) > 1 or host_big:
+                where = sorted(f"dev{p}" for p in devs) + (["host"] if host_big else [])
+                self.violations.append(f"{name} mixes tensors of {', '.join(where)} (CUDA raises: expected all "
+                                       f"tensors on the same device) at {_site()}")
+        else:
+            place = HOST
+        for t in outs:
+            self._book(t, place)
+        if name in _HOST_READS:
+            if place is not HOST:
+                self.device_read(ins[0], name.removeprefix("aten::") + "()")
+            return
+        if place is HOST:
+            self._add(self._new(name, "host", bytes=self._bytes(ins + outs), cls=self._cls(ins + outs)))
+            return
+        stream = self.current_stream(place)
+        flops = 0.0
+        rule = flop_registry.get(func._overloadpacket)
+        if rule is not None:
+            try:
+                flops = float(rule(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not take this overload's arguments
+                flops = 0.0
+        op = self._new(name, "kernel", stream=stream, flops=flops, bytes=self._bytes(ins + outs),
+                       cls="matmul" if name in _MATMUL else self._cls(ins + outs))
+        if self._window is not None:
+            for t in ins:
+                producer = self._window_writes.get(self._key(t))
+                if producer is not None and producer.stream is not stream:
+                    op.deps.append(producer.id)  # autograd's InputBuffer: the consumer waits for the producer
+                    if producer.thread != op.thread:
+                        op.host_after = producer.id
+            written = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i < len(schema.arguments)
+                       and schema.arguments[i].alias_info is not None and schema.arguments[i].alias_info.is_write]
+            for t in outs + written:
+                self._window_writes[self._key(t)] = op
+            self._window_streams.setdefault(self._window, {})[stream.sid] = stream
+        self._add(op)
+
+    # -- install -----------------------------------------------------------------------------------
+
+    def _patch(self, owner, name: str, value) -> None:
+        real = getattr(owner, name)
+        setattr(owner, name, value)
+        self._restore.append(lambda: setattr(owner, name, real))
+
+    def __enter__(self) -> TimelineModel:
+        from dpq import exchange as dpq_exchange
+        from dpq import fallback_p2p, plan, session
+        from dpq import tune_loop as tl
+
+        TimelineModel.active = self
+        real_cpu = dpq_streams._BACKENDS["cpu"]
+        dpq_streams._BACKENDS["cpu"] = ModelBackend(self)
+        self._restore.append(lambda: dpq_streams._BACKENDS.__setitem__("cpu", real_cpu))
+        model = self
+
+        def choose(devices):
+            places = [place_of_device(d) for d in devices]
+            if len(places) > 1 and len(set(places)) == len(places) and HOST not in places:
+                return "model-nccl", f"{len(places)} logical GPUs: NCCL semantics (timeline model)"
+            return real_choose(devices)
+
+        real_choose = fallback_p2p.choose_communicator
+        self._patch(fallback_p2p, "choose_communicator", choose)
+        self._patch(plan, "choose_communicator", choose)
+        fallback_p2p.COMMUNICATORS["model-nccl"] = ModelNccl
+        self._restore.append(lambda: fallback_p2p.COMMUNICATORS.pop("model-nccl", None))
+
+        real_make_lanes = session.make_lanes
+
+        def make_lanes(devices):
+            lanes = real_make_lanes(devices)
+            model.lanes = lanes
+            return lanes
+
+        self._patch(session, "make_lanes", make_lanes)
+
+        real_backward = tl.TuneEngine.backward
+
+        def engine_backward(engine, indices):
+            model._iteration += 1
+            model.marker(f"iteration {model._iteration}")
+            with model.phase_of("forward"):
+                return real_backward(engine, indices)
+
+        self._patch(tl.TuneEngine, "backward", engine_backward)
+
+        real_run_loop = session.run_loop
+
+        def run_loop(engine, spec):
+            try:
+                return real_run_loop(engine, spec)
+            finally:
+                model.marker("loop end")
+                model._iteration = -1  # what follows (teardown, unwrap) belongs to no iteration
+
+        self._patch(session, "run_loop", run_loop)
+        for owner, meth, phase in ((tl.TuneEngine, "step", "step"), (tl.TuneEngine, "_queue_readback", "readback"),
+                                   (tl.TuneEngine, "_read_losses", "readback"),
+                                   (dpq_exchange._Exchange, "exchange", "exchange"),
+                                   (dpq_exchange.BackwardExchange, "__exit__", "exchange")):
+            self._patch(owner, meth, _in_phase(self, getattr(owner, meth), phase))
+
+        real_autograd_backward = torch.autograd.backward
+
+        def autograd_backward(*args, **kwargs):
+            model.marker("bw_begin")
+            model._window = len(model.ops)
+            callers = {}
+            try:
+                return real_autograd_backward(*args, **kwargs)
+            finally:
+                window, model._window = model._window, None
+                for s in model._window_streams.pop(window, {}).values():
+                    callers.setdefault(s.place, model.current_stream(s.place))
+                    if callers[s.place] is not s:  # the caller's stream on that device waits for the leaf streams
+                        model.stream_wait(callers[s.place], s.last, "backward end")
+                model._window_writes.clear()
+                model.marker("bw_end")
+
+        self._patch(torch.autograd, "backward", autograd_backward)
+        self._install_distributed()
+        self._modes = contextlib.ExitStack()
+        self._modes.enter_context(_Places(self))
+        self._modes.enter_context(_Record(self))
+        return self
+
+    def _install_distributed(self) -> None:
+        """torch.distributed collectives as NCCL kernels on the current stream (peers assumed in step)."""
+        dist = torch.distributed
+        if not dist.is_available():
+            return
+        model = self
+
+        def as_kernel(name, real):
+            @functools.wraps(real)
+            def call(*args, **kwargs):
+                tensors = _tensors((args, kwargs))
+                if model.paused_now or not tensors:
+                    return real(*args, **kwargs)
+                place = model.place_of(tensors[0])
+                with model.paused():
+                    out = real(*args, **kwargs)
+                if place is not HOST:
+                    stream = model.current_stream(place)
+                    model._add(model._new(f"dist.{name}", "collective", stream=stream, link="nccl",
+                                          bytes=model._bytes(tensors[:1]), cls=model._cls(tensors[:1])))
+                return out
+            return call
+
+        def as_sync(name, real):
+            @functools.wraps(real)
+            def call(*args, **kwargs):
+                if not model.paused_now:
+                    model.host_sync(None, f"dist.{name}")
+                with model.paused():
+                    return real(*args, **kwargs)
+            return call
+
+        # (isend/irecv are left alone: batch_isend_irecv checks its ops' functions by identity)
+        for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
+                     "all_gather", "reduce_scatter", "send", "recv", "reduce", "all_to_all"):
+            if hasattr(dist, name):
+                self._patch(dist, name, as_kernel(name, getattr(dist, name)))
+        for name in ("all_gather_object", "broadcast_object_list", "barrier", "gather_object"):
+            if hasattr(dist, name):
+                self._patch(dist, name, as_sync(name, getattr(dist, name)))
+        if hasattr(dist, "batch_isend_irecv"):
+            real = dist.batch_isend_irecv
+
+            def batch(ops):
+                if model.paused_now or not ops:
+                    return real(ops)
+                place = model.place_of(ops[0].tensor)
+                with model.paused():
+                    out = real(ops)
+                if place is not HOST:
+                    model._add(model._new("dist.batch_isend_irecv", "collective", stream=model.current_stream(place),
+                                          link="nccl", bytes=sum(model._bytes([o.tensor]) for o in ops), cls="weight"))
+                return out
+
+            self._patch(dist, "batch_isend_irecv", batch)
+
+    def __exit__(self, *exc) -> None:
+        self._modes.close()
+        while self._restore:
+            self._restore.pop()()
+        TimelineModel.active = None
+
+
+def _in_phase(model: TimelineModel, real, phase: str):
+    @functools.wraps(real)
+    def call(*args, **kwargs):
+        with model.phase_of(phase):
+            return real(*args, **kwargs)
+    return call
+
+
+# -- durations and the replay ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockClass:
+    """A target block: what the recorded block's sizes are scaled to."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    kv_dim: int
+    seqlen: int = 2048
+    batch: int = 8  # samples per iteration
+
+    @property
+    def linear_params(self) -> int:
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.intermediate
+
+
+@dataclass(frozen=True)
+class GpuClass:
+    """A GPU and its links (stated figures: achievable rates, not peaks; not measured here)."""
+
+    name: str
+    flops: float  # achievable bf16 matmul FLOP/s
+    mem_bw: float  # achievable memory bandwidth, B/s
+    kernel_floor_s: float  # shortest kernel
+    launch_s: float  # the host's launch cost per kernel (driver + PyTorch's CUDA path), added to host_per_op
+    h2d: float  # pinned host<->device B/s
+    d2d: float  # device-to-device copy B/s
+    link: float  # collective bus bandwidth per lane, B/s
+    link_latency_s: float  # per collective
+    copy_latency_s: float = 10e-6
+
+
+BLOCKS = {
+    "70b": BlockClass("70B-class (Llama-3-70B block)", 8192, 28672, 1024),
+    "32b": BlockClass("32B-class (Qwen2.5-32B block)", 5120, 27648, 1024),
+    "8b": BlockClass("8B-class (Llama-3-8B block)", 4096, 14336, 1024),
+}
+# The figures of benchmarks/issue_cost.py's MACHINES (4 x RTX 3090 over PCIe without P2P; 8 x H100 SXM, NVLink)
+GPUS = {
+    "3090": GpuClass("3090-class, PCIe 4.0, no P2P", flops=25e12, mem_bw=800e9, kernel_floor_s=4e-6, launch_s=5e-6,
+                     h2d=12e9, d2d=10e9, link=10e9, link_latency_s=50e-6),
+    "h100": GpuClass("H100-class, NVLink", flops=400e12, mem_bw=2.8e12, kernel_floor_s=3e-6, launch_s=5e-6,
+                     h2d=40e9, d2d=300e9, link=350e9, link_latency_s=20e-6),
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Recorded sizes -> target sizes (module docstring: durations)."""
+
+    act: float  # activation bytes: tokens x hidden
+    weight: float  # weight-shaped bytes: linear parameters
+    flops: float  # matmul FLOPs: tokens x linear parameters
+
+    @classmethod
+    def between(cls, recorded: BlockClass, target: BlockClass) -> Scale:
+        tokens = (target.seqlen * target.batch) / (recorded.seqlen * recorded.batch)
+        params = target.linear_params / recorded.linear_params
+        return cls(act=tokens * target.hidden / recorded.hidden, weight=params, flops=tokens * params)
+
+
+def _scaled_bytes(op: Op, scale: Scale) -> float:
+    return op.bytes * {"act": scale.act, "weight": scale.weight, "matmul": scale.act}.get(op.cls, 1.0)
+
+
+def duration(op: Op, gpu: GpuClass, scale: Scale) -> float:
+    if op.kind == "wait":
+        return 0.0
+    nbytes = _scaled_bytes(op, scale)
+    if op.kind == "kernel":
+        compute = op.flops * scale.flops / gpu.flops if op.cls == "matmul" else 0.0
+        return gpu.kernel_floor_s + max(compute, nbytes / gpu.mem_bw)
+    if op.kind == "copy":
+        bw = gpu.d2d if op.link == "d2d" else gpu.h2d
+        return gpu.copy_latency_s + nbytes / bw
+    if op.kind == "collective":
+        return gpu.link_latency_s + nbytes / gpu.link
+    return 0.0
+
+
+@dataclass
+class Sync:
+    iteration: int
+    site: str
+    what: str
+    stall_s: float  # how long the host waited
+
+
+@dataclass
+class IterationSummary:
+    index: int
+    seconds: float  # from the previous iteration's last device op to this one's
+    syncs: list[Sync]
+    lane_busy_s: list[float]
+    overlap: float  # (sum of lane busy - union) / (sum - max): 1 = the lanes run together, 0 = one after another
+    issue_s: float  # the main thread's host time issuing ops
+
+
+@dataclass
+class Timeline:
+    """The replay: per-op (issue, start, end) times and the per-iteration summaries."""
+
+    ops: list[Op]
+    issue: dict[int, float]
+    start: dict[int, float]
+    end: dict[int, float]
+    iterations: list[IterationSummary]
+    lane_streams: list[set[int]]
+    gpu: GpuClass
+    block: BlockClass
+    host_per_op_s: float
+
+    def steady(self) -> list[IterationSummary]:
+        """The iterations after the first (which also brings each lane's per-block constants)."""
+        return self.iterations[1:] if len(self.iterations) > 1 else self.iterations
+
+    def syncs_per_iteration(self) -> int:
+        return max((len(it.syncs) for it in self.steady()), default=0)
+
+    def lane_overlap(self) -> float:
+        steady = self.steady()
+        return min(it.overlap for it in steady) if steady else 1.0
+
+    def lanes_per_thread(self) -> float:
+        """How many lanes one issuing thread keeps busy: a lane's compute per iteration over the
+        main thread's host time per lane-iteration."""
+        steady = self.steady()
+        world = len(self.lane_streams)
+        compute = sum(sum(it.lane_busy_s) / world for it in steady) / len(steady)
+        issue = sum(it.issue_s / world for it in steady) / len(steady)
+        return compute / issue if issue > 0 else float("inf")
+
+
+def simulate(model: TimelineModel, recorded: BlockClass, target: BlockClass, gpu: GpuClass,
+             host_per_op_s: float) -> Timeline:
+    """Replay the record with CUDA's semantics (module docstring) on ``gpu``, sizes scaled to ``target``."""
+    scale = Scale.between(recorded, target)
+    host: dict[str, float] = defaultdict(float)
+    issue: dict[int, float] = {}
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    stream_end: dict[int, float] = defaultdict(float)
+    pending: dict[int, list[tuple[Op, float]]] = defaultdict(list)
+    bw_begin = None
+    bw_threads: set[str] = set()
+    syncs: list[Sync] = []
+    last_op_since_sync = True
+    for op in model.ops:
+        th = op.thread
+        if op.kind == "marker":
+            if op.name == "bw_begin":
+                bw_begin, bw_threads = host["main"], set()
+            elif op.name == "bw_end":
+                host["main"] = max([host["main"], *(host[t] for t in bw_threads)])
+                bw_begin = None
+            issue[op.id] = end[op.id] = host["main"]
+            continue
+        if th != "main" and bw_begin is not None and th not in bw_threads:
+            bw_threads.add(th)
+            host[th] = max(host[th], bw_begin)
+        if op.host_after is not None:
+            host[th] = max(host[th], issue.get(op.host_after, 0.0))
+        if op.kind == "sync":
+            waited = end.get(op.wait_for, 0.0) if op.wait_for is not None else max(stream_end.values(), default=0.0)
+            stall = max(0.0, waited - host[th])
+            if last_op_since_sync:
+                syncs.append(Sync(op.iteration, op.site, op.name, stall))
+            elif syncs:
+                syncs[-1].stall_s += stall
+            host[th] = max(host[th], waited)
+            issue[op.id] = end[op.id] = host[th]
+            last_op_since_sync = False
+            continue
+        last_op_since_sync = True
+        cost = host_per_op_s + (gpu.launch_s if op.kind in ("kernel", "copy", "collective") else 0.0)
+        if op.kind == "wait":
+            cost = host_per_op_s / 4
+        if op.kind == "host":
+            cost = host_per_op_s + _scaled_bytes(op, scale) / 10e9  # host memcpy-bound work
+        host[th] += cost
+        issue[op.id] = host[th]
+        if op.kind == "host":
+            end[op.id] = host[th]
+            continue
+        sid = op.stream.sid
+        ready = max([host[th], stream_end[sid], *(end.get(d, 0.0) for d in op.deps)])
+        if op.group is not None:
+            pending[op.group].append((op, ready))
+            stream_end[sid] = float("inf")  # nothing after it on this stream can start before the group ends
+            if len(pending[op.group]) < op.group_size:
+                continue
+            members = pending.pop(op.group)
+            t0 = max(r for _, r in members)
+            for member, r in members:
+                start[member.id], end[member.id] = r, t0 + duration(member, gpu, scale)
+                stream_end[member.stream.sid] = end[member.id]
+            continue
+        start[op.id] = ready
+        end[op.id] = ready + duration(op, gpu, scale)
+        stream_end[sid] = end[op.id]  # a blocking copy's host wait is the sync op recorded after it
+    lane_streams = [{lane.stream.sid} if lane.stream is not None else set() for lane in model.lanes]
+    iterations = _summaries(model, issue, start, end, syncs, lane_streams)
+    return Timeline(model.ops, issue, start, end, iterations, lane_streams, gpu, target, host_per_op_s)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in sorted(intervals):
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _summaries(model, issue, start, end, syncs, lane_streams) -> list[IterationSummary]:
+    n = max((op.iteration for op in model.ops), default=-1) + 1
+    marks = {op.iteration: issue[op.id] for op in model.ops if op.kind == "marker" and op.name.startswith("iteration")}
+    done = {i: max((end.get(op.id, 0.0) for op in model.ops if op.iteration == i), default=0.0) for i in range(n)}
+    out = []
+    for i in range(n):
+        ops = [op for op in model.ops if op.iteration == i]
+        busy = []
+        all_intervals = []
+        for streams in lane_streams:
+            iv = [(start[op.id], end[op.id]) for op in ops
+                  if op.kind == "kernel" and op.stream is not None and op.stream.sid in streams and op.id in start]
+            busy.append(_union(iv))
+            all_intervals += iv
+        total, union = sum(busy), _union(all_intervals)
+        ideal = total - max(busy, default=0.0)
+        overlap = (total - union) / ideal if ideal > 0 else 1.0
+        # device time: from the previous iteration's last op to this one's (the host runs ahead of the devices)
+        seconds = done[i] - (done[i - 1] if i > 0 else marks.get(0, 0.0))
+        out.append(IterationSummary(i, seconds, [s for s in syncs if s.iteration == i], busy,
+                                    overlap, _main_issue(ops, issue, end)))
+    return out
+
+
+def _main_issue(ops, issue, end) -> float:
+    """The main thread's own host time in these ops (issue costs, not the time it waited)."""
+    total, prev = 0.0, None
+    for op in ops:
+        if op.thread != "main":
+            continue
+        if op.kind in ("marker", "sync"):
+            prev = end[op.id]
+            continue
+        if prev is not None:
+            total += max(0.0, issue[op.id] - prev)
+        prev = issue[op.id]
+    return total
+
+
+@contextlib.contextmanager
+def recording(devices: int, *, seqlen: int) -> Iterator[TimelineModel]:
+    with TimelineModel(devices, seqlen=seqlen) as model:
+        yield model
