@@ -3,16 +3,17 @@ gloo, on the embedded model, its shards small (``--max_shard_size``: auto-round 
 it quantizes, so a half-written output would show).
 
 * cancel: SIGTERM to torchrun while rank 1 hangs in block 1 (``DPQ_TEST_FAULT=hang``) and rank 0
-  waits for it in a gloo collective: every worker is gone within 10 s, nothing is in
-  ``--output_dir``, no partial folder is left beside it, and each worker says it was cancelled;
-* the launcher killed (SIGKILL) at the same point: no worker is alive 10 s later;
+  waits for it in a gloo collective (block 0's shards are written by then, in the partial folder
+  beside ``--output_dir``): every worker is gone within 10 s, nothing is in ``--output_dir``, no
+  partial folder is left beside it, and each worker says it was cancelled;
+* the launcher killed (SIGKILL) at the same point: no worker is alive 10 s later, and the same holds;
 * a rank given another model (one weight's bit flipped), another dataset and another ``--iters``:
   every rank refuses before the model loads, naming the three settings with each rank's value;
-* rank 1 raises in block 2 while a model saved before sits in ``--output_dir``: that model is
-  bitwise untouched, no partial folder is left, rank 1 prints its error with its traceback and
-  rank 0 names rank 1.
+* rank 1 raises in block 1 (block 0's shards written, as the hung runs see) while a model saved
+  before sits in ``--output_dir``: that model is bitwise untouched, no partial folder is left,
+  rank 1 prints its error with its traceback and rank 0 names rank 1.
 
-The four runs are made once, two at a time (two cores), and their times printed.
+The four runs are made once, two at a time (two cores; the longest first), and their times printed.
 """
 
 from __future__ import annotations
@@ -65,9 +66,14 @@ def _alive(pid: int) -> bool:
     return st is not None and st[0] not in ("Z", "X")  # an exited worker nobody reaped yet is a zombie
 
 
-def _run(cmd: list[str], env: dict[str, str], stop: signal.Signals | None = None) -> dict:
-    """Run ``cmd``; with ``stop``: once rank 1 hangs (and rank 0 waits in the collective), send it to
-    torchrun and time how long its workers live on."""
+def _staged(tmp: Path) -> list[str]:
+    """The shards in the partial folder beside ``tmp/out`` (dpq.staging), by name."""
+    return sorted(p.name for p in tmp.glob(".out.dpq-partial-*/**/*.safetensors"))
+
+
+def _run(cmd: list[str], env: dict[str, str], stop: signal.Signals | None = None, tmp: Path | None = None) -> dict:
+    """Run ``cmd``; with ``stop``: once rank 1 hangs (and rank 0 waits in the collective), note what
+    is staged in ``tmp``, send ``stop`` to torchrun and time how long its workers live on."""
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
@@ -88,6 +94,7 @@ def _run(cmd: list[str], env: dict[str, str], stop: signal.Signals | None = None
             time.sleep(1.0)  # rank 0 reaches the collective rank 1 never joins
             workers = _children(proc.pid)
             assert len(workers) == 2, workers
+            out["staged"] = _staged(tmp)
             sent = time.monotonic()
             proc.send_signal(stop)
             while any(_alive(w) for w in workers) and time.monotonic() - sent < 30:
@@ -130,11 +137,11 @@ def _per_rank(tmp: Path) -> list[str]:
 def runs(tmp_path_factory) -> dict[str, dict]:
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("sigterm", "sigkill", "mismatch", "raised")}
     before = earlier_model(dirs["raised"] / "out")
-    jobs = {
-        "sigterm": (_cli(dirs["sigterm"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGTERM),
-        "sigkill": (_cli(dirs["sigkill"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGKILL),
-        "mismatch": (_per_rank(dirs["mismatch"]), _env(), None),
-        "raised": (_cli(dirs["raised"]), _env(DPQ_TEST_FAULT="raise:1:2:1"), None),
+    jobs = {  # the longest first: the pool of two ends with the short one
+        "raised": (_cli(dirs["raised"]), _env(DPQ_TEST_FAULT="raise:1:1:1"), None, None),
+        "sigterm": (_cli(dirs["sigterm"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGTERM, dirs["sigterm"]),
+        "sigkill": (_cli(dirs["sigkill"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGKILL, dirs["sigkill"]),
+        "mismatch": (_per_rank(dirs["mismatch"]), _env(), None, None),
     }
     with ThreadPoolExecutor(2) as pool:  # threads only wait on the subprocesses
         futures = {name: pool.submit(_run, *job) for name, job in jobs.items()}
@@ -156,6 +163,7 @@ def _left(tmp: Path) -> list[str]:
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_stopping_the_launcher_mid_block_stops_every_worker(runs, how):
     r = runs[how]
+    assert r["staged"], "block 0's shards were not staged yet: nothing here could be half-written"
     assert not r["alive"] and r["workers_s"] < STOP_S, (r["workers_s"], r["text"][-4000:])
     assert _left(r["dir"]) == [], _left(r["dir"])  # no --output_dir (no shard, no config.json), no partial folder
     cause = "SIGTERM" if how == "sigterm" else "its launcher is gone"
