@@ -8,28 +8,45 @@ nothing of the tuner:
 * :class:`ProcessSet`: the group a run spans, given to the session explicitly
   (``SessionConfig.processes``; :meth:`ProcessSet.detect` reads an initialised group).
 * :class:`ProcessLayout`: the agreed layout (processes, rank, local lanes, world, lane offset).
+* :func:`agree_job`: every rank's whole job (model and data by content, every setting) compared
+  before any work; a mismatch stops every rank, naming each differing setting and rank.
 * :func:`agree`: every rank's plan exchanged; a refusal anywhere stops every rank before any
   work, with every rank's reasons; every rank runs the same local lane count.
 * :meth:`ProcessSet.stop`: the failure policy across processes. Any failure is fatal on every
   rank (ranks could not agree on a serial rerun). Each rank reports to the store whether it
-  raised or lost contact (a collective failed: gloo says "connection closed by peer" as soon
-  as a peer process is gone, or the group's timeout passes), then every rank that lost contact
-  names the rank the failure started on: one that raised, else one that sent no report within
-  ``grace_s`` (killed, or hung).
+  raised, lost contact (a collective failed: gloo says "connection closed by peer" as soon
+  as a peer process is gone, or the group's timeout passes) or was cancelled (:mod:`dpq.cancel`
+  reports that from its watcher thread, also while the main thread is blocked), then every rank
+  that lost contact names the rank the failure started on: one that raised or was cancelled,
+  else one that sent no report within ``grace_s`` (killed, or hung).
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import threading
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["ProcessLayout", "ProcessSet", "RankFailure", "agree", "lane_offset", "peer_lost"]
+__all__ = ["JobMismatch", "ProcessLayout", "ProcessSet", "RankFailure", "agree", "agree_job", "lane_offset",
+           "peer_lost"]
+
+
+HEARTBEAT_S = 1.0  # rank 0's heartbeat period during a step the others wait for (ProcessSet.beat)
 
 
 class RankFailure(RuntimeError):
-    """A multi-process run stopped on every rank; the message names the rank it started on."""
+    """A multi-process run stopped on every rank; the message names the rank it started on.
+    ``exit_status``: what a command exits with: 1, or 128 + the signal when the run was cancelled
+    (on this rank, or the failure started with a rank's cancel: :mod:`dpq.cancel`). ``raised_here``:
+    this rank's own error when the failure started here (its traceback is this rank's to show)."""
+
+    def __init__(self, message: str, exit_status: int = 1, raised_here: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.exit_status, self.raised_here = exit_status, raised_here
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,11 @@ class ProcessSet:
     grace_s: float = 5.0
     global_ranks: list[int] | None = None
     job: str | None = field(default=None, compare=False)
+    reported: bool = field(default=False, compare=False)  # this rank's report is in the store
+    # how long another rank waits for rank 0's heartbeat (await_rank0) before it counts as lost:
+    # the group's timeout (auto-round-dp sets --parallel_timeout; torch's default otherwise)
+    timeout_s: float = 1800.0
+    _beating: threading.Event | None = field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
     def detect(cls, group: object = None, *, grace_s: float = 5.0) -> ProcessSet | None:
@@ -111,6 +133,77 @@ class ProcessSet:
     def _key(self, rank: int) -> str:
         return f"dpq/{self.job or 'before-agreement'}/failed/{rank}"
 
+    def _report(self, status: str, text: str) -> tuple[str, bool]:
+        """This rank's report (once per job: the first one stays), and whether the store took it."""
+        mine = f"{time.time():.6f} {status} {text}".splitlines()[0][:500]
+        if self.reported:
+            return mine, True
+        self.reported = _try(lambda: self.store.set(self._key(self.rank), mine))
+        return mine, self.reported
+
+    def _job_key(self, name: str) -> str:
+        return f"dpq/{self.job or 'before-agreement'}/{name}"
+
+    def beat(self, name: str) -> None:
+        """Rank 0 starts a long step of its own (its save) that the others wait for: until
+        :meth:`publish` (or a failure), a heartbeat under ``name`` tells them it is alive, so that
+        their wait (:meth:`await_rank0`) needs no deadline but its silence."""
+        self._end_beat()
+        beating, key = threading.Event(), self._job_key(f"{name}/alive")
+
+        def run() -> None:
+            for count in itertools.count():
+                if beating.is_set() or not _try(lambda n=count: self.store.set(key, str(n))):
+                    return
+                beating.wait(HEARTBEAT_S)
+
+        self._beating = beating
+        threading.Thread(target=run, name=f"dpq-{name}-heartbeat", daemon=True).start()
+
+    def _end_beat(self) -> None:
+        if self._beating is not None:
+            self._beating.set()
+            self._beating = None
+
+    def publish(self, name: str, value: object) -> None:
+        """Rank 0's result of the step ``name`` (JSON-serialisable) for the others; its heartbeat ends."""
+        self._end_beat()
+        self.store.set(self._job_key(f"{name}/done"), json.dumps(value))
+
+    def await_rank0(self, name: str, poll_s: float = 0.1) -> object:
+        """Another rank's wait for rank 0's step ``name`` (:meth:`beat`, :meth:`publish`): as long as
+        it takes, with no collective deadline (a slow save does not time the job out). Raises a
+        ``DistError`` (a lost peer, for :meth:`stop`) when rank 0 reported a failure, or its
+        heartbeat stood still for ``timeout_s`` (its process is gone)."""
+        import torch.distributed as dist
+
+        done, alive, failed = self._job_key(f"{name}/done"), self._job_key(f"{name}/alive"), self._key(0)
+        seen, since = None, time.monotonic()
+        while True:
+            if self.store.check([done]):
+                return json.loads(self.store.get(done))
+            if self.store.check([failed]):
+                raise dist.DistError(f"rank {self.name(0)} failed in its {name}")
+            beat = self.store.get(alive) if self.store.check([alive]) else None
+            if beat != seen:
+                seen, since = beat, time.monotonic()
+            elif time.monotonic() - since > self.timeout_s:
+                raise dist.DistError(f"rank {self.name(0)} stopped answering in its {name} (no heartbeat for "
+                                     f"{self.timeout_s:g} s)")
+            time.sleep(poll_s)
+
+    def report_cancel(self, what: str) -> None:
+        """:class:`dpq.cancel.Peers`: this rank was cancelled (``what``: the signal); peers that lose
+        contact with it name the cancel."""
+        self._report("cancelled", what)
+
+    def cancelled_everywhere(self) -> bool:
+        """:class:`dpq.cancel.Peers`: every rank has reported a cancel (the whole job was cancelled)."""
+        keys = [self._key(r) for r in range(self.size)]
+        if not self.store.check(keys):
+            return False
+        return all(self.store.get(k).decode(errors="replace").split(" ", 2)[1] == "cancelled" for k in keys)
+
     def stop(self, err: BaseException, lost: bool) -> RankFailure:
         """This rank's part of a failure (module docstring); returns the error to raise.
 
@@ -120,13 +213,21 @@ class ProcessSet:
         run on it. (That does not wake peers blocked in a collective with this rank: torch keeps
         other references to the group once torch._dynamo is loaded. They fail when this process
         exits and its connections close, or at the group's timeout.) A rank that lost contact then
-        reads the others' reports for up to ``grace_s`` to name the rank it started on.
+        reads the others' reports for up to ``grace_s`` to name the rank it started on. A rank
+        that was cancelled (:mod:`dpq.cancel`) reports the cancel; a failure that started with a
+        rank's cancel exits as cancelled (``RankFailure.exit_status``).
         """
         import torch.distributed as dist
 
-        mine = f"{time.time():.6f} {'lost' if lost else 'raised'} {type(err).__name__}: {err}"
-        mine = mine.splitlines()[0][:500]
-        store_ok = _try(lambda: self.store.set(self._key(self.rank), mine))
+        from dpq import cancel
+
+        cancel.note_failing()  # a cancel arriving now (torchrun stops the others) lets this finish
+        self._end_beat()
+        signum = cancel.cancelled()
+        if signum is not None:
+            mine, store_ok = self._report("cancelled", cancel.what(signum))
+        else:
+            mine, store_ok = self._report("lost" if lost else "raised", f"{type(err).__name__}: {err}")
         if dist.is_available() and dist.is_initialized():
             _try(lambda: dist.destroy_process_group(self.group))
         reports = {self.rank: mine}
@@ -138,10 +239,14 @@ class ProcessSet:
                         reports[r] = self.store.get(self._key(r)).decode(errors="replace")
                     except Exception:  # the store went away meanwhile: name what is known
                         store_ok = False
-            if any(v.split(" ", 2)[1] == "raised" for v in reports.values()):
+            if any(v.split(" ", 2)[1] in ("raised", "cancelled") for v in reports.values() if v is not mine):
                 break
             time.sleep(0.05)
-        return RankFailure(_failure_message(self.rank, self.size, reports, self.grace_s, store_ok, self.name))
+        message, cause = _failure_message(self.rank, self.size, reports, self.grace_s, store_ok, self.name, lost)
+        if not lost and signum is not None:
+            cause = signum  # this rank's own cancel stopped the run
+        return RankFailure(message, cancel.exit_status(cause) if cause is not None else 1,
+                           None if lost or signum is not None else err)
 
 
 def peer_lost(err: BaseException) -> bool:
@@ -167,24 +272,77 @@ def _try(call) -> bool:
         return False
 
 
-def _failure_message(me: int, size: int, reports: dict[int, str], grace_s: float, store_ok: bool, name) -> str:
-    """Names ranks by ``name(group rank)``: their global ranks. Texts: :mod:`dpq.refusals`."""
-    from dpq import refusals
+def _failure_message(me: int, size: int, reports: dict[int, str], grace_s: float, store_ok: bool, name,
+                     lost: bool = True) -> tuple[str, int | None]:
+    """(the message, the signal when the failure started with a rank's cancel). Names ranks by
+    ``name(group rank)``: their global ranks. ``lost``: this rank lost contact, so the failure
+    started elsewhere (its own report, even a cancel that reached it meanwhile, is not the
+    cause). Texts: :mod:`dpq.refusals`."""
+    from dpq import cancel, refusals
 
-    parsed = {name(r): v.split(" ", 2) for r, v in reports.items()}  # time, raised|lost, the error
-    raised = [r for r in sorted(parsed) if parsed[r][1] == "raised"]
+    parsed = {name(r): v.split(" ", 2) for r, v in reports.items()}  # time, raised|lost|cancelled, the error
+    first_hand = [r for r in sorted(parsed) if parsed[r][1] in ("raised", "cancelled") and not (lost and r == name(me))]
     silent = [name(r) for r in range(size) if r not in reports]
-    if raised:
-        first = min(raised, key=lambda r: float(parsed[r][0]))
-        head = refusals.rank_raised(first, parsed[first][2])
+    cause, kind = None, "lost"
+    if first_hand:
+        first = min(first_hand, key=lambda r: float(parsed[r][0]))
+        kind = parsed[first][1]
+        if kind == "cancelled":
+            head, cause = refusals.rank_cancelled(first, parsed[first][2]), cancel.cause_of(parsed[first][2])
+        else:
+            head = refusals.rank_raised(first, parsed[first][2])
     elif not store_ok:
         head = refusals.rank_store_unreachable(name(me))
     elif silent:
-        head = refusals.ranks_silent(silent, grace_s)
+        head, kind = refusals.ranks_silent(silent, grace_s), "silent"
     else:
         first = min(parsed, key=lambda r: float(parsed[r][0]))
         head = refusals.rank_reported_first(first, parsed[first][2])
-    return refusals.rank_failure(head, name(me), [f"rank {r} {parsed[r][1]}: {parsed[r][2]}" for r in sorted(parsed)])
+    each = [f"rank {r} {parsed[r][1]}: {parsed[r][2]}" for r in sorted(parsed)]
+    return refusals.rank_failure(head, name(me), each, kind), cause
+
+
+class JobMismatch(ValueError):
+    """The ranks were given different jobs (:func:`agree_job`). ``reasons``: each differing setting,
+    with every rank's value."""
+
+    def __init__(self, reasons: Sequence[str]) -> None:
+        from dpq import refusals
+
+        self.reasons = list(reasons)
+        super().__init__(refusals.jobs_differ(self.reasons))
+
+
+def agree_job(procs: ProcessSet, mine: dict[str, tuple[str, str]] | None) -> None:
+    """Every rank's job, compared before any work; the same answer on every rank.
+
+    ``mine``: this rank's settings, name -> (what is compared, what is shown), e.g. a local model
+    compared by its content digest and shown with its path (:func:`dpq.autoround.job.settings`);
+    None: this rank cannot say (its arguments are rejected where it parses them; it stops there
+    itself). Raises :class:`JobMismatch` on every rank, naming every setting whose compared value
+    differs and each rank's value. Rank 0 also draws the job's token here (see :func:`agree`)."""
+    from dpq import refusals
+
+    token = uuid.uuid4().hex if procs.job is None and procs.rank == 0 else ""
+    gathered = procs.all_gather_object((token, mine))
+    procs.job = procs.job or gathered[0][0] or None
+    jobs = [job for _, job in gathered]
+    if any(job is None for job in jobs):
+        return
+    missing = ("(not set)", "(not set)")
+    problems = []
+    for name in sorted(set().union(*jobs), key=lambda n: (n != "--model", n != "--dataset", n)):
+        values = [job.get(name, missing) for job in jobs]
+        if len({compared for compared, _ in values}) < 2:
+            continue
+        groups: dict[str, list[int]] = {}
+        for r, (compared, _) in enumerate(values):
+            groups.setdefault(compared, []).append(procs.name(r))
+        shown = {compared: next(s for c, s in values if c == compared) for compared in groups}
+        each = "; ".join(f"rank {', '.join(map(str, ranks))}: {shown[c]}" for c, ranks in groups.items())
+        problems.append(refusals.setting_differs(name, each))
+    if problems:
+        raise JobMismatch(problems)
 
 
 @dataclass

@@ -8,6 +8,8 @@ whole process, as a killed rank) to check that a failure mid-run loses nothing a
 from __future__ import annotations
 
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +46,8 @@ def inject_fault(*, kind: str = "tune", block: int | str | None = None, lane: in
     """Tests only: make a lane fail. Active from this call until ``remove()`` (or the end of a ``with``
     block). ``kind="tune"``: the lane loss of block ``block`` (its index or name; None: any) on lane
     ``lane`` (None: any) raises from its call ``after + 1`` on, counted over the lanes it matches
-    (``"exit"``: the process exits there instead, as if killed). Other kinds name a point a pass
+    (``"exit"``: the process exits there instead, as if killed; ``"hang"``: it never returns, as
+    a hung process). Other kinds name a point a pass
     reports through :func:`fault_point` (e.g. "collection", "awq_grid"); those fire once."""
     fault = _Fault(kind, block, lane, after, registry=_FAULTS)
     _FAULTS.append(fault)
@@ -63,11 +66,12 @@ def fault_point(kind: str, lane: int, block: int | str | None = None) -> None:
 
 def faulty(lane_loss, task):
     """``lane_loss`` made to fail as the faults injected for ``task`` (its index or name) say."""
-    # torchrun's workers, which a test cannot reach into: DPQ_TEST_FAULT=exit:<RANK>:<block>:<after> (read once)
+    # a command's processes (torchrun's workers), which a test cannot reach into (read once):
+    # DPQ_TEST_FAULT=<exit|raise|hang>:<RANK (0 outside torchrun)>:<block>:<after>
     spec = os.environ.pop("DPQ_TEST_FAULT", "").split(":")
-    if spec[0] == "exit" and os.environ.get("RANK") == spec[1]:
-        inject_fault(kind="exit", block=int(spec[2]), after=int(spec[3]))
-    faults = [f for f in _FAULTS if f.kind in ("tune", "exit") and f.block in (None, task.index, task.name)]
+    if spec[0] in ("exit", "raise", "hang") and os.environ.get("RANK", "0") == spec[1]:
+        inject_fault(kind="tune" if spec[0] == "raise" else spec[0], block=int(spec[2]), after=int(spec[3]))
+    faults = [f for f in _FAULTS if f.kind in ("tune", "exit", "hang") and f.block in (None, task.index, task.name)]
     if not faults:
         return lane_loss
 
@@ -78,6 +82,11 @@ def faulty(lane_loss, task):
                 if fault.calls > fault.after:
                     if fault.kind == "exit":  # the process dies there, as a killed rank does
                         os._exit(9)
+                    if fault.kind == "hang":  # it never returns, as a hung rank does (its peers wait in a collective)
+                        print(f"dpq test hook: rank {os.environ.get('RANK', '0')} hangs in block {task.index}",
+                              file=sys.stderr, flush=True)
+                        while True:
+                            time.sleep(60)
                     raise RuntimeError("injected lane failure (dpq test hook)")
         return lane_loss(lane, module, indices)
 

@@ -26,7 +26,7 @@ from dpq.fallback_p2p import COMMUNICATORS, choose_communicator
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
 __all__ = ["DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments", "device_spec_errors",
-           "parse_device_spec", "price_mirror", "resolve", "validate_world"]
+           "lane_device_errors", "parse_device_spec", "price_mirror", "resolve", "validate_world"]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -258,8 +258,17 @@ def _default_devices(world: int | str, home: torch.device) -> list[torch.device]
     return devices if world == "auto" else devices[: int(world)]
 
 
-def _entry_problem(k: int, e: DeviceEntry, home: torch.device, problems: dict) -> str | None:
-    """Why lane ``k`` (entry ``e``) cannot be used, or None."""
+def lane_device_errors(spec) -> list[str]:
+    """Why entries of a lane device list cannot be used on this machine (malformed, or no such
+    device here), in the plan's words; empty: every one exists. Needs no model, so a launcher can
+    refuse before it binds a device or starts a process group; that lane 0 is the block's own
+    device is the plan's check (it needs the block)."""
+    problems: dict = {}
+    return list(dict.fromkeys(p for e in parse_device_spec(spec) if (p := _entry_problem(0, e, None, problems))))
+
+
+def _entry_problem(k: int, e: DeviceEntry, home: torch.device | None, problems: dict) -> str | None:
+    """Why lane ``k`` (entry ``e``) cannot be used, or None (``home`` None: lane 0 is not checked against it)."""
     if e.error:
         return e.error
     dev = e.device
@@ -271,7 +280,7 @@ def _entry_problem(k: int, e: DeviceEntry, home: torch.device, problems: dict) -
         problems[dev] = check_device_exists(dev)
     if problems[dev]:
         return refusals.device_missing(problems[dev])
-    if k == 0 and dev != home:
+    if k == 0 and home is not None and dev != home:
         return refusals.lane0_not_home(str(dev), str(home))
     return None
 

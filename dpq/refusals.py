@@ -30,7 +30,9 @@ __all__ = [
     "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices",
     "pool_spread_over", "report_is_dir", "report_unwritable", "rtn_override", "samples_mismatched", "symbol_differs",
     "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
-    "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF",
+    "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF", "inference_tensors",
+    "others_empty", "others_not_pairs", "setting_type", "cancelled", "cancelled_after_move",
+    "UNSTAGED_FOR_RESUME",
     *refusals_processes.__all__,
 ]
 
@@ -291,6 +293,34 @@ def others_count(key: str, n: int) -> str:
     return f"input_others[{key!r}] has {n} entries. Fix: give one per sample, or one shared"
 
 
+def others_empty(key: str) -> str:
+    """An empty list or tuple in ``input_others`` (the block's forward would unpack or index nothing)."""
+    return (f"input_others[{key!r}] is empty. Fix: give the values the block's forward takes (one per sample, or one "
+            "shared), or leave the key out")
+
+
+def others_not_pairs(key: str) -> str:
+    return (f"input_others[{key!r}] must hold (cos, sin) pairs, one per sample or one shared, as the rotary embedding "
+            "returns them. Fix: pass the pairs captured from the model's forward, or leave the key out")
+
+
+def inference_tensors(where: Sequence[str]) -> str:
+    """``where``: what holds tensors made under ``torch.inference_mode()`` ('inputs', 'the block's weights', ...)."""
+    return (f"{_list(where)} hold inference tensors (made under torch.inference_mode()), which autograd cannot save "
+            "for the tuning's backward. Fix: capture them under torch.no_grad() instead, or pass clones made outside "
+            "inference mode (t.clone()); for the block, load or build the model outside inference mode")
+
+
+_SETTING_KINDS = {"count": "an integer >= 1", "int": "an integer", "int or None": "an integer or None",
+                  "positive": "a finite number > 0, or None", "non-negative": "a finite number >= 0, or None"}
+
+
+def setting_type(name: str, value: str, kind: str = "count") -> str:
+    """``value``: repr of what was given; ``kind``: a key of ``_SETTING_KINDS`` (what ``name`` must be)."""
+    want = _SETTING_KINDS[kind]
+    return f"{name} must be {want}, got {value}. Fix: pass {name} as {want} (see dpq.parallel_tune's defaults)"
+
+
 def others_on_meta(key: str) -> str:
     return f"input_others[{key!r}] is on the meta device. Fix: pass the values captured from a real forward"
 
@@ -361,8 +391,25 @@ def report_unwritable(path: str, why: str) -> str:
     return f"--parallel_report {path} cannot be written ({why}). {_REPORT_FIX}"
 
 
-RUN_STOPPED = ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process and "
-              "--output_dir holds no complete model. Fix: rerun the command with --parallel_quantization auto or off")
+def cancelled(cause: str) -> str:
+    """``cause``: 'SIGTERM', 'SIGINT', or 'its launcher is gone' (dpq.cancel.what)."""
+    return (f"the run was cancelled ({cause}) and stopped: nothing is written after a cancel, so --output_dir is left "
+            "as it was (a model saved there before is untouched). Fix: rerun the command to quantize the model")
+
+
+def cancelled_after_move(cause: str) -> str:
+    return (f"the run was cancelled ({cause}) while its finished model was being moved into --output_dir: that move "
+            "completed, so --output_dir holds the whole new model. Fix: none needed; the model is complete")
+
+
+RUN_STOPPED = ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process, "
+               "and --output_dir is left as it was (what the run wrote was removed; a model saved there before is "
+               "untouched). Fix: rerun the command with --parallel_quantization auto or off")
+
+UNSTAGED_FOR_RESUME = ("AR_RESUME_DIR is set: auto-round's resume reuses the shards a failed run left in --output_dir, "
+                       "so the output is written there directly, not staged beside it (a failed run leaves a partial "
+                       "model there). Fix: none needed for a resumable run; unset AR_RESUME_DIR to have the output "
+                       "moved into place only once whole")
 
 
 # -- lane failures (the failure policy, contract 6) ----------------------------------------------
@@ -432,7 +479,7 @@ def symbol_differs(symbol: str, found: str, checked: str) -> str:
 
 # parts of another text, which names the fix: patch_mismatch's lines (symbol_*), rank_failure's heads
 LINES = ("symbol_differs", "symbol_missing", "rank_raised", "rank_reported_first", "rank_store_unreachable",
-         "ranks_silent")
+         "ranks_silent", "rank_cancelled", "setting_differs")
 
 
 def patch_mismatch(version: str, checked: Sequence[str], problems: Sequence[str]) -> str:

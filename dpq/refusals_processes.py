@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 __all__ = [
     "OFF_UNDER_TORCHRUN", "PASS_HOOKS_PROCESSES", "TASKS_UNDER_TORCHRUN", "accelerator_shared", "auto_fewest_lanes",
-    "auto_lanes_for_samples", "parallel_timeout_bad", "processes_outnumber_samples", "rank_failure", "rank_raised",
-    "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "serial_every_rank",
-    "worlds_differ",
+    "auto_lanes_for_samples", "group_start_failed", "jobs_differ", "parallel_timeout_bad",
+    "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first",
+    "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "serial_every_rank", "setting_differs",
+    "world_size_without_launcher", "worlds_differ",
 ]
 
 OFF_UNDER_TORCHRUN = ("--parallel_quantization off under torchrun (WORLD_SIZE > 1) would run the whole job once per "
@@ -29,9 +30,37 @@ TASKS_UNDER_TORCHRUN = ("--tasks under torchrun (WORLD_SIZE > 1) would run auto-
                         "process (auto-round --eval --model <output_dir> --tasks ...)")
 
 
-def parallel_timeout_bad(value: str) -> str:
-    return (f"--parallel_timeout {value!r} is not a positive number of seconds. Fix: e.g. --parallel_timeout 600 "
+def parallel_timeout_bad(value: str, low: float = 10, high: float = 604800) -> str:
+    return (f"--parallel_timeout {value!r} is not a number of seconds from {low:g} to {high:g} (the process group's "
+            "start waits that long for every rank, and a collective for a lost one). Fix: e.g. --parallel_timeout 600 "
             "(how long a rank waits in a collective for the others before the run stops)")
+
+
+def world_size_without_launcher(world_size: str, missing: Sequence[str]) -> str:
+    """``WORLD_SIZE`` > 1 is set but the rest of a launcher's environment is not."""
+    return (f"WORLD_SIZE={world_size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: this "
+            "process was not started by torchrun (which sets them all), so it has no process group to join. Fix: unset "
+            "WORLD_SIZE to run in one process, or launch the command with torchrun --nproc-per-node N -m "
+            "dpq.autoround.cli ...")
+
+
+def group_start_failed(backend: str, err: str) -> str:
+    return (f"the {backend} process group did not start: {err}. Fix: start every rank with the same torchrun "
+            "command (one rendezvous endpoint), check that the ranks can reach each other, or a longer "
+            "--parallel_timeout when ranks start far apart")
+
+
+def setting_differs(setting: str, each: str) -> str:
+    """A line of :func:`jobs_differ`: ``each``, every rank's value, e.g. "rank 0: 4; rank 1: 5"."""
+    return f"{setting} differs ({each})"
+
+
+def jobs_differ(lines: Sequence[str]) -> str:
+    """``lines``: :func:`setting_differs` for each setting the ranks were given differently."""
+    return ("dpq: the ranks were given different jobs, so every rank stops before any work:\n"
+            + "\n".join(f"  - {line}" for line in lines)
+            + "\nFix: run every rank with the same command, model and data (only the devices, --output_dir and the "
+            "paths to the same files may differ between ranks)")
 
 
 def worlds_differ(each: str) -> str:
@@ -69,6 +98,10 @@ def auto_lanes_for_samples(lanes: int, samples: int) -> str:
             "larger --batch_size for more lanes")
 
 
+def rank_cancelled(rank: int, cause: str) -> str:
+    return f"rank {rank} was cancelled ({cause})"
+
+
 def rank_raised(rank: int, err: str) -> str:
     return f"the run failed on rank {rank}: {err}"
 
@@ -92,11 +125,22 @@ def rank_reported_first(rank: int, err: str) -> str:
     return f"the run failed; rank {rank} reported first: {err}"
 
 
-def rank_failure(head: str, rank: int, reports: Sequence[str]) -> str:
+_RANK_FAILURE_FIX = {
+    "raised": "the rank that raised printed its error with its traceback (in its own output, above); fix the cause "
+              "and rerun the whole job",
+    "silent": "find why the named rank stopped (its own output; a process killed for memory, a host gone), then rerun "
+              "the whole job",
+    "cancelled": "rerun the whole job when it should run",
+    "lost": "each rank's own output says what it saw; fix the cause and rerun the whole job",
+}
+
+
+def rank_failure(head: str, rank: int, reports: Sequence[str], kind: str = "raised") -> str:
     """A multi-process run stopped (dpq.distributed.RankFailure). ``head``: one of the texts above
-    (:func:`rank_raised` ...), ``rank``: this rank, ``reports``: each rank's report, "rank N raised|lost: error"."""
+    (:func:`rank_raised` ...), ``rank``: this rank, ``reports``: each rank's report, "rank N raised|lost|cancelled:
+    ...", ``kind``: how it started (a key of ``_RANK_FAILURE_FIX``)."""
     return "\n".join([f"dpq: {head}",
                       f"every rank stops (no serial rerun across processes); this is rank {rank}, its home block "
-                      "restored. Fix: the named rank's own log holds the cause and its traceback; fix that and "
-                      "rerun the whole job (auto-round-dp saves no model after a failure)",
+                      "restored, and --output_dir is left as it was (a model is moved into place only once wholly "
+                      f"saved). Fix: {_RANK_FAILURE_FIX[kind]}",
                       *(f"  {r}" for r in reports)])

@@ -53,8 +53,8 @@ from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
 
-__all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "fault_point", "inject_fault", "lanes_for",
-           "plan_for", "release_run", "run"]
+__all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "agree_plan", "fault_point", "inject_fault",
+           "lanes_for", "plan_for", "release_run", "run"]
 
 
 @dataclass
@@ -194,13 +194,24 @@ def _stop_every_rank(procs: ProcessSet, err: BaseException, lost: bool) -> None:
 
 def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet,
                  plan: Plan | None) -> tuple[Plan, ProcessLayout | None]:
-    """This rank's plan agreed with every other rank's (dpq.distributed.agree): the same local
-    lane count everywhere, or the same refusal everywhere, or serial everywhere (layout None)."""
+    """The task's plan (``plan``, or planned here) agreed with every other rank's (:func:`agree_plan`)."""
+    return agree_plan(config, procs, task.samples_per_iter, bool(task.extra_reasons),
+                      lambda: plan if plan is not None else plan_for(config, task))
+
+
+def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, cannot_split: bool,
+               make_plan: Callable[[], Plan]) -> tuple[Plan, ProcessLayout | None]:
+    """This rank's plan (``make_plan()``; :class:`dpq.plan.PlanRefused` counts as this rank's
+    refusal) agreed with every other rank's (dpq.distributed.agree): the same local lane count
+    everywhere, or the same refusal everywhere (raised on every rank), or serial everywhere
+    (layout None; ``cannot_split``: the tuner has features the lanes cannot split). An adapter
+    calls it before a block's work to refuse an explicit world there; the session, to run it."""
+    plan = None
     try:
         try:
-            plan = plan if plan is not None else plan_for(config, task)
+            plan = make_plan()
             mine = RankPlan(config.world, plan.world, list(plan.reasons),
-                            serial=config.world == "off" or bool(task.extra_reasons), host=socket.gethostname(),
+                            serial=config.world == "off" or cannot_split, host=socket.gethostname(),
                             # not one physical device across processes: cpu (the host's), hpu (the bridge
                             # gives each process the Gaudi of its LOCAL_RANK, which it sees as hpu:0)
                             devices=[str(d) for d in plan.devices if d.type not in ("cpu", "hpu")])
@@ -208,7 +219,7 @@ def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet,
             mine = RankPlan(config.world, 0, err.reasons, refused=True)
         except Exception as err:  # a rank that cannot plan refuses, so every rank hears why
             mine = RankPlan(config.world, 0, [f"planning failed: {err!r}"], refused=True)
-        layout, notes = agree(procs, mine, task.samples_per_iter)
+        layout, notes = agree(procs, mine, samples_per_iter)
     except PlanRefused:
         raise
     except BaseException as err:  # a rank lost while agreeing

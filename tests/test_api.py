@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import random
+import re
 import weakref
 
 import pytest
@@ -425,3 +427,109 @@ def test_callers_weights_get_no_gradients(tiny_block, world):
                       devices=",".join(["cpu"] * world))
     assert all(p.requires_grad for p in block.parameters())
     assert [n for n, p in block.named_parameters() if p.grad is not None] == []
+
+
+# --- the caller's context and tensors (issue 18: each failed before its fix) ---------------------
+
+
+@pytest.mark.parametrize("setting, value, want", [
+    ("batch_size", "4", "batch_size must be an integer >= 1, got '4'"),
+    ("iters", True, "iters must be an integer >= 1, got True"),
+    ("gradient_accumulate_steps", 1.0, "gradient_accumulate_steps must be an integer >= 1, got 1.0"),
+    ("lr", "0.01", "lr must be a finite number > 0, or None, got '0.01'"),
+    ("momentum", float("nan"), "momentum must be a finite number >= 0, or None, got nan"),
+    ("seed", 1.5, "seed must be an integer or None, got 1.5"),
+    ("group_size", "128", "group_size must be an integer or None, got '128'"),
+])
+def test_a_setting_of_the_wrong_type_is_a_value_error(tiny_block, setting, value, want):
+    """Not a TypeError from deep inside the run: the promised ValueError naming the setting and the fix."""
+    assert want in _refused(tiny_block, re.escape(want), **{setting: value})
+
+
+@pytest.mark.parametrize("empty", [[], ()])
+def test_empty_position_embeddings_are_refused(tiny_block, empty):
+    others = dict(tiny_block[2], position_embeddings=empty)
+    _refused(tiny_block, r"input_others\['position_embeddings'\] is empty\. Fix: ", input_others=others)
+    pairs = dict(tiny_block[2], position_embeddings=[(t,) for t, _ in tiny_block[2]["position_embeddings"]])
+    _refused(tiny_block, r"input_others\['position_embeddings'\] must hold \(cos, sin\) pairs", input_others=pairs)
+
+
+def test_inference_tensors_are_refused_with_the_fix(tiny_block):
+    block, inputs, _ = tiny_block
+    with torch.inference_mode():
+        frozen = [t.clone() for t in inputs]
+        frozen_block = copy.deepcopy(block)
+    msg = _refused(tiny_block, r"inputs hold inference tensors .* Fix: capture them under torch.no_grad\(\)",
+                   inputs=frozen)
+    assert "Inference tensors cannot be saved" not in msg
+    _refused(tiny_block, r"the block's weights hold inference tensors", block=frozen_block)
+
+
+@pytest.fixture(scope="module")
+def plain_world2(tiny_block):
+    """The tune both grad modes are compared with, made once."""
+    block, inputs, others = tiny_block
+    return dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, iters=2, batch_size=4, world=2,
+                             devices="cpu,cpu")
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_the_callers_grad_mode_does_not_matter(tiny_block, plain_world2, mode):
+    block, inputs, others = tiny_block
+    plain = plain_world2
+    block = copy.deepcopy(block)  # made outside the mode (under inference_mode a copy's weights are inference tensors)
+    with mode():
+        res = dpq.parallel_tune(block, inputs, input_others=others, iters=2, batch_size=4, world=2, devices="cpu,cpu")
+    assert res.losses == plain.losses
+
+
+def test_inputs_that_require_grad_get_no_grad(tiny_block):
+    block, inputs, others = tiny_block
+    plain = dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, iters=2, batch_size=4, world=1)
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    pe = [tuple(t.clone().requires_grad_(True) for t in pair) for pair in others["position_embeddings"]]
+    res = dpq.parallel_tune(copy.deepcopy(block), leaves, input_others=dict(others, position_embeddings=pe), iters=2,
+                            batch_size=4, world=1)
+    assert res.losses == plain.losses
+    assert all(t.grad is None for t in leaves) and all(t.grad is None for pair in pe for t in pair)
+
+
+def test_the_private_sampler_draws_auto_rounds_serial_indices():
+    from auto_round.compressors.utils import IndexSampler
+
+    random.seed(42)
+    serial = IndexSampler(8, 3)
+    want = [serial.next_batch() for _ in range(7)]  # several reshuffles
+    state = random.getstate()
+    private = api._private_sampler(random.Random(42))(8, 3)
+    assert [private.next_batch() for _ in range(7)] == want
+    assert random.getstate() == state  # the global generator neither read nor advanced
+
+
+def test_two_threads_tune_as_they_would_one_after_the_other(tiny_block):
+    """Each seeded call draws from its own generator: two at once in two threads give what each gives
+    alone, and the global generator is left as it was."""
+    import threading
+
+    block, inputs, others = tiny_block
+
+    def tune_one(seed: int):
+        return dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, iters=3, batch_size=4, world=1,
+                                 seed=seed)
+
+    alone = {seed: tune_one(seed) for seed in (1, 2)}
+    assert alone[1].indices != alone[2].indices
+    state = random.getstate()
+    results: dict = {}
+    threads = [threading.Thread(target=lambda s=seed: results.__setitem__(s, tune_one(s))) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        random.random()  # a third party drawing from the global generator meanwhile
+    for t in threads:
+        t.join()
+    for seed in (1, 2):
+        assert results[seed].indices == alone[seed].indices and results[seed].losses == alone[seed].losses
+    random.setstate(state)
+    tune_one(1)
+    assert random.getstate() == state

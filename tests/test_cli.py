@@ -82,21 +82,47 @@ def test_cli_refusal_lists_every_reason_as_a_message(tmp_path):
     assert "the requested parallel quantization cannot run" in json.loads(report.read_text())["error"]
 
 
+def earlier_model(out: Path) -> dict[str, bytes]:
+    """A model saved in ``out`` before (where this module's runs save theirs, auto-round's export folder
+    ``<model>-w4g128``: the embedded model's files stand in for it); returns :func:`tree_bytes` of ``out``."""
+    import shutil
+
+    from dpq.demo.embedded import DATA_DIR
+
+    folder = out / f"{Path(DATA_DIR).name}-w4g128"
+    folder.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(Path(DATA_DIR) / name, folder / name)
+    (folder / "quantization_config.json").write_text('{"bits": 4}')
+    return tree_bytes(out)
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file under ``root``, by relative path, with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def test_cli_lane_failure_says_what_was_kept(tmp_path):
     """A lane fails in block 1 under an explicit world: rc 1, a message (no traceback) naming the block
-    that was restored and the block finished before it, and no claim that nothing was lost."""
+    that was restored and the block finished before it, and no claim that nothing was lost. Small
+    shards (auto-round writes them during quantization): a model saved in --output_dir before is
+    left bitwise as it was, without a stray shard beside it, and no partial folder stays behind."""
     prelude = "from dpq import session; session.inject_fault(block=1, after=1); "
     report = tmp_path / "report.json"
+    before = earlier_model(tmp_path / "out")
     proc = _cli(tmp_path, "--iters", "3", "--batch_size", "4", "--parallel_quantization", "2",
-                "--parallel_devices", "cpu,cpu", "--parallel_report", str(report), prelude=prelude)
+                "--parallel_devices", "cpu,cpu", "--parallel_report", str(report), "--max_shard_size", "100KB",
+                prelude=prelude)
     err = proc.stderr
     assert proc.returncode == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert "a lane failed while tuning model.layers.1" in err, err[-3000:]
     assert "model.layers.1 is back as it was before its work started" in err
     assert "finished before it (model.layers.0) stay quantized in place" in err
-    assert "--output_dir holds no complete model" in err
+    assert "--output_dir is left as it was" in err
     assert "nothing already quantized was lost" not in err
+    assert tree_bytes(tmp_path / "out") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl", "out", "report.json"]
     body = json.loads(report.read_text())
     assert [b["name"] for b in body["blocks"]] == ["model.layers.0"] and "model.layers.1" in body["error"]
 

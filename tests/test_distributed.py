@@ -15,6 +15,7 @@ import datetime
 import multiprocessing
 import os
 import random
+import signal
 import time
 from typing import ClassVar
 
@@ -390,3 +391,69 @@ def test_agreement_counts_only_physical_accelerators(monkeypatch, device, shared
     task = SimpleNamespace(extra_reasons=[], samples_per_iter=8)
     session._agreed_plan(SessionConfig(world=1, devices=[device]), task, procs=None, plan=None)
     assert told[0].devices == ([device] if shared else [])
+
+
+class DictStore:
+    """The store calls a ProcessSet makes (set, get, check), in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys) -> bool:
+        return all(k in self.data for k in keys)
+
+
+def test_the_others_wait_for_rank_0s_save_as_long_as_it_beats(monkeypatch):
+    """Rank 0's save is not bounded by the collective timeout: the others wait on its heartbeat,
+    get what it publishes, and count it lost only when it reported a failure or its beat stood
+    still for the timeout."""
+    import threading
+
+    import dpq.distributed as distributed
+
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
+    store = DictStore()
+    rank0, rank1 = ProcessSet(0, 2, store, timeout_s=0.5), ProcessSet(1, 2, store, timeout_s=0.5)
+    rank0.beat("save")
+
+    def slow_save():
+        time.sleep(1.5)  # three times the timeout: a collective would have timed out
+        rank0.publish("save", ["out/model-w4g128"])
+
+    threading.Thread(target=slow_save).start()
+    t0 = time.monotonic()
+    assert rank1.await_rank0("save") == ["out/model-w4g128"] and time.monotonic() - t0 > 1.4
+    time.sleep(0.2)
+    assert not any(t.name == "dpq-save-heartbeat" for t in threading.enumerate())  # published: the beat ended
+
+    rank0.beat("other")
+    rank0._end_beat()  # rank 0 died in its save: its beat stands still
+    with pytest.raises(dist.DistError, match=r"rank 0 stopped answering in its other \(no heartbeat for 0.5 s"):
+        rank1.await_rank0("other")
+    store.set(rank0._key(0), "1.0 raised OSError: disk full")
+    with pytest.raises(dist.DistError, match="rank 0 failed in its third"):
+        rank1.await_rank0("third")
+
+
+def test_a_cancel_is_reported_and_named(monkeypatch):
+    """A rank's cancel (reported by its watcher) is what the others name, and their exit says cancelled."""
+    from dpq import cancel
+    from dpq.distributed import _failure_message
+
+    store = DictStore()
+    rank0, rank1 = ProcessSet(0, 2, store), ProcessSet(1, 2, store)
+    rank1.report_cancel("SIGTERM")
+    assert not rank0.cancelled_everywhere()
+    message, cause = _failure_message(0, 2, {0: "2.0 lost RuntimeError: closed", 1: store.get(rank1._key(1)).decode()},
+                                      5.0, True, lambda r: r)
+    assert message.startswith("dpq: rank 1 was cancelled (SIGTERM)") and cause == signal.SIGTERM
+    assert "Fix: rerun the whole job when it should run" in message
+    rank0.report_cancel("SIGTERM")
+    assert rank0.cancelled_everywhere()
+    assert cancel.exit_status(cause) == 143

@@ -47,7 +47,8 @@ def test_table_names_every_auto_round_symbol_dpq_assigns():
     assert {"quantize_block", "dispatch_block", "compress_block", "_grid_search_scales", "_run_parent_samples",
             "_compute_parent_loss", "_clip_block", "_compute_best_clip", "_quantize_targets",
             "_prepare_init_scale_weight", "search_optimized_init_scale",
-            "save_quantized", "_adjust_immediate_packing_and_saving", "setup_ddp_if_needed_"} == names  # ranks.py
+            "quantize_and_save", "save_quantized", "_adjust_immediate_packing_and_saving",
+            "setup_ddp_if_needed_"} == names  # ranks.py
 
 
 def _auto_round_function(params: str):
@@ -140,19 +141,25 @@ def test_no_import_cycle_between_integration_and_the_seams():
 
 
 class _Procs:
-    """Two processes seen from ``rank``: rank 0's gathered value is what rank 0 sends."""
+    """Two processes seen from ``rank``: rank 0 beats and publishes its folders, the other awaits them."""
 
     size, group = 2, None
 
     def __init__(self, rank: int, rank0_folders) -> None:
-        self.rank, self.rank0_folders, self.sent = rank, rank0_folders, []
+        self.rank, self.rank0_folders, self.sent, self.awaited = rank, rank0_folders, [], []
 
     def name(self, rank: int) -> int:
         return rank
 
-    def all_gather_object(self, value):
-        self.sent.append(value)
-        return [value if self.rank == 0 else self.rank0_folders, value]
+    def beat(self, name: str) -> None:
+        self.sent.append(("beat", name))
+
+    def publish(self, name: str, value) -> None:
+        self.sent.append((name, value))
+
+    def await_rank0(self, name: str):
+        self.awaited.append(name)
+        return self.rank0_folders
 
 
 @pytest.mark.parametrize("mixin", ["mllm", "diffusion"])
@@ -190,7 +197,8 @@ def test_mllm_and_diffusion_saves_are_rank_0s_alone(monkeypatch, mixin, rank):
                                                                            ["out/w4"])
         assert compressor.save_quantized is getattr(ranks, f"{mixin}_save_quantized")
     assert barriers == [None] and writes == ([out] if rank == 0 else [])
-    assert procs.sent == [[f"{out}/w4"] if rank == 0 else None]
+    assert procs.sent == ([("beat", "save"), ("save", [f"{out}/w4"])] if rank == 0 else [])
+    assert procs.awaited == ([] if rank == 0 else ["save"])  # without a collective deadline, on rank 0's beat
     monkeypatch.setattr(ranks, "processes", lambda: None)  # one process: straight through, no barrier
     with integration.parallel_quantization(1):
         assert compressor.save_quantized(c, out) == "M"

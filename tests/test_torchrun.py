@@ -166,14 +166,66 @@ def test_a_killed_rank_stops_the_others_naming_it(runs):
     assert not list(folder.rglob("config.json")) and not list(folder.rglob("quantization_config.json"))
 
 
+def _as_torchrun_rank(monkeypatch, world_size: int = 2) -> None:
+    """This process's environment as torchrun sets it for rank 0 (no group is started from it here)."""
+    for name, value in (("WORLD_SIZE", str(world_size)), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+
+
 def test_off_under_torchrun_is_refused_before_loading(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "auto_round.__main__", None)  # importing auto-round's CLI would fail
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    _as_torchrun_rank(monkeypatch)
     assert cli.main(["--model", "does-not-exist", "--parallel_timeout", "0"]) == 2
     err = capsys.readouterr().err
-    assert refusals.OFF_UNDER_TORCHRUN in err and "--parallel_timeout '0' is not a positive number" in err
+    assert refusals.OFF_UNDER_TORCHRUN in err and "--parallel_timeout '0' is not a number of seconds from 10" in err
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert cli.argument_errors(cli.split_argv([])[0]) == []
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0.001", "1e9", "-5"])
+def test_a_parallel_timeout_the_group_cannot_take_is_refused(monkeypatch, value):
+    """inf overflowed in the group's timedelta and 0.001 let the group's start time out (DistStoreError),
+    both after the arguments had passed."""
+    _as_torchrun_rank(monkeypatch)
+    ours, rest = cli.split_argv(["--parallel_quantization", "1", "--parallel_timeout", value])
+    assert cli.argument_errors(ours, rest) == [refusals.parallel_timeout_bad(value, *cli.TIMEOUT_RANGE_S)]
+    assert cli.argument_errors(*cli.split_argv(["--parallel_quantization", "1", "--parallel_timeout", "10"])) == []
+
+
+def test_a_stray_world_size_outside_torchrun_is_refused(capsys, monkeypatch):
+    """WORLD_SIZE=2 left in the environment, no launcher: a message with the fix, not init_process_group's
+    'environment variable RANK expected'."""
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["--model", "m", "--parallel_quantization", "1"]) == 2
+    err = capsys.readouterr().err
+    assert refusals.world_size_without_launcher("2", ["RANK", "MASTER_ADDR", "MASTER_PORT"]) in err
+    assert "Fix: unset WORLD_SIZE" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("lanes", ["cuda:99", "hpu", "cpu,cuda:99"])
+def test_a_lane_device_that_does_not_exist_is_refused_before_the_group_starts(capsys, monkeypatch, lanes):
+    """The plan's refusal, as in one process, before the group's setup binds the device (cuda's
+    set_device raised AttributeError on a CPU build) or imports its backend (habana_frameworks)."""
+    from dpq.autoround import process_setup
+    from dpq.streams import backend
+
+    if lanes == "hpu" and backend("hpu").is_available():
+        pytest.skip("this machine has a Gaudi")
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)
+    _as_torchrun_rank(monkeypatch)
+
+    def start_group(*a, **k):
+        raise AssertionError("the group must not start")
+
+    monkeypatch.setattr(process_setup, "start_group", start_group)
+    assert cli.main(["--model", "m", "--parallel_quantization", "1", "--parallel_devices", lanes]) == 1
+    err = capsys.readouterr().err
+    assert "the requested parallel quantization cannot run" in err and "does not exist" in err, err
+    assert "Fix: --parallel_devices" in err and "Traceback" not in err
 
 
 def test_each_process_gets_its_own_gpus():
@@ -193,7 +245,7 @@ def test_each_process_gets_its_own_gpus():
 def test_tasks_under_torchrun_is_refused_before_loading(capsys, monkeypatch, flag):
     """auto-round's evaluation after quantizing would run on every rank: refused under torchrun, with the fix."""
     monkeypatch.setitem(sys.modules, "auto_round.__main__", None)  # importing auto-round's CLI would fail
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    _as_torchrun_rank(monkeypatch)
     assert cli.main(["--model", "does-not-exist", "--parallel_quantization", "1", *flag]) == 2
     assert refusals.TASKS_UNDER_TORCHRUN in capsys.readouterr().err
     ours, rest = cli.split_argv(["--parallel_quantization", "1", "--target_bits", "4", "--ta", "x"])
@@ -233,3 +285,24 @@ def test_auto_rounds_own_ddp_lane_is_never_on_dpqs_path(monkeypatch):
         assert quantizer.setup_ddp_if_needed_(None, block, [0]) == (block, ranks._no_sync) and calls == []
     with integration.parallel_quantization("off"):
         assert quantizer.setup_ddp_if_needed_(None, block, [0]) == (block, None) and calls == [block]
+
+
+def test_more_lanes_over_the_processes_than_samples_is_refused_before_the_blocks_work(recorded_blocks):
+    """An explicit world's refusal that only the processes together see (5 processes x 2 lanes, 8
+    samples per iteration): at the block's dispatch, before its collection passes ran at another
+    world, as in one process; agreed, so every rank stops there with the same reasons."""
+    from dpq.autoround import integration
+    from dpq.distributed import ProcessSet
+    from dpq.plan import PlanRefused
+
+    class EveryRankAlike(ProcessSet):
+        def all_gather_object(self, value):  # the agreement's one collective: every rank sent the same
+            return [value] * self.size
+
+    rec = recorded_blocks[0]
+    assert rec.quantizer.calibration_context.batch_size == 8
+    with integration.parallel_quantization(2, "cpu,cpu", processes=EveryRankAlike(0, 5, store=None)):
+        with pytest.raises(PlanRefused, match=r"5 processes x 2 lane\(s\) but only 8 samples per iteration"):
+            rec.quantizer.dispatch_block(rec.fresh_block(), list(rec.fp_inputs), dict(rec.input_others))
+    with integration.parallel_quantization(2, "cpu,cpu", processes=EveryRankAlike(0, 4, store=None)):
+        rec.quantizer.dispatch_block(rec.fresh_block(), list(rec.fp_inputs), dict(rec.input_others))  # 8 lanes: fits

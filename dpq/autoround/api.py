@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
+import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -18,6 +21,7 @@ from .compat import check_auto_round_version
 check_auto_round_version()
 
 from auto_round.algorithms.block_runner import BlockForwardRunner  # noqa: E402
+from auto_round.compressors.utils import IndexSampler  # noqa: E402
 from auto_round.schemes import preset_name_to_scheme  # noqa: E402
 from auto_round.utils.common import SHARED_CACHE_KEYS, SUPPORTED_LAYER_TYPES  # noqa: E402
 from auto_round.wrapper import unwrapper_block, wrapper_block  # noqa: E402
@@ -116,14 +120,81 @@ def _check_inputs(inputs, outputs, input_others, home: torch.device | None) -> l
     # next to inputs already on the block's device, every other tensor must be there too.
     allowed = {in_dev} if in_dev == home or home is None else {in_dev, home}
     for key, val in (input_others if isinstance(input_others, dict) else {}).items():
-        if isinstance(val, list) and len(val) not in (0, 1, len(inputs)):
+        if key == "positional_inputs":
+            pass  # auto-round's extra positional arguments, handed whole to every forward (empty: none)
+        elif isinstance(val, (list, tuple)) and not val:
+            problems.append(refusals.others_empty(key))  # the forward would unpack (or index) nothing
+        elif isinstance(val, list) and len(val) not in (1, len(inputs)):
             problems.append(refusals.others_count(key, len(val)))
+        elif key == "position_embeddings" and not _pairs(val):
+            problems.append(refusals.others_not_pairs(key))
         devs = {t.device for t in tensors_in(val, levels=3)}
         if any(d.type == "meta" for d in devs):
             problems.append(refusals.others_on_meta(key))
         elif wrong := sorted(map(str, devs - allowed)):
             problems.append(refusals.others_device(key, ", ".join(wrong), str(in_dev)))
     return problems
+
+
+def _pairs(val) -> bool:
+    """``position_embeddings`` as auto-round caches them: one (cos, sin) pair, or a list of them (one per sample)."""
+    def pair(v) -> bool:
+        return isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(t, torch.Tensor) for t in v)
+
+    return val is None or pair(val) or (isinstance(val, list) and all(pair(v) for v in val))
+
+
+def _inference_tensors(block: torch.nn.Module, inputs, outputs, input_others) -> list[str]:
+    """What holds tensors made under ``torch.inference_mode()``: autograd cannot save them for the
+    backward, and the unwrap cannot write the block's weights in place outside that mode."""
+    where = [name for name, value in (("inputs", inputs), ("outputs", outputs))
+             if any(t.is_inference() for t in tensors_in(value or [], levels=1))]
+    where += [f"input_others[{key!r}]" for key, val in (input_others if isinstance(input_others, dict) else {}).items()
+              if any(t.is_inference() for t in tensors_in(val, levels=3))]
+    if any(t.is_inference() for t in itertools.chain(block.parameters(), block.buffers())):
+        where.append("the block's weights")
+    return where
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_settings(iters, batch_size, gradient_accumulate_steps, dynamic_max_gap, seed, bits, group_size, lr,
+                    minmax_lr, momentum) -> list[str]:
+    """The numeric settings' types and ranges, each problem with its fix (a wrong type would otherwise
+    surface as a TypeError from deep inside the run)."""
+    problems = []
+    for name, value in (("iters", iters), ("batch_size", batch_size),
+                        ("gradient_accumulate_steps", gradient_accumulate_steps)):
+        if not _is_int(value):
+            problems.append(refusals.setting_type(name, repr(value), "count"))
+    if _is_int(iters) and iters < 1:
+        problems.append(refusals.bad_count(iters=iters))
+    if _is_int(batch_size) and _is_int(gradient_accumulate_steps) and min(batch_size, gradient_accumulate_steps) < 1:
+        problems.append(refusals.bad_count(batch_size=batch_size, accumulate=gradient_accumulate_steps))
+    if not _is_int(dynamic_max_gap):
+        problems.append(refusals.setting_type("dynamic_max_gap", repr(dynamic_max_gap), "int"))
+    for name, value in (("seed", seed), ("bits", bits), ("group_size", group_size)):
+        if value is not None and not _is_int(value):
+            problems.append(refusals.setting_type(name, repr(value), "int or None"))
+    for name, value, positive in (("lr", lr, True), ("minmax_lr", minmax_lr, True), ("momentum", momentum, False)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if value is not None and not (number and (value > 0 if positive else value >= 0)):
+            problems.append(refusals.setting_type(name, repr(value), "positive" if positive else "non-negative"))
+    return problems
+
+
+def _detached(value):
+    """``value`` with every tensor detached (the same storage): the tune's autograd graph never
+    reaches the caller's tensors, so one passed with ``requires_grad=True`` gets no ``.grad``."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
 
 
 def _check_block(block: torch.nn.Module, scheme: str, bits: int | None) -> list[str]:
@@ -218,10 +289,19 @@ def parallel_tune(
     reference outputs (computed from ``inputs`` when omitted); ``input_others`` the extra
     forward kwargs, per sample lists or shared values, as auto-round caches them. Defaults are
     auto-round's (iters 200, batch 8, W4A16 = 4 bits, group 128, lr 1/iters). ``world`` is an
-    int or ``'auto'``; ``devices`` a device list (``'0,1'``, ``['cpu', 'cpu']``). ``seed`` seeds
-    Python's ``random`` (auto-round's sampler draws from it) and torch; ``None`` uses the
-    current state. ``shared_cache_keys`` name the ``input_others`` entries that are one value
-    for every sample (auto-round's default for decoder LLMs).
+    int or ``'auto'``; ``devices`` a device list (``'0,1'``, ``['cpu', 'cpu']``). ``seed``: the
+    sample indices are auto-round's sampler's draws after ``random.seed(seed)``, from a generator
+    of this call's own (Python's global one is neither read nor changed), and torch's global
+    generator is seeded with it (auto-round seeds both); ``None`` draws from Python's global
+    generator as it stands. ``shared_cache_keys`` name the ``input_others`` entries that are one
+    value for every sample (auto-round's default for decoder LLMs).
+
+    Calls may run in several threads at once (each on its own block): with a seed each draws what
+    it draws alone. Torch's global generator is shared, but only stochastic-rounding data types
+    draw from it during a tune; run those one after another. The caller's grad mode does not
+    matter (the tune enables autograd for itself, also under ``torch.no_grad()`` or
+    ``torch.inference_mode()``), and the caller's tensors get no ``.grad``: the pool is used
+    detached. Tensors made under ``torch.inference_mode()`` are refused (autograd cannot use them).
 
     ``auto_world``: under ``world='auto'``, the cost model that picks the world by predicted
     time (``dpq.cost_model.AutoWorld``; None: a fresh one for this call). ``overlap``: exchange
@@ -239,23 +319,24 @@ def parallel_tune(
     home = _block_device(block)
     home = None if home is not None and home.type == "meta" else home  # said once, by _check_block
     problems = _check_block(block, scheme, bits) + _check_inputs(inputs, outputs, input_others, home)
-    if not isinstance(iters, int) or iters < 1:
-        problems.append(refusals.bad_count(iters=iters))
-    if batch_size < 1 or gradient_accumulate_steps < 1:
-        problems.append(refusals.bad_count(batch_size=batch_size, accumulate=gradient_accumulate_steps))
+    problems += _check_settings(iters, batch_size, gradient_accumulate_steps, dynamic_max_gap, seed, bits, group_size,
+                                lr, minmax_lr, momentum)
+    if isinstance(inputs, (list, tuple)) and (held := _inference_tensors(block, inputs, outputs, input_others)):
+        problems.append(refusals.inference_tensors(held))
     settings = SignRoundSettings(
         iters=iters, batch_size=batch_size, gradient_accumulate_steps=gradient_accumulate_steps,
         enable_minmax_tuning=enable_minmax_tuning, not_use_best_mse=not_use_best_mse,
         dynamic_max_gap=dynamic_max_gap, momentum=momentum, amp=amp, amp_dtype=amp_dtype,
         cache_device=home if home is not None else "cpu",  # the best iteration's values stay with the block
     )
-    task = _Task(block, list(inputs) if isinstance(inputs, (list, tuple)) else [], outputs, dict(input_others or {}),
-                 home, settings, scheme=scheme, bits=bits, group_size=group_size, sym=sym, lr=lr,
-                 minmax_lr=minmax_lr, valid_token_mask=valid_token_mask, shared_cache_keys=shared_cache_keys,
-                 seed=seed, progress=progress)
+    # the caller's tensors detached: the tune's graph starts at the pool, whatever requires_grad they carry
+    task = _Task(block, _detached(list(inputs)) if isinstance(inputs, (list, tuple)) else [], _detached(outputs),
+                 _detached(dict(input_others or {})), home, settings, scheme=scheme, bits=bits, group_size=group_size,
+                 sym=sym, lr=lr, minmax_lr=minmax_lr, valid_token_mask=valid_token_mask,
+                 shared_cache_keys=shared_cache_keys, seed=seed, progress=progress)
     config = plan = None
-    if isinstance(inputs, (list, tuple)) and inputs:
-        try:
+    if isinstance(inputs, (list, tuple)) and inputs and _is_int(batch_size) and _is_int(gradient_accumulate_steps):
+        try:  # the plan needs the samples per iteration
             if auto_world is None and world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
             config = session.SessionConfig(world=world, devices=devices, debug_identical=debug_identical,
@@ -276,11 +357,27 @@ def parallel_tune(
     for p in trainable:
         p.requires_grad_(False)
     try:
-        return session.run(config, task.describe(), plan=plan).result
+        # tuning needs autograd whatever mode the caller is in (torch.no_grad(), torch.inference_mode())
+        with torch.inference_mode(False), torch.enable_grad():
+            return session.run(config, task.describe(), plan=plan).result
     finally:
         for p in trainable:
             p.requires_grad_(True)
-        task.close_bar()
+        task.close()
+
+
+def _private_sampler(rng: random.Random) -> type:
+    """auto-round's ``IndexSampler``, its own code, drawing from ``rng`` instead of Python's global
+    generator. Its methods call ``random.shuffle``, a bound method of the global ``random.Random``;
+    here the same code runs with the name ``random`` bound to ``rng``, so a sampler of
+    ``random.Random(seed)`` draws bitwise what ``IndexSampler`` draws after ``random.seed(seed)``, and
+    two calls in two threads each draw their own (no call sees the other's, or anyone else's, draws)."""
+    methods = {}
+    for name, fn in vars(IndexSampler).items():
+        if isinstance(fn, types.FunctionType):
+            scope = dict(fn.__globals__, random=rng)
+            methods[name] = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    return type("PrivateIndexSampler", (IndexSampler,), methods)
 
 
 def _block_device(block: torch.nn.Module) -> torch.device | None:
@@ -313,8 +410,7 @@ class _Task:
         the pool's closures): on failure the session clears them from the traceback."""
         s = self.settings
         if self.seed is not None:
-            random.seed(self.seed)
-            torch.manual_seed(self.seed)
+            torch.manual_seed(self.seed)  # torch's global generator (only stochastic-rounding data types draw)
         runner = BlockForwardRunner(
             batch_size=s.batch_size, device=self.home, cache_device="cpu", amp=s.amp, amp_dtype=s.amp_dtype,
             enable_torch_compile=False, shared_cache_keys=tuple(self.shared_cache_keys),
@@ -335,6 +431,8 @@ class _Task:
         spec = signround_spec(self.block, BlockData(self.inputs, self.others, list(outputs), self.valid_token_mask),
                               s, runner, lambda m: (lr, minmax_lr),
                               progress=(lambda i, loss: bar.update(1)) if bar else None)
+        if self.seed is not None:  # this call's own generator: the draws of random.seed(seed), unshared
+            spec.sampler = _private_sampler(random.Random(self.seed))
         self.snapshot = spec.best_params  # finish() waits for its copies (it holds nothing of the run)
         return spec
 
@@ -364,3 +462,9 @@ class _Task:
         bar, self._bar = getattr(self, "_bar", None), None
         if bar is not None:
             bar.close()
+
+    def close(self) -> None:
+        """The call is over: the progress bar closed, and the pool let go (the detached views of the
+        caller's tensors: a failed call's error keeps this task in its traceback's frames)."""
+        self.close_bar()
+        self.inputs, self.outputs, self.others, self.valid_token_mask = [], None, {}, None

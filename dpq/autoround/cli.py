@@ -16,6 +16,13 @@ count, every block's tune spans the processes (DESIGN.md contract 7), rank 0 alo
 ``--output_dir`` and the report (:mod:`dpq.autoround.ranks`), and the group is destroyed at the
 end. A failure on any rank stops every rank with a non-zero exit and a message naming the rank.
 
+With dpq on, the output is staged beside ``--output_dir`` and moved into place only once saved
+whole (:mod:`dpq.autoround.ranks`). As a command it handles SIGTERM and SIGINT itself
+(:mod:`dpq.cancel`): a cancel stops every rank within seconds, writes nothing more, and exits 130
+(SIGINT), 143 (SIGTERM) or 129 (a torchrun worker's launcher gone). Under torchrun every rank's
+whole job (model and data by content, every setting: :mod:`dpq.autoround.job`) is agreed before
+the model loads; a rank given another job stops every rank, naming each differing setting.
+
 Recipes: ``auto-round-dp-best``, ``-light``, ``-rtn``, ``-opt-rtn``, ``-mllm`` run auto-round's
 ``auto-round-best`` etc. (:data:`RECIPES`) with the same flags.
 """
@@ -45,7 +52,8 @@ dpq (data-parallel tuning) options:
                         losses) as JSON
   --parallel_timeout SECONDS
                         under torchrun: how long a rank waits in a collective for the others before
-                        the run stops (a hung or lost rank). Default: 600
+                        the run stops (a hung or lost rank), 10 to 604800; the others wait for rank 0's
+                        save as long as it takes (on its heartbeat). Default: 600
 """
 
 
@@ -84,24 +92,13 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-GRACE_S = 15.0  # after torchrun's SIGTERM: time to name the failed rank (dpq.distributed waits 5 s for reports)
+def launcher_missing() -> list[str]:
+    """The variables of torchrun's environment (besides ``WORLD_SIZE``) that are not set: with
+    ``WORLD_SIZE`` > 1 and any of them missing, no launcher started this process."""
+    return [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
 
 
-def _name_the_rank_before_leaving() -> None:
-    """torchrun's agent stops every other worker (SIGTERM) as soon as one fails, which would end this
-    process before it could say which rank failed. On SIGTERM this process goes on for up to
-    GRACE_S seconds (its collective with the lost rank fails at once, and the failure path names
-    the rank and exits), then exits as SIGTERM would have."""
-    import signal
-    import threading
-
-    def later(signum, frame) -> None:
-        timer = threading.Timer(GRACE_S, os._exit, args=(128 + signum,))
-        timer.daemon = True
-        timer.start()
-        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends it at once
-
-    signal.signal(signal.SIGTERM, later)
+TIMEOUT_RANGE_S = (10.0, 604800.0)  # --parallel_timeout: the group's start waits that long for every rank; a week
 
 
 def format_summary(records) -> str:
@@ -163,12 +160,15 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = ()) -> list[str]
         problems.append(refusals.OFF_UNDER_TORCHRUN)
     if torchrun_processes() > 1 and asks_for_evaluation(list(rest)):
         problems.append(refusals.TASKS_UNDER_TORCHRUN)  # every rank would evaluate the same model
+    if torchrun_processes() > 1 and (missing := launcher_missing()):
+        problems.append(refusals.world_size_without_launcher(os.environ["WORLD_SIZE"], missing))
     try:
-        ok = float(ours.parallel_timeout) > 0
+        low, high = TIMEOUT_RANGE_S
+        ok = low <= float(ours.parallel_timeout) <= high  # false for nan; inf is out of range
     except ValueError:
         ok = False
     if not ok:
-        problems.append(refusals.parallel_timeout_bad(str(ours.parallel_timeout)))
+        problems.append(refusals.parallel_timeout_bad(str(ours.parallel_timeout), *TIMEOUT_RANGE_S))
     # only rank 0 writes the report (the others create nothing)
     return problems + (report_path_errors(ours.parallel_report) if _rank() == 0 else [])
 
@@ -190,38 +190,86 @@ def write_report(path: str, world, devices, records, phases: dict, error: str | 
 def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     """Returns the exit status: 0 when the run finished, 2 for bad dpq arguments (nothing was
     loaded), 1 when the plan refused, a lane failed or (torchrun) a rank failed (the message is
-    printed, no traceback). Any other failure propagates (with its traceback; non-zero exit)."""
+    printed, no traceback; under torchrun the rank whose own error started it prints that error's
+    traceback), 128 + the signal when the run was cancelled (130 SIGINT, 143 SIGTERM, 129 the
+    launcher gone: :mod:`dpq.cancel`). Any other failure propagates (with its traceback; non-zero
+    exit). Run as the command (``argv`` None: the console scripts, ``python -m``), it handles
+    SIGTERM and SIGINT itself (:func:`dpq.cancel.install`); called with ``argv`` it leaves the
+    caller's signal handling alone."""
+    as_command = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, rest = split_argv(argv)
     problems = argument_errors(ours, rest)
     if problems:
         print("auto-round-dp: error:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
+    from dpq import cancel
     from dpq.plan import validate_world
 
     world = validate_world(ours.parallel_quantization)
     if any(a in ("-h", "--help") for a in rest):
         print(OUR_HELP)
     devices = ours.parallel_devices
-    if torchrun_processes() == 1:
-        return _run(ours, world, devices, recipe, rest)
-    from dpq.autoround.process_setup import process_lanes, start_group
+    if as_command:
+        cancel.install(watch_parent=torchrun_processes() > 1)  # a worker does not outlive its launcher
+    try:
+        if torchrun_processes() == 1:
+            return _run(ours, world, devices, recipe, rest)
+        return _run_processes(ours, world, devices, recipe, rest)
+    except cancel.Cancelled as stopped:
+        print(f"auto-round-dp: dpq: {cancel.said()}", file=sys.stderr, flush=True)
+        return cancel.exit_status(stopped.signum)
+
+
+def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str]) -> int:
+    """Under torchrun: this process's lanes, the group, the job agreed by every rank
+    (:mod:`dpq.autoround.job`), the run over the group, the group destroyed."""
+    from dpq import cancel, refusals
+    from dpq.autoround.job import settings
+    from dpq.autoround.process_setup import SETUPS, process_lanes, start_group
+    from dpq.distributed import JobMismatch, ProcessSet, agree_job, peer_lost
+    from dpq.plan import PlanRefused, lane_device_errors
     from dpq.streams import default_accelerator_type
 
     devices, rest, kind = process_lanes(world, devices, rest, int(os.environ.get("LOCAL_RANK", "0")),
                                         default_accelerator_type())
-    start_group(kind, float(ours.parallel_timeout), (devices or "").split(",")[0] or None)
-    _name_the_rank_before_leaving()
+    # before the group's setup binds a device or imports a vendor's backend for it: the plan's refusal
+    missing = lane_device_errors(devices) if devices is not None else []
+    if missing:
+        print(f"auto-round-dp: {PlanRefused(missing)}", file=sys.stderr)
+        return 1
     try:
-        return _run(ours, world, devices, recipe, rest)
-    finally:
-        import torch.distributed as dist
+        start_group(kind, float(ours.parallel_timeout), (devices or "").split(",")[0] or None)
+    except Exception as err:  # a rank that never came, a store it cannot reach: said, not a traceback
+        print(f"auto-round-dp: dpq: {refusals.group_start_failed(SETUPS[kind].backend, repr(err))}", file=sys.stderr)
+        return 1
+    import torch.distributed as dist
 
+    procs = ProcessSet.detect()  # the job's one set: its reports, its cancel (peers) and every block's run
+    procs.timeout_s = float(ours.parallel_timeout)  # also how long the others wait for rank 0's silence in its save
+    if cancel.installed():
+        cancel.install(peers=procs)
+    try:
+        try:  # every rank runs the same job, or none starts: before the model loads
+            agree_job(procs, settings(ours, rest, recipe))
+        except JobMismatch as err:
+            print(f"auto-round-dp: {err}", file=sys.stderr)
+            return 1
+        except Exception as err:  # a rank lost while agreeing
+            failure = procs.stop(err, peer_lost(err))
+            print(f"auto-round-dp: {failure}", file=sys.stderr)
+            return failure.exit_status
+        return _run(ours, world, devices, recipe, rest, procs)
+    finally:
         if dist.is_initialized():  # a failure destroyed it already (dpq.distributed.ProcessSet.stop)
             dist.destroy_process_group()
 
 
-def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str]) -> int:
+def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str],
+         procs=None) -> int:
+    import traceback
+
+    from dpq import cancel
     from dpq.autoround import integration, shard_seams
     from dpq.autoround.integration import ParallelLaneError
     from dpq.autoround.patches import PatchMismatch
@@ -232,7 +280,7 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
     if world != "off":
         try:
             integration.enable(world, devices, debug_identical=ours.parallel_debug,
-                               overlap=True if ours.parallel_overlap else None)
+                               overlap=True if ours.parallel_overlap else None, processes=procs)
         except PatchMismatch as e:
             print(f"auto-round-dp: {e}", file=sys.stderr)
             return 1
@@ -246,7 +294,8 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
         cfg = integration._current()
         if cfg is None or cfg.processes is None:
             raise
-        raise cfg.processes.stop(e, peer_lost(e)) from e
+        failure = cfg.processes.stop(e, peer_lost(e))
+        failure.__cause__ = e
     finally:
         integration.disable()
         records = integration.run_summary() if world != "off" else []
@@ -255,7 +304,8 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
             print(format_summary(records), flush=True)
         if world != "off" and any(phases.values()) and rank == 0:
             print("dpq phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
-        if ours.parallel_report and rank == 0:  # rank 0 alone writes the report
+        # rank 0 alone writes the report; nothing is written after a cancel
+        if ours.parallel_report and rank == 0 and cancel.cancelled() is None:
             try:
                 write_report(ours.parallel_report, world, devices, records, phases,
                              None if failure is None else str(failure))
@@ -263,13 +313,19 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
                 print(f"auto-round-dp: error: could not write --parallel_report {ours.parallel_report}: {e}",
                       file=sys.stderr)
                 failure = failure or e
+    if isinstance(failure, RankFailure) and failure.exit_status != 1 and cancel.cancelled() is not None:
+        print(f"auto-round-dp: dpq: {cancel.said()}", file=sys.stderr)  # cancelled here too: the job was cancelled
+        return failure.exit_status
     if failure is not None:
+        if isinstance(failure, RankFailure) and failure.raised_here is not None:  # the cause, where it happened
+            print(f"auto-round-dp: dpq: rank {rank} raised:\n" + "".join(traceback.format_exception(
+                failure.raised_here)).rstrip(), file=sys.stderr)
         print(f"auto-round-dp: {failure}", file=sys.stderr)
         if isinstance(failure, ParallelLaneError):
             from dpq import refusals
 
             print(f"auto-round-dp: {refusals.RUN_STOPPED}", file=sys.stderr)
-        return 1
+        return failure.exit_status if isinstance(failure, RankFailure) else 1
     return 0
 
 

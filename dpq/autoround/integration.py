@@ -123,7 +123,8 @@ def _run_state() -> _State | None:
 
 
 def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False,
-           auto_world: AutoWorld | None = None, overlap: bool | None = None) -> None:
+           auto_world: AutoWorld | None = None, overlap: bool | None = None,
+           processes: ProcessSet | None = None) -> None:
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
 
     ``parallel_quantization``: 'off', 'auto' (use what fits; never refuses) or an int world
@@ -142,7 +143,9 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     time (:class:`dpq.cost_model.AutoWorld`); default: a fresh one for this ``enable()``, used
     where the lanes are on distinct devices (lanes sharing one device keep every fitting lane:
     the model divides compute over devices). A given one is used for any lanes. ``overlap``: as
-    :func:`dpq.parallel_tune`'s (None: on for CPU lanes, off for accelerator lanes).
+    :func:`dpq.parallel_tune`'s (None: on for CPU lanes, off for accelerator lanes). ``processes``:
+    the group's :class:`dpq.distributed.ProcessSet` when the caller made one for the job already
+    (auto-round-dp does, to agree on the job and report a cancel through it; default: detected).
 
     Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
     back the settings of the ``enable()`` before it (or, after the outermost, auto-round's
@@ -157,7 +160,7 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
         raise ValueError("dpq: bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     world = validate_world(parallel_quantization)
     model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
-    procs = ProcessSet.detect() if world != "off" else None
+    procs = (processes if processes is not None else ProcessSet.detect()) if world != "off" else None
     new = _State(world=world, devices=devices, debug_identical=debug_identical, overlap=overlap, auto_world=model,
                  auto_given=auto_world is not None, processes=procs if procs is not None and procs.size > 1 else None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
@@ -197,7 +200,7 @@ def _whole_block_dispatch(self, block, input_ids, input_others):
     if cfg is None or cfg.world == "off":
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     block = _dispatch(self, block, input_ids, input_others)
-    if isinstance(cfg.world, int) and cfg.processes is None:  # several processes: refused by the agreement
+    if isinstance(cfg.world, int):
         _preflight(cfg, self, block, input_ids)
     return block
 
@@ -250,8 +253,15 @@ def auto_world_report() -> list[dict]:
 def _preflight(cfg: _State, q, block, inputs) -> None:
     """An explicit world's plan for this block, resolved before any of the block's work (the
     collection passes come first): raises :class:`dpq.plan.PlanRefused` with every reason at
-    once, the tuner's feature reasons included."""
-    resolve(_tuner_request(cfg, q, block, inputs))
+    once, the tuner's feature reasons included. Several processes: agreed by every rank
+    (:func:`dpq.session.agree_plan`, as the tune's plan is), so a refusal on any rank (more lanes
+    over the processes than samples per iteration among them) stops every rank here."""
+    request = _tuner_request(cfg, q, block, inputs)
+    if cfg.processes is None:
+        resolve(request)
+    else:
+        session.agree_plan(_session_config(cfg, None), cfg.processes, request.samples_per_iter,
+                           bool(request.extra_reasons), lambda: resolve(request))
 
 
 def _lane_devices(cfg: _State):

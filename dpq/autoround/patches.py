@@ -61,6 +61,9 @@ TABLE: tuple[Patch, ...] = (
           "dpq.autoround.seams_collection:compress_block",
           _same("self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None, "
                 "reference_output=None, **kwargs"), "collection"),
+    # the output written whole or not at all (dpq.autoround.ranks, dpq.staging)
+    Patch("auto_round.compressors.base:BaseCompressor", "quantize_and_save", "dpq.autoround.ranks:quantize_and_save",
+          _same("self, output_dir='tmp_autoround', format=None, inplace=True, max_shard_size=None, **kwargs"), "save"),
     # several processes (dpq.autoround.ranks): rank 0 alone writes; auto-round's own DDP lane stays off dpq's path
     Patch("auto_round.compressors.base:BaseCompressor", "save_quantized", "dpq.autoround.ranks:save_quantized",
           _same("self, output_dir=None, format=None, inplace=True, return_folders=False, max_shard_size=None, "

@@ -1,17 +1,24 @@
-"""What auto-round does once per job, under several processes (torchrun): rank 0 alone writes.
+"""What auto-round does once per job: its save, written whole or not at all, and under several
+processes (torchrun) by rank 0 alone.
 
-Five replacements in the patch table (:mod:`.patches`), each passing straight through when
-no ``enable()`` holds a process set (:attr:`dpq.autoround.integration._State.processes`):
+Six replacements in the patch table (:mod:`.patches`), each passing straight through when no
+``enable()`` holds a process set (:attr:`dpq.autoround.integration._State.processes`), but the
+first, which needs only dpq on:
 
+* ``BaseCompressor.quantize_and_save``: the run writes its output into a folder beside
+  ``output_dir`` and moves it into place only once the whole save succeeded
+  (:class:`dpq.staging.Staging`); a failed or cancelled run leaves ``output_dir`` exactly as it
+  was (a model saved there before is untouched). Under several processes rank 0 does this.
 * ``BaseCompressor.save_quantized``: every rank waits for every other first (a barrier on the
   run's group, bounded by the group's timeout), so that rank 0 never finishes a save after a
   failure on another rank (a rank that failed raised, or was killed: the barrier fails and
   :meth:`dpq.distributed.ProcessSet.stop` names it); then rank 0 writes and the other ranks
-  write nothing (their model stays in memory, quantized the same way) and return the folders
-  rank 0 wrote, once it has. With auto-round's immediate saving (its default for this format)
-  rank 0's weights are written during quantization; the configs (``config.json``,
-  ``quantization_config.json``) only here, after the barrier: a folder without them is not a
-  complete model.
+  write nothing (their model stays in memory, quantized the same way) and wait for the folders
+  rank 0 wrote, once they are in place: as long as the save takes, not bounded by the group's
+  timeout, but by rank 0's heartbeat (a rank 0 that died is noticed; one that saves slowly is
+  waited for). With auto-round's immediate saving (its default for this format) rank 0's
+  weights are written during quantization (into the staging folder); the configs
+  (``config.json``, ``quantization_config.json``) only here, after the barrier.
 * ``MLLMMixin.save_quantized`` and ``DiffusionMixin.save_quantized``: auto-round's MLLM and
   diffusion compressors override the save (the diffusion one writes the pipeline's other
   components and ``model_index.json`` itself), so they get the same treatment: the barrier,
@@ -29,10 +36,14 @@ no ``enable()`` holds a process set (:attr:`dpq.autoround.integration._State.pro
 
 from __future__ import annotations
 
+import os
+
+from dpq.staging import Staging
+
 from . import patches
 
 __all__ = ["adjust_immediate_packing_and_saving", "diffusion_save_quantized", "mllm_save_quantized", "processes",
-           "save_quantized", "setup_ddp_if_needed_"]
+           "quantize_and_save", "save_quantized", "setup_ddp_if_needed_"]
 
 
 def processes():
@@ -74,12 +85,61 @@ def diffusion_save_quantized(self, output_dir=None, format=None, inplace=True, r
 
 
 _writing: list[bool] = []  # non-empty while rank 0 runs an original save (the mixins' call BaseCompressor's)
+_staged: list[Staging] = []  # the staging of the quantize_and_save running now (it hands the folders out)
+
+
+def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=True, max_shard_size=None, **kwargs):
+    """auto-round's ``quantize_and_save`` with its output written whole or not at all
+    (:class:`dpq.staging.Staging`): the whole run (auto-round's immediate saving writes shards during
+    quantization) writes into a folder beside ``output_dir``, moved into place once the save
+    succeeded; on failure or cancel ``output_dir`` is left as it was. Under several processes rank 0
+    stages (the others write nothing) and hands the others the folders once they are in place.
+    Passes straight through with dpq off, or with auto-round's resume (``AR_RESUME_DIR``: it reuses a
+    failed run's shards in ``output_dir``, so they must stay there)."""
+    from auto_round.logger import logger
+
+    from dpq import refusals
+    from dpq.distributed import RankFailure, peer_lost
+
+    from .integration import _current
+
+    original = _original(_BASE, "quantize_and_save")
+    cfg, procs = _current(), processes()
+    if cfg is None or cfg.world == "off" or (procs is not None and procs.rank != 0):
+        return original(self, output_dir, format, inplace, max_shard_size, **kwargs)
+    if os.environ.get("AR_RESUME_DIR"):
+        logger.warning(f"dpq: {refusals.UNSTAGED_FOR_RESUME}")
+        return original(self, output_dir, format, inplace, max_shard_size, **kwargs)
+    staging = Staging(output_dir)
+    _staged.append(staging)
+    try:
+        model, folders = original(self, str(staging.dir), format, inplace, max_shard_size, **kwargs)
+        staging.commit()
+    except BaseException as err:
+        staging.discard()
+        if procs is not None and not isinstance(err, RankFailure):  # the others wait for this rank's move
+            failure = procs.stop(err, peer_lost(err))
+            if isinstance(err, Exception):
+                raise failure from err
+        raise
+    finally:
+        _staged.pop()
+    folders = [staging.path_in_place(f) for f in folders] if isinstance(folders, list) else \
+        staging.path_in_place(folders)
+    self.output_dir = self.compress_context.output_dir = staging.path_in_place(self.output_dir)
+    logger.info(f"dpq: the saved model is complete and in place: {folders}")
+    if procs is not None:
+        procs.publish("save", folders)
+    return model, folders
 
 
 def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders, **kwargs):
     """``owner.save_quantized`` under several processes: the barrier, rank 0 writes, every rank returns
     rank 0's folders (module docstring). A save called from inside rank 0's save (a mixin's
-    ``super().save_quantized``) is part of it: it passes straight through, with no second barrier."""
+    ``super().save_quantized``) is part of it: it passes straight through, with no second barrier.
+    The other ranks wait for rank 0's folders without a collective deadline (a save can take long):
+    on its heartbeat (:meth:`dpq.distributed.ProcessSet.await_rank0`), until rank 0 hands them out:
+    after this save, or, inside :func:`quantize_and_save`, once they are moved into place."""
     procs = processes()
     save = _original(owner, "save_quantized")
     if procs is None or _writing:
@@ -92,17 +152,20 @@ def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders,
     try:
         dist.barrier(group=procs.group)  # every rank got here: none failed after its last collective
         if procs.rank == 0:
+            procs.beat("save")
             _writing.append(True)
             try:
                 out = save(self, output_dir, format, inplace, return_folders=True, **kwargs)
             finally:
                 _writing.pop()
+            folders = out[1]
+            if not _staged:
+                procs.publish("save", folders)
         else:
             from auto_round.logger import logger
 
             logger.info(f"dpq: rank {procs.name(procs.rank)} writes nothing: rank 0 writes the model")
-        # rank 0's folders, once written: every rank returns the same (auto-round's CLI probes them)
-        folders = procs.all_gather_object(out[1] if out else None)[0]
+            folders = procs.await_rank0("save")  # every rank returns rank 0's folders (auto-round's CLI probes them)
     except Exception as err:
         raise procs.stop(err, peer_lost(err)) from err
     model = out[0] if out else self.model

@@ -1,0 +1,260 @@
+"""Cancel means stop: SIGTERM or SIGINT, or the launcher gone, ends this process within seconds,
+also while its main thread is blocked in a collective, and nothing written after the cancel
+reaches the output.
+
+:func:`install` (a command's entry point calls it once, from the main thread; a library never
+installs signal handlers) puts a Python handler on SIGTERM and SIGINT and gives the signals a
+wakeup fd (:func:`signal.set_wakeup_fd`): Python's C-level handler writes each signal's number
+there at once, even while the main thread waits in C++ (a gloo collective does not return to the
+interpreter, so a Python handler alone would not run until the collective ends), and a watcher
+thread reads it. The same thread watches the launcher: when this process's parent at
+:func:`install` is gone (it was killed, even with SIGKILL: the process is re-parented), that is a
+cancel too, so no worker outlives its launcher. Checking the parent's pid is used rather than
+``PR_SET_PDEATHSIG``, which fires when the parent *thread* that started the process exits.
+
+What a cancel does:
+
+* one process (``peers`` None): the handler raises :class:`Cancelled` in the main thread, which
+  unwinds as an interrupt does (the session puts the block back, the output's staging folder is
+  removed); the watcher ends the process if that has not happened within ``BACKSTOP_S``.
+* several processes: this rank reports the cancel to the others (``peers``, the run's
+  :class:`dpq.distributed.ProcessSet`), then leaves when every rank has reported one (a cancel of
+  the whole job: at once), or after ``NAMING_S`` (a peer that lost its process meanwhile has been
+  seen by then: its collectives fail at once, and :meth:`~dpq.distributed.ProcessSet.stop` names
+  it; the watcher waits for that, up to the set's ``grace_s``). The watcher then says so, removes
+  the staging folders registered with :func:`on_exit` and ends the process (``os._exit``: a main
+  thread blocked in a collective cannot unwind).
+
+:func:`uninterrupted` guards the one step that must not be cut: moving a finished output into
+place. A cancel before it refuses it (raises :class:`Cancelled`); one during it waits for its end.
+
+Exit statuses (the shell's convention, 128 + the signal): 130 after SIGINT, 143 after SIGTERM,
+129 when the launcher is gone (as a hang-up, SIGHUP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["BACKSTOP_S", "LAUNCHER_GONE", "NAMING_S", "Cancelled", "Peers", "cancelled", "cause_of", "exit_status",
+           "install", "installed", "note_failing", "on_exit", "said", "uninterrupted", "what"]
+
+LAUNCHER_GONE = signal.SIGHUP  # what a cancel by the launcher's death counts as (its exit status: 129)
+NAMING_S = 2.0  # several processes: how long a cancelled rank lets its main thread notice a lost peer
+BACKSTOP_S = 5.0  # one process: how long the main thread has to unwind before the process is ended
+
+
+class Cancelled(KeyboardInterrupt):
+    """The run was cancelled (``signum``: the signal, or :data:`LAUNCHER_GONE`). An interrupt, so
+    that everything on the way out treats it as one (the session restores the block, no rerun)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(what(signum))
+
+
+class Peers(Protocol):
+    """The other ranks of the run, as the watcher needs them (:class:`dpq.distributed.ProcessSet`)."""
+
+    grace_s: float
+
+    def report_cancel(self, what: str) -> None: ...
+
+    def cancelled_everywhere(self) -> bool: ...
+
+
+@dataclass
+class _State:
+    signum: int | None = None  # what cancelled the run (first one wins)
+    received: int = 0  # signals read off the wakeup fd
+    again: bool = False  # a second signal: leave at once
+    raised: bool = False  # one process: the main thread's handler raised Cancelled
+    parent: int | None = None  # the launcher's pid (None: not watched)
+    peers: Peers | None = None
+    failing_since: float | None = None  # the main thread is naming a failed rank (dpq.distributed)
+    protected: threading.Lock = field(default_factory=threading.Lock)
+    in_protected: bool = False
+    moved: bool = False  # a protected step finished after the cancel arrived (the output is in place)
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
+    said: bool = False  # the cancel was told to the user (by the main thread, or the watcher)
+    watcher: threading.Thread | None = None
+
+
+_state = _State()
+
+
+def what(signum: int) -> str:
+    """The cancel's cause in words: 'SIGTERM', 'SIGINT', or the launcher's death."""
+    if signum == LAUNCHER_GONE:
+        return "its launcher is gone"
+    return signal.Signals(signum).name
+
+
+def cause_of(text: str) -> int:
+    """The signal :func:`what` put in words (SIGTERM for a text it did not write)."""
+    for signum in (signal.SIGTERM, signal.SIGINT, LAUNCHER_GONE):
+        if what(signum) == text:
+            return signum
+    return signal.SIGTERM
+
+
+def exit_status(signum: int) -> int:
+    return 128 + int(signum)
+
+
+def cancelled() -> int | None:
+    """The signal that cancelled this process's run (:data:`LAUNCHER_GONE` for the launcher), or None."""
+    return _state.signum
+
+
+def installed() -> bool:
+    return _state.watcher is not None
+
+
+def install(*, watch_parent: bool = False, peers: Peers | None = None) -> None:
+    """Cancel handling for this process (module docstring). ``watch_parent``: a cancel when this
+    process's parent goes (a launcher's worker). ``peers``: the other ranks (several processes);
+    may be given later with ``install(peers=...)``. Call from the main thread."""
+    if peers is not None:
+        _state.peers = peers
+    if _state.watcher is not None:
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)  # the C-level handler must never block
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _on_signal)
+    _state.parent = os.getppid() if watch_parent else None
+    _state.watcher = threading.Thread(target=_watch, args=(read_fd,), name="dpq-cancel", daemon=True)
+    _state.watcher.start()
+
+
+def on_exit(cleanup: Callable[[], None]) -> Callable[[], None]:
+    """Run ``cleanup`` (best effort) if a cancel ends the process from the watcher; returns a
+    function that unregisters it."""
+    _state.cleanups.append(cleanup)
+    return lambda: _state.cleanups.remove(cleanup) if cleanup in _state.cleanups else None
+
+
+def note_failing() -> None:
+    """The main thread is naming a failed rank (:meth:`dpq.distributed.ProcessSet.stop`): a cancel
+    arriving now (torchrun stops the other workers when one fails) lets it finish."""
+    if _state.failing_since is None:
+        _state.failing_since = time.monotonic()
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A step a cancel must not cut (the output moved into place): refused by an earlier cancel
+    (raises :class:`Cancelled`), waited for by a later one."""
+    with _state.protected:
+        if _state.signum is not None:
+            raise Cancelled(_state.signum)
+        _state.in_protected = True
+        try:
+            yield
+        finally:
+            _state.in_protected = False
+            _state.moved = _state.signum is not None
+    if _state.moved and not _state.raised:  # it came during the step, which finished: the run stops now
+        _state.raised = True
+        raise Cancelled(_state.signum)
+
+
+def _cancel(signum: int) -> None:
+    """Record the cancel's cause (the first one wins)."""
+    if _state.signum is None:
+        _state.signum = signum
+
+
+def _on_signal(signum: int, frame) -> None:
+    """The main thread's handler, when the interpreter gets to run it (the watcher, which counts the
+    signals, acts anyway). One process: the main thread unwinds, once."""
+    _cancel(signum)
+    if _state.peers is None and not _state.raised and not _state.in_protected:
+        _state.raised = True
+        raise Cancelled(signum)
+
+
+def _watch(read_fd: int) -> None:
+    while _state.signum is None:
+        _poll(read_fd)
+    if _state.peers is None and _state.signum != LAUNCHER_GONE:
+        # one process: the main thread unwinds by itself (Cancelled, raised once a move into place
+        # has finished); end it if it has not done so soon after
+        with _state.protected:
+            pass
+        deadline = time.monotonic() + BACKSTOP_S
+        while time.monotonic() < deadline and not _state.again:
+            _poll(read_fd)
+    _leave(read_fd)
+
+
+def _poll(read_fd: int, timeout_s: float = 0.2) -> None:
+    """Wait up to ``timeout_s`` for a signal's byte on the wakeup fd; then look at the launcher."""
+    ready, _, _ = select.select([read_fd], [], [], timeout_s)
+    if ready:
+        for sig in os.read(read_fd, 64):  # one byte per signal delivered
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                _cancel(sig)
+                _state.received += 1
+                _state.again = _state.received > 1
+    if _state.parent is not None and os.getppid() != _state.parent:
+        _cancel(LAUNCHER_GONE)
+
+
+def _bounded(call: Callable[[], object], timeout_s: float) -> object:
+    """``call()`` in a helper thread, for at most ``timeout_s`` (a store op must not hold the exit)."""
+    out: list = []
+    helper = threading.Thread(target=lambda: out.append(_quiet(call)), daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    return out[0] if out else None
+
+
+def _quiet(call: Callable[[], object]) -> object:
+    try:
+        return call()
+    except Exception:
+        return None
+
+
+def _leave(read_fd: int) -> None:
+    """The watcher's end of a cancel (module docstring); never returns."""
+    signum, peers = _state.signum, _state.peers
+    if peers is not None and signum != LAUNCHER_GONE:
+        _bounded(lambda: peers.report_cancel(what(signum)), 1.0)
+        deadline = time.monotonic() + NAMING_S
+        while time.monotonic() < deadline and not _state.again:
+            if _state.failing_since is not None:  # the main thread names a lost peer: let it finish
+                deadline = max(deadline, _state.failing_since + peers.grace_s + 1.0)
+            elif _bounded(peers.cancelled_everywhere, 1.0):
+                break
+            _poll(read_fd, 0.05)  # a second signal: leave at once
+    with _state.protected:  # a move into place that started before the cancel finishes first
+        pass
+    if not _state.said:
+        print(f"dpq: {said()}", file=sys.stderr, flush=True)
+    for cleanup in list(_state.cleanups):
+        _quiet(cleanup)
+    for stream in (sys.stdout, sys.stderr):
+        _quiet(stream.flush)
+    os._exit(exit_status(signum))
+
+
+def said() -> str:
+    """What the main thread tells the user of the cancel (the watcher then says nothing more)."""
+    _state.said = True
+    cause = what(_state.signum) if _state.signum is not None else "an interrupt"
+    from dpq import refusals
+
+    return refusals.cancelled_after_move(cause) if _state.moved else refusals.cancelled(cause)
