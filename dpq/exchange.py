@@ -156,6 +156,14 @@ class GradBuckets:
             for p in params:
                 p.grad = None
 
+    def release(self) -> None:
+        """Drop the buffers, their views, the policies' scratch and the parameter lists (the run is
+        over; ``detach()`` the grads first). The object is unusable afterwards."""
+        self.scratch.clear()
+        self.buffers.clear()
+        self.params.clear()
+        self._views = None
+
     def is_attached(self) -> bool:
         """True when every ``p.grad`` is still the view of its slot."""
         return all(

@@ -42,7 +42,7 @@ import torch
 
 from dpq.streams import Lane, backend, map_tensors
 
-__all__ = ["LaneData", "ReplicaMismatchError", "ReplicaSet", "module_tensors", "tensors_in"]
+__all__ = ["LaneData", "ReplicaMismatchError", "ReplicaSet", "module_tensors", "release_cached_memory", "tensors_in"]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -171,11 +171,14 @@ class ReplicaSet:
         for lane in self.lanes[1:]:
             lane.wait_for_current()
 
-    def close(self, *, collect: bool = True) -> None:
+    def close(self, *, collect: bool = True, release_cache: bool = True) -> None:
         """Join the lanes with the current stream (R5), then drop the mirrors; home is untouched.
 
         Safe to call twice. ``collect=False`` skips the cycle collection (CPU passes that
-        have no device allocator to hand memory back to).
+        have no device allocator to hand memory back to). ``release_cache=False`` keeps the
+        allocator's cached blocks (freeing device memory waits for the device: skipped when the
+        lanes' work can never end, ``dpq.tune_loop.LanesHung.stuck``). Whoever else holds lane
+        memory (the engine's optimizers and gradient buffers) lets go of it before this call.
         """
         self.join_lanes()
         for lane in self.lanes:
@@ -188,10 +191,15 @@ class ReplicaSet:
             # mirror is only freed by the cycle collector; collect now so the memory is back
             # before the next block. Skipped at world 1: a full collection costs ~0.2 s.
             gc.collect()
-        for lane in self.lanes[1:]:
-            if lane.device.type == "cuda":
-                torch.cuda.empty_cache()
-                break
+        if release_cache:
+            release_cached_memory([lane.device for lane in self.lanes[1:]])
+
+
+def release_cached_memory(devices: Sequence[torch.device]) -> None:
+    """Hand the caching allocator's free blocks on ``devices`` back to the device (each backend's
+    ``empty_cache``, once per device type), so the next block's free-memory plan sees them."""
+    for type_ in dict.fromkeys(torch.device(d).type for d in devices):
+        backend(torch.device(type_)).empty_cache()
 
 
 class LaneData:

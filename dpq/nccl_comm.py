@@ -30,6 +30,11 @@ NCCL lifecycle (kept in :mod:`dpq.nccl_lifecycle`, re-exported here):
   come; ``ncclCommAbort`` (``comm.abort()`` in CuPy) ends them. The set is then marked
   aborted: any later use raises :class:`NcclAborted` naming the failed collective, and
   ``select_communicator`` picks device copies for those GPUs for the rest of the run.
+* **No wait blocks forever.** The iteration's readback polls its events against
+  ``--parallel_timeout`` (R8 of ``dpq.streams``), calling :meth:`CupyNcclCommunicator.check_async_error`
+  meanwhile; on expiry or an asynchronous error the engine aborts the set
+  (:meth:`CupyNcclCommunicator.abort` ends the queued kernels; torch.cuda.nccl's cannot be ended,
+  :meth:`TorchNcclCommunicator.abort` says so).
 """
 
 from __future__ import annotations
@@ -215,6 +220,24 @@ class CupyNcclCommunicator(CommunicatorBase):
             self._set.destroy()
         self._set = None
 
+    def check_async_error(self) -> None:
+        """Each rank's ``check_async_error()`` (``ncclCommGetAsyncError``; CuPy raises ``NcclError``
+        for a failed state): on an error every handle is aborted and :class:`NcclCollectiveError` raised."""
+        if self._set is None or self._set.state != "open":
+            return
+        for rank, comm in enumerate(self._set.comms):
+            try:
+                comm.check_async_error()
+            except Exception as e:
+                fail_group(self._set, f"queued work (asynchronous error reported by rank {rank})", e)
+
+    def abort(self, reason: str) -> bool:
+        """``ncclCommAbort`` on every rank (ends their queued kernels); the devices stay off NCCL for the run."""
+        if self._set is None:
+            return False
+        self._set.abort(reason)
+        return True
+
     def _dtype(self, dtype: torch.dtype) -> int:
         name = {torch.float32: "NCCL_FLOAT32", torch.bfloat16: "NCCL_BFLOAT16", torch.uint8: "NCCL_UINT8"}[dtype]
         if not hasattr(self._nccl, name):
@@ -379,6 +402,11 @@ class TorchNcclCommunicator(CommunicatorBase):
     @property
     def comm_set(self) -> NcclCommSet:
         return self._set
+
+    def abort(self, reason: str) -> bool:
+        """torch.cuda.nccl has no abort: the devices are only marked off NCCL; queued kernels stay (False)."""
+        self._set.abort(reason)
+        return False
 
     @property
     def _streams(self) -> list:

@@ -30,7 +30,8 @@ __all__ = [
     "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices",
     "pool_spread_over", "report_is_dir", "report_unwritable", "rtn_override", "samples_mismatched", "symbol_differs",
     "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
-    "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF",
+    "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF", "lanes_hung",
+    "nccl_off_for_devices",
     *refusals_processes.__all__,
 ]
 
@@ -407,6 +408,32 @@ def pass_lane_failed_rerun(what: str, err: str, restored: str) -> str:
 def lane_failure(err: str) -> str:
     """A record's reason when ``auto`` reran a block or a pass serially after a lane failure."""
     return f"lane failure: {err}. Fix: none needed (rerun serially, same result as auto-round's own)"
+
+
+def lanes_hung(block: str, world: int, communicator: str, lanes: str, waited_s: float, cause: str,
+               ended: bool) -> str:
+    """The watchdog (dpq.tune_loop): an iteration's readback passed --parallel_timeout, or the communicator
+    reported an asynchronous error (``cause``); ``lanes``: those whose work had not finished; ``ended``:
+    aborting the communicator ended the work queued on the lanes (NCCL's abort), so home can be restored."""
+    what = f"{block} at world {world}: lane(s) {lanes} had not finished an iteration after {waited_s:.1f} s ({cause})"
+    if ended:
+        return (f"{what}; the {communicator} communicators were aborted, which ends their queued work, and these GPUs "
+                "use device copies for the rest of this run. Fix: if the block's iterations are that slow, raise "
+                "--parallel_timeout; otherwise rerun with NCCL_DEBUG=WARN for NCCL's own reason (under "
+                "--parallel_quantization auto such a block is redone serially)")
+    return (f"{what}; the {communicator} communicator cannot end work already queued on the GPUs (torch.cuda.nccl has "
+            "no abort, a copy between devices has none either), so this process cannot use those GPUs again and the "
+            "block could not be put back. Fix: restart the run; install CuPy's NCCL (pip install dpq[cuda12]), whose "
+            "communicators can be aborted, or raise --parallel_timeout if the block's iterations are that slow")
+
+
+def nccl_off_for_devices(world: int, devices: Sequence[str], failure: str) -> str:
+    """The plan's communicator reason when NCCL failed for these GPUs earlier in this run (an abort,
+    a failed init): no NCCL kind is used for them again in this process."""
+    return (f"{world} distinct GPUs, but NCCL over cuda devices {', '.join(devices)} failed earlier in this run "
+            f"({failure}), so no NCCL communicator is used for them again in this process: device copies instead. "
+            "Fix: none needed for this run (the results are the same); a new run tries NCCL again, NCCL_DEBUG=WARN "
+            "says why it failed")
 
 
 # -- the installed auto-round (dpq.autoround.compat, dpq.autoround.patches) ----------------------

@@ -47,7 +47,7 @@ from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_los
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.fallback_p2p import make_communicator, select_communicator
 from dpq.faults import fault_point, faulty, inject_fault
-from dpq.mirror import ReplicaSet
+from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.plan import Plan, PlanRefused, PlanRequest, resolve, validate_world
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
@@ -55,6 +55,14 @@ from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
 
 __all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "fault_point", "inject_fault", "lanes_for",
            "plan_for", "release_run", "run"]
+
+
+DEFAULT_TIMEOUT_S = 600.0  # auto-round-dp's --parallel_timeout default
+# ProcessGroupNCCL's watchdog acts at the group's timeout (the same setting) and, with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (torch's default: "tearing down process without aborting NCCL
+# communicator", https://pytorch.org/docs/stable/torch_nccl_environment_variables.html), ends the
+# process before any rank could be named; dpq's watchdog fires at this fraction of it first.
+PG_WATCHDOG_LEAD = 0.9
 
 
 @dataclass
@@ -77,9 +85,18 @@ class SessionConfig:
     # run on one yet); True on accelerators puts the exchange on a second stream per lane
     # (dpq.comm_streams), one process only.
     overlap: bool | None = None
+    # --parallel_timeout: how long the host waits for an iteration's work (dpq.tune_loop: the watchdog)
+    # and, across processes, a collective for the other ranks (the process group's timeout).
+    timeout: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         self.world = validate_world(self.world)
+
+    def watchdog_s(self) -> float:
+        """The readback's deadline: the timeout in one process; across processes a little less
+        (:data:`PG_WATCHDOG_LEAD`), so that dpq's watchdog fires before ProcessGroupNCCL's own."""
+        several = self.processes is not None and self.processes.size > 1
+        return self.timeout * PG_WATCHDOG_LEAD if several else self.timeout
 
 
 @dataclass
@@ -157,10 +174,16 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
     try:
         outcome, result = _run_lanes(config, plan, task, procs)
     except BaseException as err:
+        if getattr(err, "stuck", False):
+            # dpq.tune_loop.LanesHung: work queued on the lanes' devices never ends, so any wait on them
+            # (the restore's copies, a serial rerun) would hang too; the error says so and what to do.
+            raise
         snapshot.restore()
         del snapshot
-        lost = procs is not None and peer_lost(err)  # read before the traceback is released
+        # read before the traceback is released; a watchdog expiry across processes waited for a peer
+        lost = procs is not None and (peer_lost(err) or getattr(err, "peer_lost", False))
         release_run(err, task.name if task.name.startswith("dpq") else f"dpq ({task.name})")
+        release_cached_memory(plan.devices)  # what only the failed run's frames held is free now
         if procs is not None:  # fatal on every rank: ranks could not agree on a serial rerun
             del rng
             _stop_every_rank(procs, err, lost)
@@ -244,12 +267,13 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
     exchange = (SignExchange if plan.exchange == "sign" else FullSumExchange)(comm, overlap=config.overlap)
     t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
+    engine, stuck = None, False
     try:
         engine = TuneEngine(
             replicas, faulty(spec.lane_loss, task), spec.make_optimizer, exchange,
             reduction=spec.reduction, micro_batch=spec.micro_batch, loss_scale=spec.loss_scale,
             sample_numel=spec.sample_numel, debug_identical=config.debug_identical,
-            one_op_sign_step=spec.one_op_sign_step,
+            one_op_sign_step=spec.one_op_sign_step, timeout_s=config.watchdog_s(), name=task.name,
         )
         plan.step = engine.step_note
         outcome = run_loop(engine, spec)
@@ -257,12 +281,20 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
             on_devices = lanes[0].accelerator  # on CPU the forward's host time is the compute itself
             auto.measured(task.name, time.perf_counter() - t_loop, iters=spec.iters, world=plan.world,
                           issue_s=outcome.issue_s if on_devices else None)
+    except BaseException as err:
+        stuck = getattr(err, "stuck", False)  # the watchdog could not end the lanes' work: no wait on them
+        raise
     finally:
         # R5, on success and on failure alike: the current stream and every lane join before
         # the mirrors go and before the adapter unwraps (or the session restores) the home block;
         # the lanes first join their communication streams (dpq.comm_streams, C4).
         getattr(comm, "join", lambda: None)()
-        replicas.close()
+        # Teardown order: the engine's optimizers (which hold the mirrors' tuned values), flat gradient
+        # buffers and exchange scratch go first, so that the cache the replicas empty next holds them
+        # too (a failed run's frames still reference the engine: close() empties it in place).
+        if engine is not None:
+            engine.close()
+        replicas.close(release_cache=not stuck)  # emptying the cache frees device memory: a device sync
     return outcome, task.finish(outcome, plan)
 
 

@@ -60,6 +60,12 @@ R7  Lane-local data (:meth:`Lane.bring`): a lane's samples, masks and every per-
     side stream of that device, one per (lane, source device), made current for the copy: the
     two-way barrier is then between the lane and its own side stream. Host memory is pinned
     once per block and copied ``non_blocking`` on the lane's stream.
+R8  Every host wait has a deadline (:func:`wait_events`): the host polls the events it waits for
+    (``event.query()``, which does not block) and, between polls, a health check (the
+    communicator's asynchronous NCCL error state); past the deadline it raises
+    :class:`WaitExpired` naming what had not finished, instead of blocking in
+    ``event.synchronize()`` on a kernel that may never end. The polls are host reads of event
+    state only: they queue nothing, so R6's one sync per iteration stays one.
 
 Lane methods whose name says "current" must be called outside every :meth:`Lane.issue`
 context: inside one, the current stream would be that lane's. ``tests/stream_checker.py``
@@ -74,12 +80,14 @@ logical accelerators on the CPU (the timeline model's) then runs exactly the acc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Backend", "HostCopy", "Lane", "backend", "make_lanes", "map_tensors", "parse_devices"]
+__all__ = ["Backend", "HostCopy", "Lane", "WaitExpired", "backend", "make_lanes", "map_tensors", "parse_devices",
+           "wait_events"]
 
 
 class Backend:
@@ -124,6 +132,10 @@ class Backend:
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """Tell the caching allocator that ``stream`` uses ``tensor`` (rule R3); CPU: nothing to tell."""
+        return None
+
+    def empty_cache(self) -> None:
+        """Hand the caching allocator's free blocks back to the device (CPU: no cache)."""
         return None
 
     def mem_get_info(self, device: torch.device) -> tuple[int, int]:
@@ -186,6 +198,11 @@ class _TorchAcceleratorBackend(Backend):
 
     def mem_get_info(self, device: torch.device) -> tuple[int, int]:
         return self.mod.mem_get_info(device)
+
+    def empty_cache(self) -> None:
+        empty = getattr(self.mod, "empty_cache", None) if self.is_available() else None
+        if empty is not None:
+            empty()  # torch.cuda: every device's cached blocks
 
     def can_access_peer(self, a: torch.device, b: torch.device) -> bool:
         if a == b:
@@ -412,6 +429,54 @@ def map_tensors(value, fn):
     return value
 
 
+# R8: how the host polls. The first polls come quickly (most waits end within microseconds of the
+# host finishing its issuing), later ones back off to POLL_MAX_S, which bounds the latency a poll
+# adds to a wait; the health check runs at most every CHECK_EVERY_S (it is a library call per handle).
+POLL_FIRST_S = 20e-6
+POLL_MAX_S = 500e-6
+CHECK_EVERY_S = 0.05
+
+
+class WaitExpired(RuntimeError):
+    """A host wait passed its deadline (R8); ``pending``: the positions of the events not yet complete."""
+
+    def __init__(self, pending: Sequence[int], waited_s: float) -> None:
+        self.pending, self.waited_s = list(pending), waited_s
+        super().__init__(f"events {self.pending} not complete after {waited_s:.1f} s")
+
+
+def wait_events(events: Sequence, timeout_s: float | None = None, check: Callable[[], None] | None = None,
+                *, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    """R8: the host waits until every event (None: nothing to wait for) has completed.
+
+    Polls ``event.query()`` (CUDA: ``cudaEventQuery``, which returns at once) with a growing pause
+    between rounds, and calls ``check()`` (e.g. the communicator's asynchronous-error check; its
+    exception propagates) before the first pause and every :data:`CHECK_EVERY_S` after it. With
+    ``timeout_s`` set, raises :class:`WaitExpired` once that many seconds have passed with events
+    still pending; without it, waits as long as it takes (still polling and checking). This is the
+    loop NCCL's documentation gives for waiting on work that may depend on a failed peer
+    (``cudaStreamQuery`` + ``ncclCommGetAsyncError``, then ``ncclCommAbort``: "Error handling and
+    communicator abort", https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/communicators.html).
+    """
+    pending = [k for k, e in enumerate(events) if e is not None]
+    if not pending:
+        return
+    start = clock()
+    pause, checked = POLL_FIRST_S, None
+    while True:
+        pending = [k for k in pending if not events[k].query()]
+        if not pending:
+            return
+        now = clock()
+        if check is not None and (checked is None or now - checked >= CHECK_EVERY_S):
+            check()
+            checked = now
+        if timeout_s is not None and now - start >= timeout_s:
+            raise WaitExpired(pending, now - start)
+        sleep(pause)
+        pause = min(POLL_MAX_S, pause * 2)
+
+
 class HostCopy:
     """R6: a small tensor's values copied to host memory on the current stream, read later.
 
@@ -432,9 +497,14 @@ class HostCopy:
             self._host.copy_(tensor, non_blocking=True)
         self._event = stream.record_event() if stream is not None else None
 
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+    @property
+    def event(self):
+        """The event the copy completes at (None: nothing to wait for)."""
+        return self._event
+
+    def wait(self, timeout_s: float | None = None, check: Callable[[], None] | None = None) -> None:
+        """The host waits for the copy (R8: polled, with ``timeout_s`` and ``check`` as in :func:`wait_events`)."""
+        wait_events([self._event], timeout_s, check)
 
     def tolist(self) -> list:
         self.wait()  # the one host sync of an iteration

@@ -35,6 +35,13 @@ and for every layout of W. In one process there is nothing to fetch: the same fo
 
 No Python worker threads; no host sync inside an iteration except the one readback.
 
+The watchdog (R8 of ``dpq.streams``): the readback polls its copies' events against ``timeout_s``
+(``--parallel_timeout``), checking the communicator's asynchronous error state meanwhile. On
+expiry or an error the communicator is aborted (NCCL's abort ends the work queued on the lanes)
+and :class:`LanesHung` names the block, the communicator and the lanes whose work had not
+finished; the session's failure policy then applies (contract 6), unless the abort could not end
+that work (``LanesHung.stuck``): then nothing more is queued on those devices.
+
 Stream order (rules R0-R7 in ``dpq.streams``): lane 0 is the current stream; each lane's
 optimizer state is built under the lane's stream (it is read and written there only); each
 lane's data reaches it through ``Lane.bring`` (R7, in the adapter's lane loss); each lane's
@@ -61,9 +68,10 @@ from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
 from dpq.sign_step import foreach_sign_step, step_choice
 from dpq.split import chunks, contiguous_ranges
-from dpq.streams import HostCopy, Lane
+from dpq.streams import HostCopy, Lane, WaitExpired, wait_events
 
-__all__ = ["LaneLoss", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "contiguous_ranges", "run_loop"]
+__all__ = ["LaneLoss", "LanesHung", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "contiguous_ranges",
+           "run_loop"]
 
 
 class LaneLoss(Protocol):
@@ -76,6 +84,17 @@ class LaneLoss(Protocol):
 # Builds a lane's optimizer and lr schedule from that lane's module, exactly as the serial
 # tuner builds them from the home module (same param groups, same order).
 OptimizerFactory = Callable[[torch.nn.Module], tuple[torch.optim.Optimizer, object | None]]
+
+
+class LanesHung(RuntimeError):
+    """The readback's deadline passed, or the communicator reported an asynchronous error (module
+    docstring: the watchdog). ``stuck``: aborting did not end the lanes' queued work, so nothing may
+    wait on those devices again (no restore, no rerun); ``peer_lost``: across processes, the
+    missing work is most likely another rank's."""
+
+    def __init__(self, message: str, *, stuck: bool, peer_lost: bool = False) -> None:
+        super().__init__(message)
+        self.stuck, self.peer_lost = stuck, peer_lost
 
 
 class Exchange(Protocol):
@@ -107,6 +126,8 @@ class TuneEngine:
         sample_numel: Callable[[int], int] | None = None,
         debug_identical: bool = False,
         one_op_sign_step: bool = False,
+        timeout_s: float | None = None,
+        name: str = "the block",
     ) -> None:
         if reduction not in ("mean", "sum"):
             raise ValueError(f"dpq: reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -122,6 +143,8 @@ class TuneEngine:
         self.loss_scale = loss_scale
         self.sample_numel = sample_numel or (lambda i: 1)
         self.debug_identical = debug_identical
+        self.timeout_s = timeout_s  # the readback's deadline (module docstring: the watchdog); None: none
+        self.name = name  # what is tuned, for the watchdog's error
         self.optimizers, self.schedulers = [], []
         for lane, module in zip(replicas.lanes, replicas.modules, strict=True):
             # Built on the lane's stream (lr tensors, scheduler state): every later use is a
@@ -247,8 +270,7 @@ class TuneEngine:
         """Each micro-step's loss: the sum of the global lanes' losses in global lane order, folded
         on the host the same way for every layout (so the same bits on every rank and for 1 x W,
         P x L and W x 1). The waits follow each other with nothing issued between them: one sync."""
-        for copy in readback:
-            copy.wait()
+        self._wait(readback)
         steps = max(len(c) for c in per_lane)
         # As Python values first (exact), then host tensors of the losses' dtype: nothing below
         # reads memory that a device stream wrote.
@@ -269,6 +291,33 @@ class TuneEngine:
                 total = total + t  # in the losses' dtype, in global lane order
             out.append(total)
         return torch.stack(out).tolist()  # host memory: no further wait
+
+    def _wait(self, readback: list[HostCopy]) -> None:
+        """The watchdog (module docstring): the readback's copies, polled against ``timeout_s``."""
+        comm = getattr(self.exchange, "comm", None)
+        events = [copy.event for copy in readback]
+        try:
+            wait_events(events, self.timeout_s, getattr(comm, "check_async_error", None))
+        except Exception as err:
+            pending = err.pending if isinstance(err, WaitExpired) else [k for k, e in enumerate(events)
+                                                                       if e is not None and not e.query()]
+            raise self._hung(comm, pending, err) from err
+
+    def _hung(self, comm, pending: list[int], err: Exception) -> LanesHung:
+        """Abort the communicator and say what hung (module docstring: the watchdog)."""
+        gathered = self.world > len(self.lanes)  # one copy: lane 0's table of every process's losses
+        if gathered:
+            lanes = "0 (its gathered losses of every process)" if pending else "none (an error was reported)"
+        else:
+            lanes = ", ".join(str(self.lane_offset + k) for k in pending) or "none (an error was reported)"
+        waited = err.waited_s if isinstance(err, WaitExpired) else 0.0
+        cause = f"--parallel_timeout {self.timeout_s:g} s passed" if isinstance(err, WaitExpired) else \
+            f"{type(err).__name__}: {err}"
+        name = getattr(comm, "name", "local")
+        abort = getattr(comm, "abort", None)
+        ended = abort(f"the watchdog ({cause})") if abort is not None else False
+        text = refusals.lanes_hung(self.name, self.world, name, lanes, waited, cause.splitlines()[0][:300], ended)
+        return LanesHung(f"dpq: {text}", stuck=bool(pending) and not ended, peer_lost=gathered)
 
     def _check_drawn(self, checksums: list[float]) -> None:
         """Across processes: every global lane's checksum of the iteration's indices agrees."""
@@ -308,6 +357,18 @@ class TuneEngine:
         """Before an iteration's first backward: zero the flat buffers (the ``.grad`` views stay),
         or at world 1 drop the grads, as serial's ``zero_grad()`` does."""
         self.buckets.attach() if self.buckets is not None else self.release_grads()
+
+    def close(self) -> None:
+        """Let go of what the run allocated beside the replicas, in place (a failed run's frames may
+        still reference this engine): the optimizers and lr schedules (they hold every lane's tuned
+        values), the flat gradient buffers, their views and the exchange's scratch; the grads go back
+        to None. The session calls it before ``ReplicaSet.close`` empties the allocator's cache."""
+        self.release_grads()
+        if self.buckets is not None:
+            self.buckets.release()
+            self.buckets = None
+        self.optimizers.clear()
+        self.schedulers.clear()
 
     def release_grads(self) -> None:
         """Every tuned ``.grad`` back to None (the run is over; or world 1's next backward)."""

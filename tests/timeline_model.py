@@ -160,6 +160,9 @@ class ModelEvent:
         self.model.host_sync(self.op, "event.synchronize()")
 
     def query(self) -> bool:
+        """Complete, as the replay will have it when the host asks again: a polling loop (dpq.streams R8)
+        is a host wait for the event."""
+        self.model.host_sync(self.op, "event.query() (polled)")
         return True
 
 
@@ -190,6 +193,7 @@ class ModelStream:
         self.model.host_sync(self.last, f"{self.name}.synchronize()")
 
     def query(self) -> bool:
+        self.model.host_sync(self.last, f"{self.name}.query() (polled)")
         return True
 
 
@@ -304,10 +308,15 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
+# dpq.streams' polled host wait (R8): the site of a sync is who waits, not the polling loop
+_WAIT_HELPERS = {"wait_events", "<listcomp>", "wait", "tolist"}
+
+
 def _site() -> str:
     """The innermost two frames of dpq, auto-round or a test (what caused a sync or a copy)."""
     frames = [f for f in traceback.extract_stack()[:-1]
-              if "/torch/" not in f.filename and not f.filename.endswith("timeline_model.py")]
+              if "/torch/" not in f.filename and not f.filename.endswith("timeline_model.py")
+              and not (f.filename.endswith("dpq/streams.py") and f.name in _WAIT_HELPERS)]
     keep = [f for f in frames if "/dpq/" in f.filename or "auto_round" in f.filename or "/tests/" in f.filename]
     keep = keep[-2:] if keep else frames[-2:]
     return " <- ".join(f"{f.filename.split('/site-packages/')[-1].split('/work/main/')[-1]}:{f.lineno} {f.name}"

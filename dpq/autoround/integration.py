@@ -87,6 +87,7 @@ class _State:
     devices: object = None
     debug_identical: bool = False
     overlap: bool | None = None  # dpq.session.SessionConfig.overlap
+    timeout: float = session.DEFAULT_TIMEOUT_S  # dpq.session.SessionConfig.timeout (--parallel_timeout)
     auto_world: AutoWorld | None = None  # 'auto': the run's cost model (one per enable())
     auto_given: bool = False  # the caller gave it: used even where lanes share a device
     records: list[BlockRecord] = field(default_factory=list)
@@ -123,7 +124,8 @@ def _run_state() -> _State | None:
 
 
 def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False,
-           auto_world: AutoWorld | None = None, overlap: bool | None = None) -> None:
+           auto_world: AutoWorld | None = None, overlap: bool | None = None,
+           timeout: float = session.DEFAULT_TIMEOUT_S) -> None:
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
 
     ``parallel_quantization``: 'off', 'auto' (use what fits; never refuses) or an int world
@@ -142,7 +144,10 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     time (:class:`dpq.cost_model.AutoWorld`); default: a fresh one for this ``enable()``, used
     where the lanes are on distinct devices (lanes sharing one device keep every fitting lane:
     the model divides compute over devices). A given one is used for any lanes. ``overlap``: as
-    :func:`dpq.parallel_tune`'s (None: on for CPU lanes, off for accelerator lanes).
+    :func:`dpq.parallel_tune`'s (None: on for CPU lanes, off for accelerator lanes). ``timeout``
+    (``--parallel_timeout``, seconds): how long the host waits for an iteration's work on the lanes
+    before the run is stopped as hung (``dpq.tune_loop``: the watchdog), and across processes how
+    long a collective waits for the other ranks.
 
     Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
     back the settings of the ``enable()`` before it (or, after the outermost, auto-round's
@@ -158,7 +163,8 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     world = validate_world(parallel_quantization)
     model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
     procs = ProcessSet.detect() if world != "off" else None
-    new = _State(world=world, devices=devices, debug_identical=debug_identical, overlap=overlap, auto_world=model,
+    new = _State(world=world, devices=devices, debug_identical=debug_identical, overlap=overlap,
+                 timeout=float(timeout), auto_world=model,
                  auto_given=auto_world is not None, processes=procs if procs is not None and procs.size > 1 else None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
 
@@ -267,7 +273,7 @@ def _session_config(cfg: _State, plan: Plan | None) -> session.SessionConfig:
     """``plan`` None: several processes (the session plans and agrees; it runs no cost model there)."""
     return session.SessionConfig(world=cfg.world, devices=_lane_devices(cfg), debug_identical=cfg.debug_identical,
                                  auto_world=None if plan is None else _auto_world_for(cfg, plan),
-                                 processes=cfg.processes, overlap=cfg.overlap)
+                                 processes=cfg.processes, overlap=cfg.overlap, timeout=cfg.timeout)
 
 
 def _auto_world_for(cfg: _State, plan: Plan) -> AutoWorld | None:
