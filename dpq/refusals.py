@@ -31,7 +31,6 @@ __all__ = [
     "pool_spread_over", "report_is_dir", "report_unwritable", "rtn_override", "samples_mismatched", "symbol_differs",
     "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
     "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF", "lanes_hung",
-    "nccl_off_for_devices",
     *refusals_processes.__all__,
 ]
 
@@ -425,15 +424,6 @@ def lanes_hung(block: str, world: int, communicator: str, lanes: str, waited_s: 
             "no abort, a copy between devices has none either), so this process cannot use those GPUs again and the "
             "block could not be put back. Fix: restart the run; install CuPy's NCCL (pip install dpq[cuda12]), whose "
             "communicators can be aborted, or raise --parallel_timeout if the block's iterations are that slow")
-
-
-def nccl_off_for_devices(world: int, devices: Sequence[str], failure: str) -> str:
-    """The plan's communicator reason when NCCL failed for these GPUs earlier in this run (an abort,
-    a failed init): no NCCL kind is used for them again in this process."""
-    return (f"{world} distinct GPUs, but NCCL over cuda devices {', '.join(devices)} failed earlier in this run "
-            f"({failure}), so no NCCL communicator is used for them again in this process: device copies instead. "
-            "Fix: none needed for this run (the results are the same); a new run tries NCCL again, NCCL_DEBUG=WARN "
-            "says why it failed")
 
 
 # -- the installed auto-round (dpq.autoround.compat, dpq.autoround.patches) ----------------------

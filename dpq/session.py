@@ -48,6 +48,7 @@ from dpq.exchange import FullSumExchange, SignExchange
 from dpq.fallback_p2p import make_communicator, select_communicator
 from dpq.faults import fault_point, faulty, inject_fault
 from dpq.mirror import ReplicaSet, release_cached_memory
+from dpq.nccl_lifecycle import NcclInitFailed
 from dpq.plan import Plan, PlanRefused, PlanRequest, resolve, validate_world
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
@@ -314,7 +315,11 @@ def _exchange_communicator(config: SessionConfig, plan: Plan, lanes: list[Lane],
 
 def _communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
     if plan.communicator and not plan.communicator.startswith("pg-"):
-        comm = make_communicator(plan.communicator, lanes)
+        try:
+            comm = make_communicator(plan.communicator, lanes)
+        except NcclInitFailed:  # remembered for the run (dpq.nccl_lifecycle): the choice now takes copies
+            comm, plan.communicator_reason = select_communicator(lanes)
+            plan.communicator = comm.name
     else:
         comm, plan.communicator_reason = select_communicator(lanes)
         plan.communicator = comm.name

@@ -8,7 +8,6 @@ import gc
 import weakref
 
 import pytest
-import torch
 
 from dpq import mirror, tune_loop
 from dpq.session import SessionConfig, run

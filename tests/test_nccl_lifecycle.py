@@ -145,7 +145,7 @@ def test_error_mid_group_closes_group_aborts_and_refuses_later_use(fake):
     assert fake.calls == []  # refused before any NCCL call: nothing can wait on the aborted handles
     # the next block over these GPUs: device copies, said why; forcing NCCL is refused clearly
     nxt, reason = select_communicator(cuda_lanes(0, 1, 2, block=1))
-    assert nxt.name == "p2p" and "aborted earlier in this run" in reason
+    assert nxt.name == "p2p" and "failed earlier in this run" in reason and "no NCCL kind" in reason
     with pytest.raises(NcclAborted):
         select_communicator(cuda_lanes(0, 1, 2, block=1), prefer="cupy-nccl")
     assert fake.calls == []
@@ -195,7 +195,7 @@ def test_torch_nccl_error_is_clear_and_marks_devices_off_nccl(fake, monkeypatch)
     with pytest.raises(NcclAborted):
         comm.all_reduce(bufs(2))
     nxt, reason = select_communicator(cuda_lanes(0, 1, block=1))
-    assert nxt.name == "p2p" and "aborted earlier" in reason
+    assert nxt.name == "p2p" and "failed earlier" in reason
 
 
 # -- 11: two ranks on one GPU -------------------------------------------------------------
@@ -346,3 +346,61 @@ def test_disable_destroys_the_runs_communicators(fake):
     assert ("destroy", 0) not in fake.calls
     disable()
     assert sorted(c for c in fake.calls if c[0] == "destroy") == [("destroy", 0), ("destroy", 1)]
+
+
+# -- issue 19, item 2: after NCCL failed for some GPUs, no NCCL kind runs on them again ---------------
+
+
+def test_after_a_cupy_abort_no_nccl_kind_runs_on_those_gpus(fake, monkeypatch):
+    """torch.cuda.nccl cannot be aborted: after CuPy's communicators for GPUs 0-2 were aborted, no
+    block gets it for them (nor for a tuple sharing one of them); other GPUs keep NCCL."""
+    monkeypatch.setattr(nccl_comm, "torch_nccl_available", lambda: True)
+    comm, _ = select_communicator(cuda_lanes(0, 1, 2))
+    fake.fail[("send", 0)] = fake_cupy_nccl.NCCL_INVALID_USAGE
+    with pytest.raises(NcclCollectiveError, match="later blocks use device copies"):
+        comm.all_reduce(bufs(3))
+    for ids in ((0, 1, 2), (2, 3)):
+        nxt, reason = select_communicator(cuda_lanes(*ids, block=1))
+        assert nxt.name == "p2p" and "no NCCL kind is used for them again" in reason, (ids, reason)
+    assert select_communicator(cuda_lanes(4, 5))[0].name == "cupy-nccl"
+
+
+def test_an_init_failure_is_remembered_for_the_run(fake):
+    """ncclCommInitAll costs seconds: a failed one is not retried by every block. The session's block
+    goes on with device copies at once."""
+    from dpq.plan import Plan
+    from dpq.session import SessionConfig, _communicator
+
+    fake.fail[("initAll", None)] = 2  # ncclSystemError
+    with pytest.raises(nccl_comm.NcclInitFailed, match="NCCL_ERROR 2"):
+        select_communicator(cuda_lanes(0, 1))
+    for block in (1, 2):
+        nxt, reason = select_communicator(cuda_lanes(0, 1, block=block))
+        assert nxt.name == "p2p" and "failed earlier in this run" in reason
+    with pytest.raises(nccl_comm.NcclInitFailed, match="not retried"):
+        select_communicator(cuda_lanes(0, 1), prefer="cupy-nccl")
+    plan = Plan(2, [torch.device("cuda", 0), torch.device("cuda", 1)], communicator="cupy-nccl")
+    comm = _communicator(SessionConfig(), plan, cuda_lanes(0, 1, block=3))  # the plan's choice made earlier
+    assert comm.name == plan.communicator == "p2p" and "failed earlier" in plan.communicator_reason
+    assert [c for c in fake.calls if c[0] == "initAll"] == [("initAll", [0, 1])]  # tried once
+    close_communicators()  # a new run tries again
+    fake.fail.clear()
+    assert select_communicator(cuda_lanes(0, 1))[0].name == "cupy-nccl"
+
+
+def test_an_asynchronous_error_aborts_every_rank(fake):
+    comm, _ = select_communicator(cuda_lanes(0, 1, 2))
+    comm.check_async_error()  # healthy: each rank asked once
+    assert fake.calls[-3:] == [("check_async_error", 0), ("check_async_error", 1), ("check_async_error", 2)]
+    fake.calls.clear()
+    fake.async_error[1] = 6  # ncclRemoteError
+    with pytest.raises(NcclCollectiveError, match=r"asynchronous error reported by rank 1.*NCCL_ERROR 6"):
+        comm.check_async_error()
+    assert fake.calls == [("check_async_error", 0), ("check_async_error", 1), ("abort", 0), ("abort", 1),
+                          ("abort", 2)]
+    fake.calls.clear()
+    comm.check_async_error()  # aborted: nothing to ask
+    with pytest.raises(NcclAborted):
+        comm.all_reduce(bufs(3))
+    assert fake.calls == [] and comm.abort("again") is True  # abort twice: the handles are released once
+    assert fake.calls == []
