@@ -39,9 +39,10 @@ NCCL lifecycle (kept in :mod:`dpq.nccl_lifecycle`, re-exported here):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -115,6 +116,31 @@ def multi_rank_gpu_enabled(version: Sequence[int] | None) -> bool:
 
 
 # -- CuPy --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def allocator_free_mutex() -> Iterator[None]:
+    """The CUDA caching allocator's free mutex, held across one NCCL group launch.
+
+    torch's allocator holds it around every ``cudaFree`` ("lock around calls to cudaFree (to
+    prevent deadlocks with NCCL)", c10's CUDACachingAllocator / ``c10::cuda::getFreeMutex``) and
+    torch's own NCCL groups take it (``torch::cuda::nccl::AutoNcclGroup``): a ``cudaFree`` on
+    another thread (an out-of-memory retry of autograd's device threads during an overlapped
+    backward, ``empty_cache``) synchronizes the device while a group's kernels are half launched,
+    NCCL's documented deadlock ("Using multiple NCCL communicators concurrently",
+    https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/communicators.html). torch
+    exposes it as ``torch._C._cuda_lock_mutex`` / ``_cuda_unlock_mutex`` (CUDA builds; the lock
+    waits with the GIL released); without them (CPU builds, the fakes) there is nothing to hold."""
+    lock, unlock = getattr(torch._C, "_cuda_lock_mutex", None), getattr(torch._C, "_cuda_unlock_mutex", None)
+    if lock is None or unlock is None:
+        yield
+        return
+    lock()
+    try:
+        yield
+    finally:
+        unlock()
+
 
 
 def _sizes(bounds: Sequence[int]) -> list[int]:
@@ -255,26 +281,30 @@ class CupyNcclCommunicator(CommunicatorBase):
         self._set.check_usable()
         bound = [[(getattr(comm, m), m, args) for m, args in calls]
                  for comm, calls in zip(self._set.comms, calls_per_rank, strict=True)]
-        try:
-            self._nccl.groupStart()
-        except BaseException as e:
-            fail_group(self._set, f"groupStart before {what}", e)
         error: BaseException | None = None
         where = what
-        try:
-            for k, (calls, lane) in enumerate(zip(bound, self.lanes, strict=True)):
-                with lane.issue():
-                    for call, method, args in calls:
-                        where = f"{'' if method == what else what + ': '}{method} (rank {k} of {self.world})"
-                        call(*args)
-        except BaseException as e:
-            error = e
-        finally:
-            try:  # always close the group: an open one would swallow this thread's next NCCL call
-                self._nccl.groupEnd()
+        # Nothing between groupStart and groupEnd allocates (staging is made before): the allocator
+        # would wait for the free mutex this thread holds.
+        with allocator_free_mutex():
+            try:
+                self._nccl.groupStart()
             except BaseException as e:
-                if error is None:
-                    error, where = e, f"groupEnd after {what}"
+                error, where = e, f"groupStart before {what}"
+            else:
+                try:
+                    for k, (calls, lane) in enumerate(zip(bound, self.lanes, strict=True)):
+                        with lane.issue():
+                            for call, method, args in calls:
+                                where = f"{'' if method == what else what + ': '}{method} (rank {k} of {self.world})"
+                                call(*args)
+                except BaseException as e:
+                    error = e
+                finally:
+                    try:  # always close the group: an open one would swallow this thread's next NCCL call
+                        self._nccl.groupEnd()
+                    except BaseException as e:
+                        if error is None:
+                            error, where = e, f"groupEnd after {what}"
         if error is not None:
             fail_group(self._set, where, error)
 

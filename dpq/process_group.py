@@ -106,8 +106,10 @@ class ProcessGroupCommunicator(CommunicatorBase):
     def _check_same_lane_count(self) -> None:
         count = len(self.lanes)
         t = torch.tensor([count, -count], dtype=torch.int64, device=self.lanes[0].device)
+        self.lanes[0].wait_for_current()  # R1: made on the current stream (lane 0 may be a communication lane)
         with self.lanes[0].issue():
             self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        self.lanes[0].current_waits_for_me()  # R2: read on the host below
         most, fewest = int(t[0]), -int(t[1])
         if most != fewest:
             raise ValueError(

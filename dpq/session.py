@@ -301,12 +301,13 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
 
 def _exchange_communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
     """The run's communicator; with overlap asked for (``config.overlap``) on lanes that have
-    streams, in one process: over a second stream per lane, so the exchange runs beside the
-    backward (dpq.comm_streams)."""
-    if not (config.overlap is True and procs is None and any(lane.stream is not None for lane in lanes)):
+    streams: over a second stream per lane, so the exchange runs beside the backward
+    (dpq.comm_streams), in one process and across processes alike (the process-group communicator
+    over the communication lanes: its legs inside the process and its transfers across)."""
+    if not (config.overlap is True and any(lane.stream is not None for lane in lanes)):
         return _communicator(config, plan, lanes, procs)
     plan.communicator = plan.communicator.removesuffix("+comm-streams")  # 'auto' kept fewer lanes: again
-    comm = CommStreams(_communicator(config, plan, comm_lanes(lanes)), lanes)
+    comm = CommStreams(_communicator(config, plan, comm_lanes(lanes), procs), lanes)
     note = "; on a second stream per lane (overlap)"
     plan.communicator = comm.name
     plan.communicator_reason = plan.communicator_reason.removesuffix(note) + note

@@ -316,6 +316,20 @@ class Lane:
         """An event recorded now on this lane's stream (None where there is nothing to order)."""
         return self.stream.record_event() if self.stream is not None else None
 
+    def mark_current(self):
+        """An event recorded now on this device's current stream (inside an autograd node: the stream
+        autograd runs it on, its forward's); None where there is nothing to order."""
+        if self.stream is None:
+            return None
+        current = self.backend.current_stream(self.device)
+        return current.record_event() if current is not None else None
+
+    def waits(self, mark) -> None:
+        """R4 for one point of another stream: this lane's later work runs after ``mark`` (an event
+        from :meth:`mark` of another lane of this device)."""
+        if self.stream is not None and mark is not None:
+            self.stream.wait_event(mark)
+
     def current_waits(self, mark) -> None:
         """R2 for one point of the lane: the current stream waits for ``mark`` (from :meth:`mark`) only."""
         current = self._current()

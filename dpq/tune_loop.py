@@ -211,6 +211,12 @@ class TuneEngine:
         step_losses: list[dict[int, torch.Tensor]] = []  # per micro-step: global lane -> its loss
         for m in range(steps):
             roots, seeds, lane_losses = [], [], {}
+            reached = [g for g in range(world) if m < len(per_lane[g])]
+            during = None
+            if m == steps - 1 and self._overlaps(reached):
+                # made before the forwards: on accelerator lanes its issuer node must come first (dpq.exchange)
+                local = [g - offset for g in reached if 0 <= g - offset < len(self.lanes)]
+                during = self.exchange.during_backward(self.buckets, local)
             for k, lane in enumerate(self.lanes):
                 if m >= len(per_lane[offset + k]):
                     continue
@@ -226,7 +232,6 @@ class TuneEngine:
                     seeds.append(torch.ones_like(roots[-1]))
                 lane_losses[offset + k] = loss.detach()
             step_losses.append(lane_losses)
-            reached = [g for g in range(world) if m < len(per_lane[g])]
             if m < steps - 1:
                 self._backward(roots, seeds)
                 continue
@@ -234,16 +239,12 @@ class TuneEngine:
             # for the losses only. (Earlier micro-steps' backwards precede it on each lane's stream.)
             readback = self._queue_readback(step_losses, indices)
             before = self._wire_bytes()
-            local = [g - offset for g in reached if 0 <= g - offset < len(self.lanes)]
-            # Across processes, buckets complete in the same order on every rank only when every
-            # rank's lanes all run this backward (the same graphs); else exchange after it, in order.
-            overlap = world > 1 and hasattr(self.exchange, "during_backward") and (
-                world == len(self.lanes) or len(reached) == world)
-            if overlap:
+            if during is not None:
                 # The last backward exchanges buckets as they fill (exchange.py: overlap);
                 # lanes with fewer micro-steps have final gradients already.
-                with self.exchange.during_backward(self.buckets, local):
-                    self._backward(roots, seeds)
+                extra_roots, extra_seeds = getattr(during, "roots", []), getattr(during, "seeds", [])
+                with during:  # its extra roots: the issuer's node on accelerator lanes (dpq.exchange)
+                    self._backward(roots + list(extra_roots), seeds + list(extra_seeds))
             else:
                 self._backward(roots, seeds)
                 if world > 1:  # world 1: one lane already holds the full gradient
@@ -251,6 +252,13 @@ class TuneEngine:
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
         self.issue_s += time.perf_counter() - t_start  # the backward calls took theirs off
         return self._read_losses(readback, per_lane)  # the one host sync of the iteration
+
+    def _overlaps(self, reached: list[int]) -> bool:
+        """The last backward exchanges buckets as they fill. Across processes only when every rank's
+        lanes all run this backward (the same graphs on every rank: the buckets complete alike); else
+        the exchange follows it, in buffer order."""
+        return self.world > 1 and hasattr(self.exchange, "during_backward") and (
+            self.world == len(self.lanes) or len(reached) == self.world)
 
     def _queue_readback(self, step_losses: list[dict[int, torch.Tensor]], indices: list[int]) -> list[HostCopy]:
         """R6: every lane's micro-step losses copied to the host on the lane's own stream (no
@@ -345,7 +353,14 @@ class TuneEngine:
                 check = torch.full((1,), drawn, dtype=torch.float64, device=lane.device)
                 send.append(torch.cat([torch.stack(mine), check]).view(torch.uint8))
                 recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
-        self.exchange.comm.all_gather(send, recv)
+        comm = self.exchange.comm
+        begin = getattr(comm, "begin_bucket", None)  # communication streams (dpq.comm_streams): C1 ...
+        if begin is not None:
+            begin()
+        comm.all_gather(send, recv)
+        join = getattr(comm, "join", None)  # ... and C2: the lanes' streams wait for the gather
+        if join is not None:
+            join()
         steps = len(step_losses)  # the same on every rank: counted from the global split
         return HostCopy(recv[0].view(torch.float64).view(self.world, steps + 1))
 

@@ -404,3 +404,21 @@ def test_an_asynchronous_error_aborts_every_rank(fake):
         comm.all_reduce(bufs(3))
     assert fake.calls == [] and comm.abort("again") is True  # abort twice: the handles are released once
     assert fake.calls == []
+
+
+def test_every_group_launch_holds_the_allocators_free_mutex(fake, monkeypatch):
+    """As torch's AutoNcclGroup does: no cudaFree of another thread between groupStart and groupEnd
+    (NCCL's deadlock with a half-launched group); released before an abort, also after an error."""
+    monkeypatch.setattr(torch._C, "_cuda_lock_mutex", lambda: fake.calls.append(("lock",)), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_unlock_mutex", lambda: fake.calls.append(("unlock",)), raising=False)
+    comm, _ = select_communicator(cuda_lanes(0, 1))
+    fake.calls.clear()
+    comm.all_reduce(bufs(2))  # two groups: to the owners, back from them
+    ops = [c[0] if not isinstance(c, Call) else "call" for c in fake.calls]
+    assert ops == ["lock", "groupStart", *["call"] * 4, "groupEnd", "unlock"] * 2
+    fake.calls.clear()
+    fake.fail[("send", 1)] = fake_cupy_nccl.NCCL_INVALID_USAGE
+    with pytest.raises(NcclCollectiveError):
+        comm.all_reduce(bufs(2))
+    ops = [c[0] if not isinstance(c, Call) else "call" for c in fake.calls]
+    assert ops[0] == "lock" and ops[-4:] == ["groupEnd", "unlock", "abort", "abort"]

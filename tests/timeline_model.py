@@ -761,6 +761,17 @@ class TimelineModel:
                                    (dpq_exchange.BackwardExchange, "__exit__", "exchange")):
             self._patch(owner, meth, _in_phase(self, getattr(owner, meth), phase))
 
+        # Autograd runs nodes (hooks, custom Functions) without the caller's torch function modes, so
+        # Tensor.device would answer the real cpu inside the overlap's issuer (dpq.exchange): put the
+        # places back for it. (The hooks only count and record events: no tensor op.)
+        real_serve = dpq_exchange.BackwardExchange.serve
+
+        def serve(bx):
+            with _Places(model):
+                return real_serve(bx)
+
+        self._patch(dpq_exchange.BackwardExchange, "serve", serve)
+
         real_autograd_backward = torch.autograd.backward
 
         def autograd_backward(*args, **kwargs):
