@@ -47,10 +47,18 @@ __all__ = ["CommStreams", "comm_lanes"]
 
 
 def comm_lanes(lanes: Sequence[Lane]) -> list[Lane]:
-    """A communication lane per lane: same index and device, a fresh stream (None where the lane has none)."""
-    return [Lane(index=lane.index, device=lane.device,
-                 stream=lane.backend.new_stream(lane.device) if lane.stream is not None else None)
-            for lane in lanes]
+    """A communication lane per lane: same index and device, its own stream (the run's, as every lane's:
+    ``dpq.streams``; None where the lane has none)."""
+    seen: dict = {}
+    out = []
+    for lane in lanes:
+        stream = None
+        if lane.stream is not None:
+            key = (lane.device.type, lane.device.index or 0)
+            seen[key] = n = seen.get(key, -1) + 1
+            stream = lane.backend.run_stream(lane.device, ("comm", n))
+        out.append(Lane(index=lane.index, device=lane.device, stream=stream))
+    return out
 
 
 class CommStreams:

@@ -47,9 +47,10 @@ that called ``backward``):
   collectives are issued by :class:`_Issuer`, an autograd node on the CPU that is one more root
   of the same ``backward`` call: autograd runs CPU nodes on the calling thread, beside the
   device threads, so the issuing thread itself takes the queue's buckets and issues each one,
-  its communication streams waiting for that bucket's marks only (``begin_bucket(marks)``, C1 of :mod:`dpq.comm_streams`: with the
-  exchange on the lanes' own streams a lane's later backward kernels would wait for the
-  collective, so the session builds the communicator over a second stream per lane). It
+  its communication streams waiting for that bucket's marks only (``begin_bucket(marks)``, C1
+  of :mod:`dpq.comm_streams`: with the exchange on the lanes' own streams a lane's later
+  backward kernels would wait for the collective, so the session builds the communicator over
+  a second stream per lane). It
   stops when every bucket is issued, or when none completed for :data:`ISSUER_PATIENCE_S` (a
   bucket with a parameter that got no gradient, or a failed backward: autograd then reports
   the error), and the rest go when ``backward`` returns. In one process buckets are issued as

@@ -10,6 +10,8 @@ builds one mirror per extra lane. Invariants kept here:
   through that memo, so a tensor that appears under two names at home is one tensor in
   the mirror too: the optimizer's params, the registered parameters and a wrapper's
   ``params`` dict stay the same objects. A broken alias would silently stop gradients.
+  Containers are walked at any depth: a tensor deepcopy met without a memo entry would be
+  cloned on home's device.
 * **No home-device spike.** Tensors are copied straight to the lane's device; nothing
   is duplicated on home first.
 * **Frozen tensors are shared, tuned ones never.** On a lane that shares home's device,
@@ -49,20 +51,26 @@ class ReplicaMismatchError(RuntimeError):
     """Lanes disagree on a tuned parameter: the exchange or the step is broken."""
 
 
-def tensors_in(value, levels: int = 2) -> Iterator[torch.Tensor]:
-    """The tensors in ``value``: itself, or inside dicts/lists/tuples nested up to ``levels`` deep."""
+def tensors_in(value, levels: int | None = None, _seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``: itself, or inside dicts/lists/tuples nested up to ``levels`` deep
+    (None: at any depth; a container met twice, or inside itself, is walked once)."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif levels > 0 and isinstance(value, dict):
-        for v in value.values():
-            yield from tensors_in(v, levels - 1)
-    elif levels > 0 and isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensors_in(v, levels - 1)
+        return
+    if not isinstance(value, (dict, list, tuple)) or levels == 0:
+        return
+    seen = set() if _seen is None else _seen
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    deeper = None if levels is None else levels - 1
+    for v in value.values() if isinstance(value, dict) else value:
+        yield from tensors_in(v, deeper, seen)
 
 
 def module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """Every tensor held by the module tree (each module's params, buffers and attributes)."""
+    """Every tensor held by the module tree (each module's params, buffers and attributes, inside
+    dicts/lists/tuples at any depth: the mirror copies each to the lane, none is left on home)."""
     for m in module.modules():
         yield from tensors_in(m.__dict__)
 

@@ -255,8 +255,13 @@ def _entry_problem(k: int, e: DeviceEntry, home: torch.device, problems: dict) -
     return None
 
 
-def _memory_refusals(devices: list[torch.device], price: int | None, home: torch.device) -> list[tuple[int, str]]:
-    """(lane, reason) for each lane whose mirror does not fit; lanes sharing a device add up."""
+def _memory_refusals(devices: list[torch.device], price: int | None, home: torch.device,
+                     first_only: bool = False) -> list[tuple[int, str]]:
+    """(lane, reason) for each lane whose mirror does not fit; lanes sharing a device add up.
+
+    ``first_only`` ('auto': the lanes from the first that does not fit on are dropped): stop there, so
+    that no device the run will not use is queried (a free-memory query makes a CUDA context, several
+    hundred MB, on a device that had none)."""
     if price is None:
         return []
     out, used = [], {}
@@ -267,6 +272,8 @@ def _memory_refusals(devices: list[torch.device], price: int | None, home: torch
         free = backend(dev).mem_get_info(dev)[0]
         if used[dev] > free:
             out.append((k, refusals.mirror_does_not_fit(k, str(dev), price, MARGIN, free)))
+            if first_only:
+                break
     return out
 
 
@@ -307,7 +314,7 @@ def resolve(request: PlanRequest) -> Plan:
         reasons.append(refusals.HPU_MULTI_LANE)
         n = 1
     lane0_ok = bool(devices) and devices[0] == home
-    mem = _memory_refusals(devices[:n], request.mirror_bytes, home)
+    mem = _memory_refusals(devices[:n], request.mirror_bytes, home, first_only=world == "auto")
     reasons += [r for _, r in mem]
     reasons = list(dict.fromkeys(reasons))  # the same sentence once (e.g. '0,0' on a machine without GPUs)
     if world != "auto":

@@ -72,6 +72,13 @@ context: inside one, the current stream would be that lane's. ``tests/stream_che
 checks all of this on CPU lanes with logical streams and vector clocks; ``tests/timeline_model.py``
 replays an iteration on logical devices with CUDA's copy and host-sync semantics (R6, R7).
 
+Streams are the run's (:meth:`Backend.run_stream`): every lane, communication lane and side
+stream takes its stream from a fixed set per device, made on first use and reused by every later
+block. torch hands out pool streams round robin (32 per device and priority) and cuBLAS keeps a
+workspace per (handle, stream) for the process's life, so fresh streams per block would leave up
+to 32 workspaces per device behind; reused ones keep them to the few streams a block uses.
+:func:`release_run_streams` (``disable()``) forgets them.
+
 Every branch between host-CPU lanes and accelerator lanes asks the backend
 (:attr:`Backend.accelerator`, :meth:`Backend.host_memory`), never ``device.type``: a backend with
 logical accelerators on the CPU (the timeline model's) then runs exactly the accelerator path.
@@ -87,7 +94,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["Backend", "HostCopy", "Lane", "WaitExpired", "backend", "make_lanes", "map_tensors", "parse_devices",
-           "wait_events"]
+           "release_run_streams", "wait_events"]
 
 
 class Backend:
@@ -120,6 +127,16 @@ class Backend:
 
     def new_stream(self, device: torch.device):
         return None
+
+    def run_stream(self, device: torch.device, role: tuple):
+        """The run's stream for ``role`` (e.g. ("lane", 0): the first non-home lane on ``device``) on
+        ``device``: made by :meth:`new_stream` on first use, the same object for every later block
+        (module docstring: streams are the run's)."""
+        streams = self.__dict__.setdefault("_run_streams", {})
+        key = (*_device_key(torch.device(device)), *role)
+        if key not in streams:
+            streams[key] = self.new_stream(device)
+        return streams[key]
 
     def stream_context(self, stream) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -402,7 +419,7 @@ class Lane:
         key = _device_key(device)
         if key not in self._sides:
             be = backend(device)
-            side = be.new_stream(device)
+            side = be.run_stream(device, ("side", *_device_key(self.device), self.index))
             current = be.current_stream(device)
             if side is not None and current is not None:
                 side.wait_stream(current)  # R1: after what produced the source (the pool)
@@ -412,7 +429,8 @@ class Lane:
     def join_sides(self) -> None:
         """R5 for :meth:`bring`: each source device's current stream waits for this lane's side
         stream there, so what the side streams read is not freed or rewritten under them. The
-        side streams are dropped (the next block makes its own). Call outside every ``issue()``."""
+        side streams are dropped from the lane (the next block's lane takes the run's same ones). Call
+        outside every ``issue()``."""
         sides, self._sides = self._sides, {}
         for device, side in sides.values():
             current = backend(device).current_stream(device)
@@ -572,16 +590,27 @@ def check_device_exists(device: torch.device) -> str | None:
 
 def make_lanes(devices: Sequence[torch.device | str]) -> list[Lane]:
     """One lane per entry. Lane 0 issues on its device's current stream (rule R0: ordered with
-    the caller's work before and after the block without a wait); every other lane gets a
-    fresh stream (also when it shares a device). Make the lanes where they are used: lane 0
-    holds the stream that is current at this call."""
-    lanes = []
+    the caller's work before and after the block without a wait); every other lane gets its own
+    stream (also when it shares a device): the run's n-th lane stream of that device
+    (:meth:`Backend.run_stream`), the same one every block. Make the lanes where they are used:
+    lane 0 holds the stream that is current at this call."""
+    lanes, seen = [], {}
     for i, dev in enumerate(devices):
         dev = torch.device(dev)
         if dev.type != "cpu" and dev.index is None:
             dev = torch.device(dev.type, 0)
         be = backend(dev)
-        stream = be.current_stream(dev) if i == 0 else be.new_stream(dev)
+        if i == 0:
+            stream = be.current_stream(dev)
+        else:
+            n = seen[_device_key(dev)] = seen.get(_device_key(dev), -1) + 1
+            stream = be.run_stream(dev, ("lane", n))
         lanes.append(Lane(index=i, device=dev, stream=stream))
     return lanes
+
+
+def release_run_streams() -> None:
+    """Forget every backend's run streams (``disable()``: the next run makes its own)."""
+    for be in _BACKENDS.values():
+        be.__dict__.pop("_run_streams", None)
 

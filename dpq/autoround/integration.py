@@ -26,6 +26,7 @@ from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet
 from dpq.fallback_p2p import close_communicators
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
+from dpq.streams import release_run_streams
 
 from . import patches
 from .compat import check_auto_round_version
@@ -184,8 +185,10 @@ def disable() -> None:
 
 def _release_run_resources() -> None:
     """End of the outermost run: free what the run kept across blocks. NCCL communicators are
-    created once per device tuple per run (ncclCommInitAll costs seconds) and destroyed here."""
+    created once per device tuple per run (ncclCommInitAll costs seconds) and destroyed here; the
+    run's lane streams (dpq.streams: one fixed set per device) are forgotten."""
     close_communicators()
+    release_run_streams()
 
 
 def _auto_split_requested() -> bool:
