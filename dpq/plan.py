@@ -30,6 +30,16 @@ __all__ = ["DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
+# Activation bytes per token and element of a linear layer's input + output features (``price_mirror``),
+# by the element size of the dtype the block computes in. Measured on tiny Llama blocks (hidden
+# 256-512, seqlen 64-2048, CPU; auto-round's block forward + MSE loss + backward, every tensor
+# storage an op allocates tracked; peak growth per sample, the seq x seq mask taken out;
+# tests/test_nccl_lifecycle.py measures it again): in fp32 4.8-5.8 bytes (what autograd keeps:
+# 4.3, the rest the backward's temporaries), priced at 6; under bf16 autocast 2.6-3.3 (linear
+# inputs and outputs in bf16; norms, residual stream and loss in fp32), priced at 4. Pricing fp32
+# like bf16 (4 bytes: one fp32 copy of each input and output) put the measured total above the price,
+# margin included, from seqlen 256 on: a lane the plan passed could run out of memory.
+ACTIVATION_BYTES = {4: 6, 2: 4}
 
 
 class PlanRefused(ValueError):
@@ -109,6 +119,7 @@ def price_mirror(
     world: int | None = None,
     *,
     bucket_cap_elems: int = 2**22,
+    compute_dtype: torch.dtype | None = None,
     detail: dict | None = None,
 ) -> int:
     """Bytes one more lane (a mirror) needs, times MARGIN. Each term, for n = the elements of the
@@ -123,14 +134,19 @@ def price_mirror(
       path: padded send copy, receive chunk, packed and unpacked planes; bounded by 3 fp32 copies
       of a bucket). A bucket exceeds the cap only by holding one parameter larger than it
       (``dpq.exchange``), so the largest is at most max(cap, the largest weight);
-    * ``activations``: the lane's own share of each iteration's samples, ceil(samples_per_iter /
-      world), each token keeping an fp32 copy of every linear layer's input and output for
-      backward (0.63x of that measured under bf16 autocast on a tiny Llama block);
+    * ``activations``: what one forward + loss + backward of the lane's own share of each
+      iteration's samples, ceil(samples_per_iter / world), allocates at its peak beyond the
+      weight-sized terms above: per token, :data:`ACTIVATION_BYTES` per element of every linear
+      layer's input and output features, by the element size of ``compute_dtype``; plus, per
+      sample, a sequence x sequence attention mask in ``compute_dtype``;
     * ``staging``: the share's inputs and reference outputs staged onto the lane.
 
-    ``world=None`` prices the largest share a mirror ever gets: mirrors exist only at world >= 2,
-    so world 2. Pass the planned world for a tighter price. ``detail``, if given, receives each
-    term (bytes, before the margin). Optimizer state beyond SignSGD (momentum, Adam) is not priced.
+    ``compute_dtype``: the dtype the block computes in (auto-round: its ``amp_dtype``, float32
+    when amp is off); default the dtype of the block's 2-D weights (auto-round casts the model
+    to it). ``world=None`` prices the largest share a mirror ever gets: mirrors exist only at
+    world >= 2, so world 2. Pass the planned world for a tighter price. ``detail``, if given,
+    receives each term (bytes, before the margin). Optimizer state beyond SignSGD (momentum,
+    Adam) and per-sample extra inputs other than the mask are not priced.
     """
     world = 2 if world is None else max(1, int(world))
     two_d = [p for p in block.parameters() if p.dim() == 2]
@@ -148,9 +164,14 @@ def price_mirror(
     }
     if inputs:
         x = inputs[0]
+        if compute_dtype is None:
+            compute_dtype = two_d[0].dtype if two_d else x.dtype
+        size = torch.empty((), dtype=compute_dtype).element_size()
         tokens = x.shape[:-1].numel() if x.dim() >= 2 else 1
-        per_token = 4 * sum(p.shape[0] + p.shape[1] for p in two_d) or 4 * 16 * x.shape[-1]
-        parts["activations"] = share * tokens * per_token
+        rows, seq = (x.shape[:-2].numel(), x.shape[-2]) if x.dim() >= 3 else (1, tokens)
+        elems = sum(p.shape[0] + p.shape[1] for p in two_d) or 16 * x.shape[-1]
+        per_token = ACTIVATION_BYTES.get(size, 1.5 * size) * elems
+        parts["activations"] = int(share * (tokens * per_token + rows * seq * seq * size))
         parts["staging"] = share * 2 * x.numel() * x.element_size()
     if detail is not None:
         detail.update(parts, share=share, world=world)

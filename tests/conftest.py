@@ -4,13 +4,63 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
+import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
+
+
+def _load_site_hooks():
+    """tests/site_hooks: ``DPQ_TEST_CPU_BF16=on|off`` forces auto-round's CPU bf16 detection,
+    applied here before any auto-round object is built; the directory goes first on PYTHONPATH so
+    that every subprocess applies it too (and ``DPQ_TEST_MUTANT``, which tests set for a
+    subprocess of their own)."""
+    hooks_dir = Path(__file__).parent / "site_hooks"
+    spec = importlib.util.spec_from_file_location("dpq_tests_site_hooks", hooks_dir / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install()
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(hooks_dir)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(hooks_dir), *path])
+    return module
+
+
+SITE_HOOKS = _load_site_hooks()
+
+
+def cpu_bf16_expected() -> bool:
+    """What auto-round decides for a CPU in this session: the forced value, else its CPUID probe."""
+    forced = SITE_HOOKS.forced()
+    if forced is not None:
+        return forced
+    from auto_round.utils.device import CpuInfo
+
+    return bool(CpuInfo().bf16)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which of auto-round's CPU precision branches this session ran (shown also under -q)."""
+    forced = SITE_HOOKS.forced()
+    how = f"forced by {SITE_HOOKS.ENV}" if forced is not None else "auto-round's CPUID probe"
+    terminalreporter.write_line(f"auto-round CPU bf16 autocast: {cpu_bf16_expected()} ({how})")
+
+
+def cast_floating(value, dtype: torch.dtype):
+    """``value`` with every floating tensor in it (lists, tuples, dicts too) cast to ``dtype``: a
+    recorded block's pool in the other precision branch."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
+    return value
 
 
 @dataclass

@@ -62,7 +62,8 @@ def test_gradients_flow_through_mirror_params(recorded_blocks):
     block = _wrapped_block(recorded_blocks)
     rs = ReplicaSet(block, make_lanes(["cpu"] * 2), _tuned_names(block))
     mirror = rs.modules[1]
-    x = torch.randn(1, 4, 256, dtype=torch.bfloat16)
+    # the block's own dtype: bf16 where auto-round chose bf16 autocast, fp32 where it did not
+    x = torch.randn(1, 4, 256, dtype=mirror.self_attn.q_proj.orig_layer.weight.dtype)
     out = mirror.self_attn.q_proj(x).float().sum()
     out.backward()
     assert mirror.self_attn.q_proj.value.grad is not None

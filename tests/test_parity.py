@@ -18,9 +18,8 @@ import pytest
 import torch
 
 import dpq
-import dpq.exchange
-import dpq.tune_loop
 from dpq.autoround import tune as dp_tune
+from tests import mutants
 from tests.conftest import RecordedBlock, record_autoround_blocks
 
 
@@ -196,46 +195,12 @@ def test_world_n_statistical_parity(longer_blocks, serial_runs, world):
         assert abs(mean) <= bound, (stat, mean, bound)
 
 
-def _mutate(monkeypatch, mutant: str) -> None:
-    if mutant == "lane weight 1":  # each lane's mean loss unweighted instead of its share of the elements
-        monkeypatch.setattr(dpq.tune_loop.TuneEngine, "_weight", lambda self, chunk, ref: 1.0)
-    elif mutant == "lane 1 gradient dropped":  # zeroed just before each bucket's exchange
-        # exchange_bucket: what both the plain exchange and the overlapped one (hooks) call
-        for cls in (dpq.exchange.SignExchange, dpq.exchange.FullSumExchange):
-            def exchange_bucket(self, buckets, i, _real=cls.exchange_bucket):
-                buckets.bucket(i)[1].zero_()
-                return _real(self, buckets, i)
-
-            monkeypatch.setattr(cls, "exchange_bucket", exchange_bucket)
-    elif mutant == "lane 1 reads lane 0's slice":
-        if hasattr(dpq.tune_loop, "contiguous_ranges"):  # the split as (start, stop) ranges
-            real_ranges = dpq.tune_loop.contiguous_ranges
-
-            def ranges(n, world, *a, **k):
-                out = real_ranges(n, world, *a, **k)
-                out[1] = (out[0][0], out[0][0] + out[1][1] - out[1][0])
-                return out
-
-            monkeypatch.setattr(dpq.tune_loop, "contiguous_ranges", ranges)
-        else:  # the split as index lists
-            real_slices = dpq.tune_loop.contiguous_slices
-
-            def slices(indices, world):
-                out = real_slices(indices, world)
-                out[1] = out[0][: len(out[1])]
-                return out
-
-            monkeypatch.setattr(dpq.tune_loop, "contiguous_slices", slices)
-    else:
-        raise AssertionError(mutant)
-
-
-@pytest.mark.parametrize("mutant", ["lane weight 1", "lane 1 gradient dropped", "lane 1 reads lane 0's slice"])
+@pytest.mark.parametrize("mutant", mutants.MUTANTS)
 def test_parity_bounds_catch_mutants(longer_blocks, serial_runs, monkeypatch, mutant):
     """The statistical check is no rubber stamp: each bug makes it fail, on ONE pair (world 2:
     a lane is half the batch). One pair gives bounds twice as wide as the 4 pairs the parity test
     uses, so a mutant caught here is caught there too (its mean shift does not depend on n)."""
-    _mutate(monkeypatch, mutant)
+    mutants.apply(monkeypatch.setattr, mutant)
     out = parity_check(longer_blocks, serial_runs, 2, [MUTANT_PAIR])
     print(f"{mutant}: " + ", ".join(f"{k} {m:+.2%} vs bound {b:.2%}" for k, (m, b) in out.items()))
     assert any(abs(mean) > bound for mean, bound in out.values()), "the parity check passed a broken engine"

@@ -25,6 +25,7 @@ import torch
 
 from dpq import shard
 from dpq.streams import make_lanes
+from tests.conftest import cast_floating
 from tests.numerics import assert_reassociated_nonneg_sum
 
 
@@ -358,11 +359,15 @@ def test_unaligned_split_changes_batches_bf16_tolerance(recorded_blocks):
     """The seams split on batch boundaries so every lane forms exactly serial's batches. A split
     that forms other batches is held here to bf16 rounding only (2 ulps of the output magnitude):
     on this CPU backend the block forward happens to be row-independent (measured: bitwise even
-    unaligned), but a GPU BLAS may pick another kernel for another batch size."""
+    unaligned), but a GPU BLAS may pick another kernel for another batch size. The case is built
+    in bf16 explicitly (the block and its inputs in bf16, auto-round's block forward under bf16
+    autocast), whichever branch auto-round chose for this CPU."""
     rec = recorded_blocks[0]
-    block, runner = rec.fresh_block(), rec.quantizer.block_forward
-    inputs, others = rec.fp_inputs, rec.input_others
-    assert runner.batch_size == 8 and len(inputs) == 16 and runner.amp
+    block = rec.fresh_block().to(torch.bfloat16)
+    runner = copy.copy(rec.quantizer.block_forward)
+    runner.amp, runner.amp_dtype = True, torch.bfloat16
+    inputs, others = cast_floating(rec.fp_inputs, torch.bfloat16), cast_floating(rec.input_others, torch.bfloat16)
+    assert runner.batch_size == 8 and len(inputs) == 16
     with torch.no_grad():
         serial = runner(block, inputs, others)
 

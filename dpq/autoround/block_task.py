@@ -92,7 +92,8 @@ def task_plan_fields(q, block, fp_inputs) -> dict:
         samples_per_iter=per_iter,
         home=home,
         extra_reasons=feature_refusals(q, block, fp_inputs),
-        mirror_bytes=price_mirror(block, fp_inputs, per_iter) if isinstance(fp_inputs, list) else None,
+        mirror_bytes=(price_mirror(block, fp_inputs, per_iter, compute_dtype=q.model_context.amp_dtype)
+                      if isinstance(fp_inputs, list) else None),
         pure_sign=is_pure_sign(q.optimizer, q.momentum),
     )
 

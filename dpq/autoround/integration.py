@@ -216,7 +216,7 @@ def _dispatch(self, block, input_ids, input_others):
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     home = torch.device(device_manager.device)
     per_iter = min(len(input_ids), self.calibration_context.batch_size * self.gradient_accumulate_steps)
-    if price_mirror(block, input_ids, per_iter) > backend_free(home):
+    if price_mirror(block, input_ids, per_iter, compute_dtype=self.model_context.amp_dtype) > backend_free(home):
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     from auto_round.utils.model import move_to_device_preserving_cpu_pinned, place_ngram_embeddings_for_tuning_
 
