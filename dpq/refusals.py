@@ -24,7 +24,7 @@ __all__ = [
     "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized", "block_already_wrapped",
     "block_no_linear", "block_on_devices", "block_spans_devices", "collection_lane_failed", "custom_backward",
     "device_index_too_large", "device_missing", "dispatch_hooks", "forward_replaced", "home_alone", "lane0_not_home",
-    "lane_failed", "lane_failed_rerun", "lane_failure", "malformed_device_entry", "mirror_does_not_fit",
+    "lane_failed", "lane_failed_rerun", "lane_failure", "malformed_device_entry", "lane_does_not_fit",
     "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "on_meta", "others_count", "others_device",
     "others_on_meta", "outputs_count", "outputs_shape", "pass_lane_failed_rerun", "patch_mismatch", "pool_device",
     "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices",
@@ -97,10 +97,12 @@ def lane0_not_home(device: str, home: str) -> str:
             f"{home},... (or move the model with --device_map)")
 
 
-def mirror_does_not_fit(lane: int, device: str, price: int, margin: float, free: int) -> str:
-    return (f"lane {lane} on {device}: a mirror needs ~{price / 2**30:.2f} GiB (weights + fp32 tuning values + "
-            f"activations + {margin - 1:.0%} margin) but only {free / 2**30:.2f} GiB is free for it. Fix: fewer "
-            "lanes, a smaller --batch_size, or --low_gpu_mem_usage")
+def lane_does_not_fit(lane: int, device: str, price: int, margin: float, free: int, *, home: bool = False) -> str:
+    what = ("home (lane 0) needs ~{:.2f} GiB more for its share (fp32 tuning values, gradient buffer, exchange "
+            "scratch, staging, activations" if home else
+            "a mirror needs ~{:.2f} GiB (weights + fp32 tuning values + activations").format(price / 2**30)
+    return (f"lane {lane} on {device}: {what} + {margin - 1:.0%} margin) but only {free / 2**30:.2f} GiB is free for "
+            "it. Fix: fewer lanes, a smaller --batch_size, or --low_gpu_mem_usage")
 
 
 def unsupported_home(device_type: str) -> str:

@@ -49,7 +49,7 @@ from dpq.fallback_p2p import make_communicator, select_communicator
 from dpq.faults import fault_point, faulty, inject_fault
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.nccl_lifecycle import NcclInitFailed
-from dpq.plan import Plan, PlanRefused, PlanRequest, resolve, validate_world
+from dpq.plan import BlockPrice, Plan, PlanRefused, PlanRequest, resolve, validate_world
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
@@ -110,7 +110,8 @@ class BlockTask:
     adapter's result. ``serial()``: the tuner's own serial run of the block (run when the plan
     says serial, and as ``auto``'s fallback); None: the session's engine runs even at world 1.
     ``lane_error(err, plan)``: the error an explicit world raises when the run fails.
-    ``samples_per_iter``, ``mirror_bytes``, ``extra_reasons`` (tuner features the lanes cannot
+    ``samples_per_iter``, ``price`` (the block's lane prices, :class:`dpq.plan.BlockPrice`) or
+    ``mirror_bytes`` (a flat one per mirror), ``extra_reasons`` (tuner features the lanes cannot
     split) and ``pure_sign`` (the update needs only sign(sum of grads)) go to the plan."""
 
     name: str
@@ -121,6 +122,7 @@ class BlockTask:
     home: torch.device | str | None = None
     pure_sign: bool = False
     mirror_bytes: int | None = None
+    price: BlockPrice | None = None
     extra_reasons: Sequence[str] = ()
     serial: Callable[[], object] | None = None
     lane_error: Callable[[BaseException, Plan], BaseException] | None = None
@@ -147,7 +149,9 @@ def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
     """The block's plan (raises :class:`dpq.plan.PlanRefused` for an explicit world it cannot serve)."""
     return resolve(PlanRequest(world=config.world, devices=config.devices, samples_per_iter=task.samples_per_iter,
                                home=task.home, extra_reasons=list(task.extra_reasons),
-                               mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign))
+                               mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign, price=task.price,
+                               processes=config.processes.size if config.processes is not None else 1,
+                               overlap=config.overlap is True))
 
 
 def lanes_for(request: PlanRequest) -> tuple[Plan, list[Lane] | None]:

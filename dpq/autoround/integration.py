@@ -292,7 +292,8 @@ def _auto_world_for(cfg: _State, plan: Plan) -> AutoWorld | None:
 
 
 def _tuner_request(cfg: _State, q, block, fp_inputs) -> PlanRequest:
-    return PlanRequest(world=cfg.world, devices=_lane_devices(cfg), **_task_plan_fields(q, block, fp_inputs))
+    return PlanRequest(world=cfg.world, devices=_lane_devices(cfg), overlap=cfg.overlap is True,
+                       **_task_plan_fields(q, block, fp_inputs))
 
 
 def _plan_for(cfg: _State, q, block, fp_inputs, block_ctx) -> Plan:
