@@ -13,6 +13,10 @@ communicators derive from):
   "bus bytes" convention), computed by :func:`ring_wire_bytes` from the logical call,
   so benchmarks of different communicators compare.
 * World 1: every call is a no-op, except reduce_scatter / all_gather, which copy.
+* Watchdog (R8 of ``dpq.streams``): ``check_async_error()`` raises if work already queued has
+  failed unseen (NCCL: ``ncclCommGetAsyncError``); ``abort(reason)`` ends queued work that may
+  never complete and returns whether it did (NCCL: ``ncclCommAbort``). Copy-based communicators
+  have nothing to check and nothing they can end: the defaults.
 * **Canonical order** (DESIGN.md, contract 3): every element of a sum is folded over the
   global lanes left to right, ``acc = x0 + x1; acc += x2; ...`` in the buffer dtype
   (:func:`ordered_sum`), so the bits depend on the world alone, not on the communicator or
@@ -201,6 +205,14 @@ class CommunicatorBase:
 
     def close(self) -> None:
         """Release communicator resources (nothing to release by default)."""
+
+    def check_async_error(self) -> None:
+        """Raise if queued work failed without an error at issue (module docstring: watchdog); default: nothing can."""
+
+    def abort(self, reason: str) -> bool:
+        """End queued work that may never complete; True when it was ended. Default: False (copies
+        have no abort: they complete, or the device is stuck)."""
+        return False
 
     # -- for subclasses ------------------------------------------------------------------
 

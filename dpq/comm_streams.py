@@ -12,9 +12,11 @@ lane; ``tests/test_comm_streams.py`` checks them with the CPU stream-order check
 
 C1  Before a bucket's exchange (:meth:`CommStreams.begin_bucket`, called by
     ``_Exchange.exchange_bucket``), each communication stream waits for its compute lane's
-    stream: the bucket's gradients were accumulated there. The event is recorded when the
-    bucket is complete (every lane's hook for it has run), so it covers them; it may also cover
-    later backward kernels already queued (conservative).
+    stream: the bucket's gradients were accumulated there. With the marks of an overlapped
+    backward (``dpq.exchange``: on accelerator lanes, each lane's event recorded when its part of
+    the bucket was final) it waits for that event only; without, for everything the compute lane
+    queued so far (recorded when the bucket is complete, so it covers the bucket; it may also
+    cover later backward kernels already queued: conservative).
 C2  The compute lanes wait for their communication streams only when the exchange ends
     (:meth:`CommStreams.wait`: ``_Exchange.wait`` at the end of the iteration's exchange), not
     per collective: a wait queued mid-backward would hold the rest of that lane's backward
@@ -27,9 +29,12 @@ C3  Memory: the gradient buckets live for the run (made on the compute streams, 
 C4  Teardown, also on failure: :meth:`join` (C2 for whatever was issued) before the session's
     ``ReplicaSet.close`` joins the compute lanes with the current stream (R5).
 
-One process only (the session does not use it across processes) and only where lanes have
-streams (accelerators; on CPU streams are no-ops and it would change nothing). Not run on a
-GPU: the ordering is checked on CPU with logical streams, the overlap itself is not measured.
+In one process and across processes (the session builds the process-group communicator over the
+communication lanes: its place, staging and ``torch.distributed`` calls are on communication lane
+0's stream; the engine's gathered losses keep C1/C2 too), only where lanes have streams
+(accelerators; on CPU streams are no-ops and it would change nothing). Not run on a GPU: the
+ordering is checked on CPU with logical streams and the timeline model, the overlap itself is
+not measured.
 """
 
 from __future__ import annotations
@@ -42,10 +47,18 @@ __all__ = ["CommStreams", "comm_lanes"]
 
 
 def comm_lanes(lanes: Sequence[Lane]) -> list[Lane]:
-    """A communication lane per lane: same index and device, a fresh stream (None where the lane has none)."""
-    return [Lane(index=lane.index, device=lane.device,
-                 stream=lane.backend.new_stream(lane.device) if lane.stream is not None else None)
-            for lane in lanes]
+    """A communication lane per lane: same index and device, its own stream (the run's, as every lane's:
+    ``dpq.streams``; None where the lane has none)."""
+    seen: dict = {}
+    out = []
+    for lane in lanes:
+        stream = None
+        if lane.stream is not None:
+            key = (lane.device.type, lane.device.index or 0)
+            seen[key] = n = seen.get(key, -1) + 1
+            stream = lane.backend.run_stream(lane.device, ("comm", n))
+        out.append(Lane(index=lane.index, device=lane.device, stream=stream))
+    return out
 
 
 class CommStreams:
@@ -66,10 +79,15 @@ class CommStreams:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def begin_bucket(self) -> None:
-        """C1: each communication stream waits for its compute lane's stream."""
-        for comm, lane in zip(self.lanes, self.compute, strict=True):
-            comm.wait_for(lane)
+    def begin_bucket(self, marks=None) -> None:
+        """C1: each communication stream waits for its compute lane's mark (``marks[k]``, an event
+        of that lane's stream), or where it has none for everything the compute lane queued."""
+        for k, (comm, lane) in enumerate(zip(self.lanes, self.compute, strict=True)):
+            mark = marks[k] if marks is not None else None
+            if mark is not None:
+                comm.waits(mark)
+            else:
+                comm.wait_for(lane)
 
     def all_reduce(self, bufs) -> None:
         self.inner.all_reduce(bufs)

@@ -19,41 +19,56 @@ Lanes without streams (CPU) share one set of scratch buffers: nothing to order t
 
 Overlap (:meth:`_Exchange.during_backward`): instead of exchanging every bucket after the
 backward, a post-accumulate-grad hook on every tuned parameter of every lane counts, per
-bucket, the gradients that are final; the hook that completes bucket i (its last parameter on
-the last lane to get there) issues bucket i's collective for all lanes, while autograd goes on
-with the rest of the backward. Buckets no hook completed (parameters that got no gradient) are
+bucket, the gradients that are final; once bucket i is complete (its last parameter on the
+last lane to get there) its collective is issued for all lanes while autograd goes on with the
+rest of the backward. Buckets not complete by then (parameters that got no gradient) are
 exchanged when the backward returns, in buffer order. Each bucket is exchanged exactly as
 :meth:`_Exchange.exchange` would (the same collectives on the same bytes; buckets are
 independent), so the result is bitwise the non-overlapped one, whatever order the buckets
 complete in (tested: both policies, W = 2..4, several bucket caps).
 
-Which thread issues what:
+Which thread issues what (contract 4: one thread issues; every collective comes from the thread
+that called ``backward``):
 
 * Every lane on the CPU (default: overlap on). Autograd runs CPU backward on the thread that
-  called ``backward``, so the hooks, and with them every collective, run on the one issuing
-  thread (checked at each hook: a hook on another thread raises). dpq's "one thread issues"
-  contract holds. Verified here (tests, ``benchmarks/overlap.py``). Note: on CPU the lanes'
-  backwards run one after another on that thread (autograd orders ready nodes by sequence
-  number, so the last lane's graph runs first and lane 0's last); a bucket completes during
-  lane 0's backward, so only that part of the backward can hide the exchange.
+  called ``backward``, so the hooks run on the issuing thread, and the hook that completes a
+  bucket issues it (checked at each hook: a hook on another thread raises). Verified here
+  (tests, ``benchmarks/overlap.py``). Note: on CPU the lanes' backwards run one after another
+  on that thread (autograd orders ready nodes by sequence number, so the last lane's graph runs
+  first and lane 0's last); a bucket completes during lane 0's backward, so only that part of
+  the backward can hide the exchange.
 * Accelerator lanes (default: overlap off; ``overlap=True`` opts in). Autograd runs each
-  device's backward on its own worker thread, so the hooks run there, several at once. With
-  overlap on, the counting and the issuing of a collective happen under one lock: a bucket's
-  collective is issued whole (every rank's call inside one NCCL group) by the single thread
-  that completed it, no two threads issue at the same time, and every rank sees the buckets'
-  collectives in the same order (each group covers all ranks). The hook first makes its lane's
-  stream wait for the stream the gradient was accumulated on (``Lane.wait_for_current``,
-  R1). On the lanes' own streams a lane's backward kernels queued after a collective would wait
-  for it (streams run in order), so with overlap asked for the session builds the communicator
-  over a second stream per lane (:mod:`dpq.comm_streams`; its ``begin_bucket`` is called here,
-  before each bucket). None of the accelerator path has run on hardware; it is off by default
-  so the calling thread alone issues there.
+  device's backward on its own worker thread, so the hooks run there, several at once; they
+  never issue a collective and queue nothing on any stream but one event. Under one lock a
+  hook counts its bucket down; the hook that finishes a lane's part of bucket i records an
+  event on the stream the gradient was just accumulated on (autograd's stream for the node:
+  the lane's forward stream, one per lane, so it covers the lane's earlier parameters of the
+  bucket too; R1: the "mark") and the one that completes the bucket puts i on a queue. The
+  collectives are issued by :class:`_Issuer`, an autograd node on the CPU that is one more root
+  of the same ``backward`` call: autograd runs CPU nodes on the calling thread, beside the
+  device threads, so the issuing thread itself takes the queue's buckets and issues each one,
+  its communication streams waiting for that bucket's marks only (``begin_bucket(marks)``, C1
+  of :mod:`dpq.comm_streams`: with the exchange on the lanes' own streams a lane's later
+  backward kernels would wait for the collective, so the session builds the communicator over
+  a second stream per lane). It
+  stops when every bucket is issued, or when none completed for :data:`ISSUER_PATIENCE_S` (a
+  bucket with a parameter that got no gradient, or a failed backward: autograd then reports
+  the error), and the rest go when ``backward`` returns. In one process buckets are issued as
+  they complete (every group covers every lane, so order does not matter); across processes in
+  buffer order, a prefix of it, so that every rank issues the same sequence. On single-threaded
+  autograd (CPU, the timeline model's logical GPUs) the issuer node, made before the lanes'
+  forwards, has the lowest sequence number and runs after every lane's backward. CuPy's NCCL
+  groups hold the caching allocator's free mutex while they launch (``dpq.nccl_comm``), as
+  torch's own do, since the device threads may free memory meanwhile. None of the accelerator
+  path has run on hardware; it is off by default there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -156,6 +171,14 @@ class GradBuckets:
             for p in params:
                 p.grad = None
 
+    def release(self) -> None:
+        """Drop the buffers, their views, the policies' scratch and the parameter lists (the run is
+        over; ``detach()`` the grads first). The object is unusable afterwards."""
+        self.scratch.clear()
+        self.buffers.clear()
+        self.params.clear()
+        self._views = None
+
     def is_attached(self) -> bool:
         """True when every ``p.grad`` is still the view of its slot."""
         return all(
@@ -255,11 +278,13 @@ class _Exchange:
         self._check(buckets)
         return BackwardExchange(self, buckets, lanes)
 
-    def exchange_bucket(self, buckets: GradBuckets, i: int) -> None:
+    def exchange_bucket(self, buckets: GradBuckets, i: int, marks: Sequence | None = None) -> None:
+        """Bucket ``i``; ``marks``: per lane, the event after which its gradients are final (else
+        everything queued on the lanes so far)."""
         before = self.comm.wire_bytes
         begin = getattr(self.comm, "begin_bucket", None)  # dpq.comm_streams: C1
         if begin is not None:
-            begin()
+            begin() if marks is None else begin(marks)
         self._exchange(buckets, i)
         self.total_wire_bytes += self.comm.wire_bytes - before
 
@@ -279,28 +304,49 @@ class _Exchange:
         raise NotImplementedError
 
 
+ISSUER_PATIENCE_S = 2.0  # the issuer's wait for the next bucket to complete before it leaves the rest for later
+
+
 class BackwardExchange:
     """Buckets exchanged during one backward (module docstring: overlap, and which thread issues).
 
-    ``with policy.during_backward(buckets): torch.autograd.backward(roots)``. On entry (overlap
-    on) a post-accumulate-grad hook goes on every tuned parameter of every lane the backward
-    reaches; each counts its bucket down; the hook that brings a bucket to zero issues its
-    collective. On a clean exit the hooks come off, every bucket no hook issued is exchanged in
-    buffer order, and the lanes wait for the last collective (``policy.wait``). On an exception
-    the hooks come off and nothing more is issued (the caller tears the lanes down).
+    ``with policy.during_backward(buckets) as bx: torch.autograd.backward(roots + bx.roots, seeds +
+    bx.seeds)``; make it before the lanes' forwards (accelerator lanes: the issuer's node is made
+    then). On entry (overlap on) a post-accumulate-grad hook goes on every tuned parameter of every
+    lane the backward reaches; each counts its bucket down. CPU lanes: the hook that brings a
+    bucket to zero issues it. Accelerator lanes: hooks only mark, the issuer node issues. On a
+    clean exit the hooks come off, every bucket not issued is exchanged in buffer order, and the
+    lanes wait for the last collective (``policy.wait``). On an exception the hooks come off and
+    nothing more is issued (the caller tears the lanes down).
     """
 
     def __init__(self, policy: _Exchange, buckets: GradBuckets, lanes: Sequence[int] | None = None) -> None:
         self.policy, self.buckets = policy, buckets
         self.active = list(range(buckets.world)) if lanes is None else sorted(set(lanes))
+        n = len(buckets.bucket_params)
         self.remaining = [len(ids) * len(self.active) for ids in buckets.bucket_params]
-        self.issued = [False] * len(buckets.bucket_params)
-        self.issued_in_backward = 0  # buckets a hook issued (for tests and benchmarks)
+        self.issued = [False] * n
+        self.issued_in_backward = 0  # buckets issued before backward returned (tests, benchmarks)
         self._fired = [[False] * len(buckets.bucket_of) for _ in range(buckets.world)]  # [lane][param]
         self._handles: list = []
         self._lock = threading.Lock()
         self._thread = threading.get_ident()
         self._before = policy.total_wire_bytes
+        self.deferred = policy.overlap and policy.comm.world > 1 and self._on_devices()  # the issuer issues
+        # deferred: per bucket, per lane, the params still to come and the mark once they came
+        self._lane_left = [[len(ids)] * buckets.world for ids in buckets.bucket_params]
+        self._marks: list[list] = [[None] * buckets.world for _ in range(n)]
+        self._complete: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.roots: list[Tensor] = []
+        self.seeds: list[Tensor] = []
+        if self.deferred:  # made now, before the lanes' forwards (module docstring: its sequence number)
+            token = torch.zeros((), requires_grad=True)
+            self.roots.append(_Issuer.apply(token, self))
+            self.seeds.append(torch.ones(()))
+
+    def _on_devices(self) -> bool:
+        """Accelerator lanes: autograd runs their backward (and these hooks) on its device threads."""
+        return any(lane.accelerator for lane in self.policy.comm.lanes)
 
     def __enter__(self) -> BackwardExchange:
         if self.policy.overlap and self.policy.comm.world > 1:
@@ -313,8 +359,10 @@ class BackwardExchange:
     def _hook(self, lane: Lane, k: int, j: int):
         b = self.buckets.bucket_of[j]
         on_cpu = not lane.accelerator
-        # R1 (the collective comes after this gradient's accumulation); nothing to order without a stream
-        wait = lane.wait_for_current if lane.stream is not None else None
+        deferred = self.deferred
+        # R1 (the collective comes after this gradient's accumulation); nothing to order without a stream.
+        # Deferred: no stream is touched here but by the mark (the issuer's streams wait for it).
+        wait = lane.wait_for_current if lane.stream is not None and not deferred else None
         fired = self._fired[k]
 
         def ready(_param: Tensor) -> None:
@@ -326,21 +374,58 @@ class BackwardExchange:
                                    "autograd runs CPU backward on the calling thread")
             if wait is not None:
                 wait()
-            with self._lock:  # one issuer at a time: a bucket's collective is issued whole, by one thread
+            with self._lock:  # the counts (and, on CPU, the issue) by one thread at a time
                 if fired[j]:
                     raise RuntimeError(f"dpq: tuned parameter {j} of lane {k} accumulated a gradient twice in one "
                                        "backward after its bucket could have been exchanged")
                 fired[j] = True
                 self.remaining[b] -= 1
-                if self.remaining[b] == 0:
+                if deferred:
+                    self._lane_left[b][k] -= 1
+                    if self._lane_left[b][k] == 0:
+                        # this lane's part of the bucket is final after the accumulation just queued on
+                        # the stream autograd runs the lane's backward on (one stream per lane: its forward's)
+                        self._marks[b][k] = lane.mark_current()
+                    if self.remaining[b] == 0:
+                        self._complete.put(b)  # the issuer takes it (never issued from this thread)
+                elif self.remaining[b] == 0:
                     self._issue(b)
                     self.issued_in_backward += 1
 
         return ready
 
-    def _issue(self, b: int) -> None:
+    def _issue(self, b: int, marks: Sequence | None = None) -> None:
         self.issued[b] = True
-        self.policy.exchange_bucket(self.buckets, b)
+        if marks is None:
+            self.policy.exchange_bucket(self.buckets, b)
+        else:
+            self.policy.exchange_bucket(self.buckets, b, marks)
+
+    def serve(self) -> None:
+        """The issuer (accelerator lanes; :class:`_Issuer` runs it on the thread that called ``backward``):
+        issue each bucket once complete (module docstring), until every bucket is issued or none
+        completed for :data:`ISSUER_PATIENCE_S`."""
+        in_order = self.policy.comm.world > len(self.policy.comm.lanes)  # across processes: buffer order
+        complete, nxt, n = set(), 0, len(self.issued)
+        last = time.monotonic()
+        while nxt < n if in_order else len(complete) < n:
+            try:
+                b = self._complete.get(timeout=0.05)
+            except queue.Empty:
+                if time.monotonic() - last > ISSUER_PATIENCE_S:
+                    return  # the rest go when backward returns
+                continue
+            last = time.monotonic()
+            complete.add(b)
+            ready = [b] if not in_order else []
+            while in_order and nxt in complete:
+                ready.append(nxt)
+                nxt += 1
+            for i in ready:
+                lanes = self.policy.comm.lanes
+                marks = [self._marks[i][k] if k in self.active else None for k in range(len(lanes))]
+                self._issue(i, marks)
+                self.issued_in_backward += 1
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
@@ -356,6 +441,21 @@ class BackwardExchange:
                 self._issue(b)
         self.policy.last_wire_bytes = self.policy.total_wire_bytes - self._before
         self.policy.wait()
+
+
+class _Issuer(torch.autograd.Function):
+    """A CPU node, one more root of the lanes' ``backward``: autograd runs it on the calling thread
+    while the device threads run the lanes, and it issues their buckets (:meth:`BackwardExchange.serve`)."""
+
+    @staticmethod
+    def forward(ctx, token: Tensor, bx: BackwardExchange) -> Tensor:
+        ctx.bx = bx
+        return token.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.bx.serve()
+        return None, None
 
 
 class FullSumExchange(_Exchange):

@@ -312,15 +312,16 @@ def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
     if types == {"cuda"}:
         if len(keys) == world:
             ids = [index for _, index in (_device_key(d) for d in devices)]
-            cupy_ok, torch_ok = nccl_comm.cupy_nccl_available(), nccl_comm.torch_nccl_available()
-            aborted = [s for kind, ok in (("cupy-nccl", cupy_ok), ("torch-nccl", torch_ok))
-                       if ok and (s := nccl_comm.aborted_comm_set(kind, ids)) is not None]
-            if cupy_ok and not any(s.kind == "cupy-nccl" for s in aborted):
+            # dpq.nccl_lifecycle: once NCCL failed for any of these GPUs (an abort, a failed init), no
+            # NCCL kind runs on them again in this run: copies, which need no init and cannot hang in NCCL
+            failed = nccl_comm.failed_comm_sets(ids)
+            if failed:
+                why = (f"{world} distinct GPUs, but NCCL over cuda devices {list(failed[0].device_ids)} failed earlier "
+                       f"in this run ({failed[0].failure}), so no NCCL kind is used for them again in this process")
+            elif nccl_comm.cupy_nccl_available():
                 return "cupy-nccl", f"{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
-            if torch_ok and not any(s.kind == "torch-nccl" for s in aborted):
+            elif nccl_comm.torch_nccl_available():
                 return "torch-nccl", f"{world} distinct GPUs, CuPy absent (pip install dpq[cuda12]): torch.cuda.nccl"
-            if aborted:
-                why = f"{world} distinct GPUs, but NCCL for them was aborted earlier in this run ({aborted[0].failure})"
             else:
                 why = f"{world} distinct GPUs but no NCCL (neither CuPy nor torch.cuda.nccl)"
         else:

@@ -10,6 +10,8 @@ builds one mirror per extra lane. Invariants kept here:
   through that memo, so a tensor that appears under two names at home is one tensor in
   the mirror too: the optimizer's params, the registered parameters and a wrapper's
   ``params`` dict stay the same objects. A broken alias would silently stop gradients.
+  Containers are walked at any depth: a tensor deepcopy met without a memo entry would be
+  cloned on home's device.
 * **No home-device spike.** Tensors are copied straight to the lane's device; nothing
   is duplicated on home first.
 * **Frozen tensors are shared, tuned ones never.** On a lane that shares home's device,
@@ -42,27 +44,33 @@ import torch
 
 from dpq.streams import Lane, backend, map_tensors
 
-__all__ = ["LaneData", "ReplicaMismatchError", "ReplicaSet", "module_tensors", "tensors_in"]
+__all__ = ["LaneData", "ReplicaMismatchError", "ReplicaSet", "module_tensors", "release_cached_memory", "tensors_in"]
 
 
 class ReplicaMismatchError(RuntimeError):
     """Lanes disagree on a tuned parameter: the exchange or the step is broken."""
 
 
-def tensors_in(value, levels: int = 2) -> Iterator[torch.Tensor]:
-    """The tensors in ``value``: itself, or inside dicts/lists/tuples nested up to ``levels`` deep."""
+def tensors_in(value, levels: int | None = None, _seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``: itself, or inside dicts/lists/tuples nested up to ``levels`` deep
+    (None: at any depth; a container met twice, or inside itself, is walked once)."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif levels > 0 and isinstance(value, dict):
-        for v in value.values():
-            yield from tensors_in(v, levels - 1)
-    elif levels > 0 and isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensors_in(v, levels - 1)
+        return
+    if not isinstance(value, (dict, list, tuple)) or levels == 0:
+        return
+    seen = set() if _seen is None else _seen
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    deeper = None if levels is None else levels - 1
+    for v in value.values() if isinstance(value, dict) else value:
+        yield from tensors_in(v, deeper, seen)
 
 
 def module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """Every tensor held by the module tree (each module's params, buffers and attributes)."""
+    """Every tensor held by the module tree (each module's params, buffers and attributes, inside
+    dicts/lists/tuples at any depth: the mirror copies each to the lane, none is left on home)."""
     for m in module.modules():
         yield from tensors_in(m.__dict__)
 
@@ -171,11 +179,14 @@ class ReplicaSet:
         for lane in self.lanes[1:]:
             lane.wait_for_current()
 
-    def close(self, *, collect: bool = True) -> None:
+    def close(self, *, collect: bool = True, release_cache: bool = True) -> None:
         """Join the lanes with the current stream (R5), then drop the mirrors; home is untouched.
 
         Safe to call twice. ``collect=False`` skips the cycle collection (CPU passes that
-        have no device allocator to hand memory back to).
+        have no device allocator to hand memory back to). ``release_cache=False`` keeps the
+        allocator's cached blocks (freeing device memory waits for the device: skipped when the
+        lanes' work can never end, ``dpq.tune_loop.LanesHung.stuck``). Whoever else holds lane
+        memory (the engine's optimizers and gradient buffers) lets go of it before this call.
         """
         self.join_lanes()
         for lane in self.lanes:
@@ -188,10 +199,15 @@ class ReplicaSet:
             # mirror is only freed by the cycle collector; collect now so the memory is back
             # before the next block. Skipped at world 1: a full collection costs ~0.2 s.
             gc.collect()
-        for lane in self.lanes[1:]:
-            if lane.device.type == "cuda":
-                torch.cuda.empty_cache()
-                break
+        if release_cache:
+            release_cached_memory([lane.device for lane in self.lanes[1:]])
+
+
+def release_cached_memory(devices: Sequence[torch.device]) -> None:
+    """Hand the caching allocator's free blocks on ``devices`` back to the device (each backend's
+    ``empty_cache``, once per device type), so the next block's free-memory plan sees them."""
+    for type_ in dict.fromkeys(torch.device(d).type for d in devices):
+        backend(torch.device(type_)).empty_cache()
 
 
 class LaneData:

@@ -30,13 +30,19 @@ NCCL lifecycle (kept in :mod:`dpq.nccl_lifecycle`, re-exported here):
   come; ``ncclCommAbort`` (``comm.abort()`` in CuPy) ends them. The set is then marked
   aborted: any later use raises :class:`NcclAborted` naming the failed collective, and
   ``select_communicator`` picks device copies for those GPUs for the rest of the run.
+* **No wait blocks forever.** The iteration's readback polls its events against
+  ``--parallel_timeout`` (R8 of ``dpq.streams``), calling :meth:`CupyNcclCommunicator.check_async_error`
+  meanwhile; on expiry or an asynchronous error the engine aborts the set
+  (:meth:`CupyNcclCommunicator.abort` ends the queued kernels; torch.cuda.nccl's cannot be ended,
+  :meth:`TorchNcclCommunicator.abort` says so).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -46,9 +52,11 @@ from dpq.nccl_lifecycle import (
     NcclAborted,
     NcclCollectiveError,
     NcclCommSet,
+    NcclInitFailed,
     aborted_comm_set,
     close_communicators,
     fail_group,
+    failed_comm_sets,
     shared_comm_set,
 )
 from dpq.streams import Lane
@@ -61,12 +69,14 @@ __all__ = [
     "NcclAborted",
     "NcclCollectiveError",
     "NcclCommSet",
+    "NcclInitFailed",
     "TorchNcclCommunicator",
     "aborted_comm_set",
     "close_communicators",
     "cupy_nccl_available",
     "cupy_nccl_version",
     "distinct_cuda_ids",
+    "failed_comm_sets",
     "multi_rank_gpu_enabled",
     "ring_wire_bytes",
     "shared_comm_set",
@@ -106,6 +116,31 @@ def multi_rank_gpu_enabled(version: Sequence[int] | None) -> bool:
 
 
 # -- CuPy --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def allocator_free_mutex() -> Iterator[None]:
+    """The CUDA caching allocator's free mutex, held across one NCCL group launch.
+
+    torch's allocator holds it around every ``cudaFree`` ("lock around calls to cudaFree (to
+    prevent deadlocks with NCCL)", c10's CUDACachingAllocator / ``c10::cuda::getFreeMutex``) and
+    torch's own NCCL groups take it (``torch::cuda::nccl::AutoNcclGroup``): a ``cudaFree`` on
+    another thread (an out-of-memory retry of autograd's device threads during an overlapped
+    backward, ``empty_cache``) synchronizes the device while a group's kernels are half launched,
+    NCCL's documented deadlock ("Using multiple NCCL communicators concurrently",
+    https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/communicators.html). torch
+    exposes it as ``torch._C._cuda_lock_mutex`` / ``_cuda_unlock_mutex`` (CUDA builds; the lock
+    waits with the GIL released); without them (CPU builds, the fakes) there is nothing to hold."""
+    lock, unlock = getattr(torch._C, "_cuda_lock_mutex", None), getattr(torch._C, "_cuda_unlock_mutex", None)
+    if lock is None or unlock is None:
+        yield
+        return
+    lock()
+    try:
+        yield
+    finally:
+        unlock()
+
 
 
 def _sizes(bounds: Sequence[int]) -> list[int]:
@@ -215,6 +250,24 @@ class CupyNcclCommunicator(CommunicatorBase):
             self._set.destroy()
         self._set = None
 
+    def check_async_error(self) -> None:
+        """Each rank's ``check_async_error()`` (``ncclCommGetAsyncError``; CuPy raises ``NcclError``
+        for a failed state): on an error every handle is aborted and :class:`NcclCollectiveError` raised."""
+        if self._set is None or self._set.state != "open":
+            return
+        for rank, comm in enumerate(self._set.comms):
+            try:
+                comm.check_async_error()
+            except Exception as e:
+                fail_group(self._set, f"queued work (asynchronous error reported by rank {rank})", e)
+
+    def abort(self, reason: str) -> bool:
+        """``ncclCommAbort`` on every rank (ends their queued kernels); the devices stay off NCCL for the run."""
+        if self._set is None:
+            return False
+        self._set.abort(reason)
+        return True
+
     def _dtype(self, dtype: torch.dtype) -> int:
         name = {torch.float32: "NCCL_FLOAT32", torch.bfloat16: "NCCL_BFLOAT16", torch.uint8: "NCCL_UINT8"}[dtype]
         if not hasattr(self._nccl, name):
@@ -228,26 +281,30 @@ class CupyNcclCommunicator(CommunicatorBase):
         self._set.check_usable()
         bound = [[(getattr(comm, m), m, args) for m, args in calls]
                  for comm, calls in zip(self._set.comms, calls_per_rank, strict=True)]
-        try:
-            self._nccl.groupStart()
-        except BaseException as e:
-            fail_group(self._set, f"groupStart before {what}", e)
         error: BaseException | None = None
         where = what
-        try:
-            for k, (calls, lane) in enumerate(zip(bound, self.lanes, strict=True)):
-                with lane.issue():
-                    for call, method, args in calls:
-                        where = f"{'' if method == what else what + ': '}{method} (rank {k} of {self.world})"
-                        call(*args)
-        except BaseException as e:
-            error = e
-        finally:
-            try:  # always close the group: an open one would swallow this thread's next NCCL call
-                self._nccl.groupEnd()
+        # Nothing between groupStart and groupEnd allocates (staging is made before): the allocator
+        # would wait for the free mutex this thread holds.
+        with allocator_free_mutex():
+            try:
+                self._nccl.groupStart()
             except BaseException as e:
-                if error is None:
-                    error, where = e, f"groupEnd after {what}"
+                error, where = e, f"groupStart before {what}"
+            else:
+                try:
+                    for k, (calls, lane) in enumerate(zip(bound, self.lanes, strict=True)):
+                        with lane.issue():
+                            for call, method, args in calls:
+                                where = f"{'' if method == what else what + ': '}{method} (rank {k} of {self.world})"
+                                call(*args)
+                except BaseException as e:
+                    error = e
+                finally:
+                    try:  # always close the group: an open one would swallow this thread's next NCCL call
+                        self._nccl.groupEnd()
+                    except BaseException as e:
+                        if error is None:
+                            error, where = e, f"groupEnd after {what}"
         if error is not None:
             fail_group(self._set, where, error)
 
@@ -379,6 +436,11 @@ class TorchNcclCommunicator(CommunicatorBase):
     @property
     def comm_set(self) -> NcclCommSet:
         return self._set
+
+    def abort(self, reason: str) -> bool:
+        """torch.cuda.nccl has no abort: the devices are only marked off NCCL; queued kernels stay (False)."""
+        self._set.abort(reason)
+        return False
 
     @property
     def _streams(self) -> list:

@@ -1,6 +1,13 @@
 """The lifecycle of dpq's in-process NCCL handles (split out of :mod:`dpq.nccl_comm`, which
 re-exports everything here; the rules are in that module's docstring): one handle set per device
-tuple per run, an NCCL error aborts the set, and :func:`close_communicators` destroys them all."""
+tuple per run, an NCCL error aborts the set, and :func:`close_communicators` destroys them all.
+
+Invariant kept here: once NCCL failed for some GPUs in this run (an abort after an error or a hang,
+or a failed ``ncclCommInitAll``), the failed set stays cached and :func:`failed_comm_sets` names it
+for every device tuple that shares one of its GPUs, whatever the NCCL kind: the choice of
+communicator (``dpq.fallback_p2p.choose_communicator``) then takes device copies for them, so no
+block retries an init that costs seconds, and no torch.cuda.nccl communicator (which cannot be
+aborted) runs where CuPy's was aborted. :func:`close_communicators` (``disable()``) forgets them."""
 
 from __future__ import annotations
 
@@ -10,9 +17,11 @@ __all__ = [
     "NcclAborted",
     "NcclCollectiveError",
     "NcclCommSet",
+    "NcclInitFailed",
     "aborted_comm_set",
     "close_communicators",
     "fail_group",
+    "failed_comm_sets",
     "shared_comm_set",
 ]
 
@@ -25,11 +34,16 @@ class NcclAborted(RuntimeError):
     """A communicator whose NCCL handles were aborted (after an earlier error) was used again."""
 
 
+class NcclInitFailed(NcclAborted):
+    """``ncclCommInitAll`` failed for these devices (now, or earlier in this run: it is not retried)."""
+
+
 class NcclCommSet:
     """The NCCL handles of one device tuple: ``comms[k]`` is rank k's (a CuPy ``NcclCommunicator``;
     empty for torch-nccl, whose communicators torch caches per device list itself).
 
-    States: open -> aborted (an NCCL error: ``abort()`` on every handle) or closed (``destroy()``).
+    States: open -> aborted (an NCCL error: ``abort()`` on every handle) or closed (``destroy()``);
+    failed: the init itself failed (no handles).
     ``library`` is the module the handles came from: a cached set is reused only with the same one.
     """
 
@@ -45,6 +59,11 @@ class NcclCommSet:
         return f"{self.kind} communicators for cuda devices {list(self.device_ids)}"
 
     def check_usable(self) -> None:
+        if self.state == "failed":
+            raise NcclInitFailed(
+                f"dpq: creating the {self.where()} failed earlier in this run ({self.failure}); it is not retried. "
+                "select_communicator picks device copies (p2p/host) for these GPUs for the rest of this run"
+            )
         if self.state == "aborted":
             raise NcclAborted(
                 f"dpq: the {self.where()} were aborted after {self.failure}; they cannot be used again. "
@@ -90,7 +109,13 @@ def shared_comm_set(
     cached = _SETS.get(key)
     if cached is not None and cached.library is library:
         return cached
-    made = NcclCommSet(kind, device_ids, create(), library)
+    try:
+        comms = create()
+    except Exception as e:  # remembered: every later use of these devices is refused at once
+        failed = _SETS[key] = NcclCommSet(kind, device_ids, [], library)
+        failed.state, failed.failure = "failed", f"{type(e).__name__}: {e}"
+        raise NcclInitFailed(f"dpq: creating the {failed.where()} failed ({failed.failure})") from e
+    made = NcclCommSet(kind, device_ids, comms, library)
     _SETS[key] = made
     return made
 
@@ -99,6 +124,13 @@ def aborted_comm_set(kind: str, device_ids: Sequence[int]) -> NcclCommSet | None
     """The cached set for (kind, device_ids) when an NCCL error aborted it in this run, else None."""
     cached = _SETS.get((kind, tuple(device_ids)))
     return cached if cached is not None and cached.state == "aborted" else None
+
+
+def failed_comm_sets(device_ids: Sequence[int]) -> list[NcclCommSet]:
+    """Every cached set, of any NCCL kind, that was aborted or failed to initialise in this run and
+    shares a GPU with ``device_ids`` (module docstring: no NCCL for those GPUs again)."""
+    ids = set(device_ids)
+    return [s for s in _SETS.values() if s.state in ("aborted", "failed") and ids & set(s.device_ids)]
 
 
 def close_communicators() -> int:

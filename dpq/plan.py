@@ -15,6 +15,7 @@ which ones apply.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,8 +26,9 @@ from dpq import refusals
 from dpq.fallback_p2p import COMMUNICATORS, choose_communicator
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
-__all__ = ["DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments", "device_spec_errors",
-           "lane_device_errors", "parse_device_spec", "price_mirror", "resolve", "validate_world"]
+__all__ = ["BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments", "device_spec_errors",
+           "lane_device_errors", "parse_device_spec", "price_home", "price_mirror", "price_runtime", "resolve",
+           "validate_world"]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -58,8 +60,13 @@ class PlanRequest:
     samples_per_iter: int = 8
     home: torch.device | str | None = None
     extra_reasons: Sequence[str] = ()  # tuner features dpq cannot split (found by the adapter)
-    mirror_bytes: int | None = None  # price of one mirror (see price_mirror); None = not checked
+    mirror_bytes: int | None = None  # a flat price of one mirror, all included; None = not checked
     pure_sign: bool = False  # the task's update needs only sign(sum of grads) (SignSGD, no momentum/decay)
+    # The block's prices by lane role (mirrors, home, the accelerator runtime): when given, every lane
+    # is checked with them, home included, and ``mirror_bytes`` is not used.
+    price: BlockPrice | None = None
+    processes: int = 1  # torchrun: the processes the lanes' exchange spans (home stages their rows)
+    overlap: bool = False  # the exchange on a communication stream per lane (its allocator pool)
 
 
 @dataclass
@@ -76,6 +83,8 @@ class Plan:
     exchange: str = "full"  # "sign": sign of the summed gradient; "full": full fp32 sums
     exchange_reason: str = ""
     step: str = ""  # which optimizer step the lanes run, and why (set by the session's engine)
+    lane_bytes: list[int] = field(default_factory=list)  # the price each lane was checked with (a prefix when
+    # 'auto' stopped at a lane that does not fit); empty when nothing was priced
 
 
 def _exchange(pure_sign: bool) -> tuple[str, str]:
@@ -112,6 +121,37 @@ def validate_world(world: object) -> int | str:
     return world
 
 
+def _block_terms(block: torch.nn.Module, inputs: Sequence[torch.Tensor], samples_per_iter: int, world: int,
+                 bucket_cap_elems: int, compute_dtype: torch.dtype | None) -> dict:
+    """Every block-dependent term a lane may hold (``price_mirror`` and ``price_home`` take theirs)."""
+    two_d = [p for p in block.parameters() if p.dim() == 2]
+    n = sum(p.numel() for p in two_d)
+    tuned = n + n // 8
+    share = -(-max(1, samples_per_iter) // world)
+    bucket = min(tuned, max(bucket_cap_elems, max((p.numel() for p in two_d), default=0)))
+    parts = {
+        "weights": sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers())),
+        "tuned_values": tuned * 4,
+        "qdq_saved": 4 * n * 4,
+        "grad_buffer": tuned * 4,
+        "exchange": 3 * bucket * 4,
+        "activations": 0,
+        "staging": 0,
+    }
+    if inputs:
+        x = inputs[0]
+        if compute_dtype is None:
+            compute_dtype = two_d[0].dtype if two_d else x.dtype
+        size = torch.empty((), dtype=compute_dtype).element_size()
+        tokens = x.shape[:-1].numel() if x.dim() >= 2 else 1
+        rows, seq = (x.shape[:-2].numel(), x.shape[-2]) if x.dim() >= 3 else (1, tokens)
+        elems = sum(p.shape[0] + p.shape[1] for p in two_d) or 16 * x.shape[-1]
+        per_token = ACTIVATION_BYTES.get(size, 1.5 * size) * elems
+        parts["activations"] = int(share * (tokens * per_token + rows * seq * seq * size))
+        parts["staging"] = share * 2 * x.numel() * x.element_size()
+    return {"parts": parts, "share": share, "world": world, "bucket": bucket, "tuned": tuned}
+
+
 def price_mirror(
     block: torch.nn.Module,
     inputs: Sequence[torch.Tensor],
@@ -146,36 +186,145 @@ def price_mirror(
     to it). ``world=None`` prices the largest share a mirror ever gets: mirrors exist only at
     world >= 2, so world 2. Pass the planned world for a tighter price. ``detail``, if given,
     receives each term (bytes, before the margin). Optimizer state beyond SignSGD (momentum,
-    Adam) and per-sample extra inputs other than the mask are not priced.
+    Adam) and per-sample extra inputs other than the mask are not priced; what the accelerator
+    runtime allocates beside the tensors is :func:`price_runtime`'s.
     """
     world = 2 if world is None else max(1, int(world))
-    two_d = [p for p in block.parameters() if p.dim() == 2]
-    n = sum(p.numel() for p in two_d)
-    tuned = n + n // 8
-    share = -(-max(1, samples_per_iter) // world)
-    parts = {
-        "weights": sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers())),
-        "tuned_values": tuned * 4,
-        "qdq_saved": 4 * n * 4,
-        "grad_buffer": tuned * 4,
-        "exchange": 3 * min(tuned, max(bucket_cap_elems, max((p.numel() for p in two_d), default=0))) * 4,
-        "activations": 0,
-        "staging": 0,
-    }
-    if inputs:
-        x = inputs[0]
-        if compute_dtype is None:
-            compute_dtype = two_d[0].dtype if two_d else x.dtype
-        size = torch.empty((), dtype=compute_dtype).element_size()
-        tokens = x.shape[:-1].numel() if x.dim() >= 2 else 1
-        rows, seq = (x.shape[:-2].numel(), x.shape[-2]) if x.dim() >= 3 else (1, tokens)
-        elems = sum(p.shape[0] + p.shape[1] for p in two_d) or 16 * x.shape[-1]
-        per_token = ACTIVATION_BYTES.get(size, 1.5 * size) * elems
-        parts["activations"] = int(share * (tokens * per_token + rows * seq * seq * size))
-        parts["staging"] = share * 2 * x.numel() * x.element_size()
+    terms = _block_terms(block, inputs, samples_per_iter, world, bucket_cap_elems, compute_dtype)
+    parts = terms["parts"]
     if detail is not None:
-        detail.update(parts, share=share, world=world)
+        detail.update(parts, share=terms["share"], world=world)
     return int(sum(parts.values()) * MARGIN)
+
+
+def price_home(
+    block: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    samples_per_iter: int,
+    world: int | None = None,
+    *,
+    processes: int = 1,
+    lanes_elsewhere: int = 0,
+    bucket_cap_elems: int = 2**22,
+    compute_dtype: torch.dtype | None = None,
+    detail: dict | None = None,
+) -> int:
+    """Bytes lane 0 (home) needs beyond what it holds when the plan is made (the block and its
+    pool), times MARGIN: the terms of :func:`price_mirror` but the weights (home's are the block
+    itself), and
+
+    * ``best``: the tuner's snapshot of the best iteration's tuned values, twice (the new snapshot
+      is taken while the previous one is still held; auto-round keeps it on its cache device:
+      home unless ``--low_gpu_mem_usage``, priced as home either way);
+    * ``process_group`` (``processes`` P > 1, torchrun): what
+      :class:`dpq.process_group.ProcessGroupCommunicator` stages on lane 0 for the largest bucket B
+      (fp32, padded to whole sign bytes) over W = P x L global lanes, L = ``world`` (this process's
+      lanes): a copy of B for each of ``lanes_elsewhere`` lanes on another device than home's, the
+      (P-1) x L rows of L x B / W elements each that the other processes send (the staging buffer)
+      and the ordered sum of this process's L chunks (L x B / W).
+
+    ``world``: this process's lanes (default 2: the largest share a lane gets with a mirror).
+    """
+    world = 2 if world is None else max(1, int(world))
+    terms = _block_terms(block, inputs, samples_per_iter, world * max(1, processes), bucket_cap_elems,
+                         compute_dtype)
+    parts = {k: v for k, v in terms["parts"].items() if k != "weights"}
+    parts["best"] = 2 * terms["tuned"] * 4
+    if processes > 1:
+        lanes, total = world, world * processes
+        padded = -(-terms["bucket"] // (8 * total)) * 8 * total
+        chunk = lanes * padded // total
+        parts["process_group"] = 4 * (lanes_elsewhere * padded + (processes - 1) * lanes * chunk + chunk)
+    if detail is not None:
+        detail.update(parts, share=terms["share"], world=world, processes=processes)
+    return int(sum(parts.values()) * MARGIN)
+
+
+# -- what the accelerator runtime allocates beside the tensors ------------------------------------
+# None of this can be measured on a CPU (there is no CUDA runtime there): stated figures, each with
+# its source, priced on cuda lanes only (:func:`price_runtime`).
+#
+# torch's cuBLAS workspace per (cuBLAS handle, stream), kept for the process's life: 32 MiB on
+# Hopper (sm90), 8 MiB + 128 KiB before (aten/src/ATen/cuda/CublasHandlePool.cpp,
+# parseChosenWorkspaceSize: ':4096:8' / ':4096:2:16:8'; cuBLASLt shares it unless
+# TORCH_CUBLASLT_UNIFIED_WORKSPACE=0). Handles are per thread, so a lane stream holds two: the
+# forward's (the issuing thread) and the backward's (autograd's thread for the device). Priced at
+# Hopper's figure on every GPU.
+CUBLAS_WORKSPACE = 32 * 2**20
+# The caching allocator keeps each stream's blocks apart (a block freed on one stream is not
+# reused by another): a stream that allocates holds up to one partly used small segment (2 MiB)
+# and one large one (20 MiB) of its own (c10/cuda/CUDACachingAllocator.cpp: kSmallBuffer,
+# kLargeBuffer).
+STREAM_POOL = (2 + 20) * 2**20
+# NCCL's buffers per rank of a communicator: rings and trees, 688 MB per GPU in a group of more
+# than 2 GPUs (544 MB for 2) on 4 x A100 over NVLink, after one all-reduce
+# (https://github.com/NVIDIA/nccl/issues/964); the channels, and so this figure, scale with the
+# bandwidth NCCL aims for (https://github.com/NVIDIA/nccl/issues/986). Per send/recv peer: 8 x H100
+# went from 1.06 GB to 4.34 GB per GPU with the first all-to-all (32 channels per pair, PyTorch's
+# memory excluded; https://github.com/NVIDIA/nccl/issues/1685): 470 MB for each of its 7 peers.
+# NVLS (NVLink SHARP, on by default on NVSwitch boxes): that box's 1.06 GB before any send/recv less
+# the rings' 688 MB, taken as NVLS's (an estimate: no figure of its own was found), priced on every
+# NCCL group of two or more GPUs unless NCCL_NVLS_ENABLE=0. NCCL_BUFFSIZE and the channel settings
+# change all three; they are not read.
+NCCL_COMM = 688 * 10**6
+NCCL_PEER = 470 * 10**6
+NCCL_NVLS = 1060 * 10**6 - NCCL_COMM
+NCCL_KINDS = ("cupy-nccl", "torch-nccl")
+
+
+def price_runtime(device: torch.device, *, home: bool, communicator: str = "", world: int = 1, processes: int = 1,
+                  overlap: bool = False, detail: dict | None = None) -> int:
+    """Bytes the accelerator runtime allocates on ``device`` for one lane beside its tensors (the
+    constants above; 0 on every device type but cuda), times MARGIN:
+
+    * ``cublas``: :data:`CUBLAS_WORKSPACE` per (handle, stream) the lane adds: a mirror's lane stream
+      two (forward and backward threads), home one (its backward's: the forward's handle on the
+      current stream exists from the tuner's own work);
+    * ``stream_pools``: :data:`STREAM_POOL` per stream of its own that allocates: a mirror's lane
+      stream, and with ``overlap`` the lane's communication stream;
+    * ``nccl``: ``communicator`` (the plan's, over ``world`` lanes) an NCCL kind: :data:`NCCL_COMM`
+      (+ :data:`NCCL_NVLS`) on every lane, and with CuPy's (whose canonical order sends to every
+      other lane) :data:`NCCL_PEER` for each of the world - 1 peers (``torch.cuda.nccl`` has no
+      send/recv); across ``processes`` (torchrun, ProcessGroupNCCL on lane 0's GPU), one more
+      communicator on home with processes - 1 peers.
+    """
+    parts = {"cublas": 0, "stream_pools": 0, "nccl": 0}
+    if torch.device(device).type == "cuda":
+        nvls = 0 if os.environ.get("NCCL_NVLS_ENABLE", "").strip() == "0" else NCCL_NVLS
+        parts["cublas"] = CUBLAS_WORKSPACE * (1 if home else 2)
+        parts["stream_pools"] = STREAM_POOL * ((0 if home else 1) + (1 if overlap else 0))
+        if communicator in NCCL_KINDS and world > 1:
+            peers = world - 1 if communicator == "cupy-nccl" else 0
+            parts["nccl"] += NCCL_COMM + nvls + peers * NCCL_PEER
+        if processes > 1 and home:
+            parts["nccl"] += NCCL_COMM + nvls + (processes - 1) * NCCL_PEER
+    if detail is not None:
+        detail.update(parts)
+    return int(sum(parts.values()) * MARGIN)
+
+
+@dataclass(eq=False)
+class BlockPrice:
+    """One block's lane prices for the plan, which evaluates them for the world it decides: a mirror's
+    (:func:`price_mirror`), home's (:func:`price_home`) and, on accelerator lanes, the runtime's
+    (:func:`price_runtime`). The tuning adapters give one; callers with a flat price per mirror give
+    ``PlanRequest.mirror_bytes`` instead (home is then not checked)."""
+
+    block: torch.nn.Module
+    inputs: Sequence[torch.Tensor]
+    samples_per_iter: int
+    compute_dtype: torch.dtype | None = None
+    bucket_cap_elems: int = 2**22
+
+    def mirror(self, world: int | None = None, detail: dict | None = None) -> int:
+        return price_mirror(self.block, self.inputs, self.samples_per_iter, world,
+                            bucket_cap_elems=self.bucket_cap_elems, compute_dtype=self.compute_dtype, detail=detail)
+
+    def home(self, world: int | None = None, *, processes: int = 1, lanes_elsewhere: int = 0,
+             detail: dict | None = None) -> int:
+        return price_home(self.block, self.inputs, self.samples_per_iter, world, processes=processes,
+                          lanes_elsewhere=lanes_elsewhere, bucket_cap_elems=self.bucket_cap_elems,
+                          compute_dtype=self.compute_dtype, detail=detail)
 
 
 _DEVICE_RE = re.compile(r"(cuda|xpu|hpu|cpu)(?::([0-9]+))?|([0-9]+)")
@@ -285,18 +434,48 @@ def _entry_problem(k: int, e: DeviceEntry, home: torch.device | None, problems: 
     return None
 
 
-def _memory_refusals(devices: list[torch.device], price: int | None, home: torch.device) -> list[tuple[int, str]]:
-    """(lane, reason) for each lane whose mirror does not fit; lanes sharing a device add up."""
+def _lane_prices(devices: list[torch.device], request: PlanRequest, home: torch.device, explicit: bool):
+    """The bytes each lane needs (None: not checked), lazily, lane by lane: with ``request.price`` home's
+    and each mirror's at the planned world (``explicit``; under 'auto' at world 2, the largest share a
+    kept mirror gets) plus the runtime's on accelerator lanes; else ``mirror_bytes`` per mirror."""
+    price, n = request.price, len(devices)
     if price is None:
-        return []
-    out, used = [], {}
+        for k, dev in enumerate(devices):
+            yield None if k == 0 and dev == home else request.mirror_bytes
+        return
+    world = n if explicit else 2
+    try:
+        communicator = choose_communicator(devices)[0] if n > 1 else "local"
+    except Exception:  # (the plan's own choice reports it)
+        communicator = ""
+    elsewhere = sum(d != home for d in devices[1:])
     for k, dev in enumerate(devices):
-        if k == 0 and dev == home:
-            continue  # home already holds the block
-        used[dev] = used.get(dev, 0) + price
+        is_home = k == 0 and dev == home
+        block = (price.home(world, processes=request.processes, lanes_elsewhere=elsewhere) if is_home
+                 else price.mirror(world))
+        yield block + price_runtime(dev, home=is_home, communicator=communicator, world=n,
+                                    processes=request.processes, overlap=request.overlap)
+
+
+def _memory_refusals(devices: list[torch.device], request: PlanRequest, home: torch.device,
+                     explicit: bool, lane_bytes: list[int]) -> list[tuple[int, str]]:
+    """(lane, reason) for each lane whose price does not fit (:func:`_lane_prices`; appended to
+    ``lane_bytes``); lanes sharing a device add up.
+
+    Under 'auto' (not ``explicit``: the lanes from the first that does not fit on are dropped) stop
+    there, so that no device the run will not use is queried (a free-memory query makes a CUDA
+    context, several hundred MB, on a device that had none)."""
+    out, used = [], {}
+    for k, (dev, need) in enumerate(zip(devices, _lane_prices(devices, request, home, explicit), strict=True)):
+        if need is None:
+            continue  # home with a flat mirror price: it already holds the block
+        lane_bytes.append(need)
+        used[dev] = used.get(dev, 0) + need
         free = backend(dev).mem_get_info(dev)[0]
         if used[dev] > free:
-            out.append((k, refusals.mirror_does_not_fit(k, str(dev), price, MARGIN, free)))
+            out.append((k, refusals.lane_does_not_fit(k, str(dev), need, MARGIN, free, home=k == 0)))
+            if not explicit:
+                break
     return out
 
 
@@ -337,19 +516,20 @@ def resolve(request: PlanRequest) -> Plan:
         reasons.append(refusals.HPU_MULTI_LANE)
         n = 1
     lane0_ok = bool(devices) and devices[0] == home
-    mem = _memory_refusals(devices[:n], request.mirror_bytes, home)
+    lane_bytes: list[int] = []
+    mem = _memory_refusals(devices[:n], request, home, world != "auto", lane_bytes)
     reasons += [r for _, r in mem]
     reasons = list(dict.fromkeys(reasons))  # the same sentence once (e.g. '0,0' on a machine without GPUs)
     if world != "auto":
         if reasons:
             raise PlanRefused(reasons)
-        return _finish(Plan(n, devices[:n], notes=notes), request)
+        return _finish(Plan(n, devices[:n], notes=notes, lane_bytes=lane_bytes), request)
     # auto: keep the lanes before the first one that does not fit; serial when a feature forbids it
     if mem:
         n = min(n, mem[0][0])
     if request.extra_reasons or home.type not in SUPPORTED_HOME_TYPES or n <= 1 or not lane0_ok:
         return _finish(Plan(1, [home], reasons or [refusals.ONE_LANE], notes), request)
-    return _finish(Plan(n, devices[:n], reasons, notes), request)
+    return _finish(Plan(n, devices[:n], reasons, notes, lane_bytes=lane_bytes[:n]), request)
 
 
 def check_arguments(world: object, devices=None) -> list[str]:

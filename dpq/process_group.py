@@ -106,8 +106,10 @@ class ProcessGroupCommunicator(CommunicatorBase):
     def _check_same_lane_count(self) -> None:
         count = len(self.lanes)
         t = torch.tensor([count, -count], dtype=torch.int64, device=self.lanes[0].device)
+        self.lanes[0].wait_for_current()  # R1: made on the current stream (lane 0 may be a communication lane)
         with self.lanes[0].issue():
             self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        self.lanes[0].current_waits_for_me()  # R2: read on the host below
         most, fewest = int(t[0]), -int(t[1])
         if most != fewest:
             raise ValueError(
@@ -215,3 +217,24 @@ class ProcessGroupCommunicator(CommunicatorBase):
 
     def reduce(self, bufs: Sequence[Tensor], root: int = 0) -> None:
         raise TypeError("dpq: reduce is an in-process helper; across processes use all_reduce")
+
+    def abort(self, reason: str) -> bool:
+        """The watchdog's abort (``dpq.tune_loop``): the group's backend for the lanes' device type
+        (ProcessGroupNCCL's ``abort()``, which aborts its NCCL communicators and so ends their queued
+        kernels; the group's other backends, gloo for dpq's object collectives, stay), then the
+        in-process communicator's. False where the backend has no abort (gloo: its work fails on
+        its own at the group's timeout)."""
+        device = self.lanes[0].device
+        ended = False
+        if device.type != "cpu":
+            group = self.group if self.group is not None else self._dist.distributed_c10d._get_default_group()
+            try:
+                pg_backend = group._get_backend(device)
+            except Exception:  # no backend for this device type
+                pg_backend = None
+            abort = getattr(pg_backend, "abort", None)
+            if abort is not None:
+                abort()
+                ended = True
+        inner = getattr(self.inner, "abort", None)
+        return (inner(reason) if inner is not None else False) or ended

@@ -24,7 +24,7 @@ __all__ = [
     "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized", "block_already_wrapped",
     "block_no_linear", "block_on_devices", "block_spans_devices", "collection_lane_failed", "custom_backward",
     "device_index_too_large", "device_missing", "dispatch_hooks", "forward_replaced", "home_alone", "lane0_not_home",
-    "lane_failed", "lane_failed_rerun", "lane_failure", "malformed_device_entry", "mirror_does_not_fit",
+    "lane_failed", "lane_failed_rerun", "lane_failure", "malformed_device_entry", "lane_does_not_fit",
     "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "on_meta", "others_count", "others_device",
     "others_on_meta", "outputs_count", "outputs_shape", "pass_lane_failed_rerun", "patch_mismatch", "pool_device",
     "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices",
@@ -32,7 +32,7 @@ __all__ = [
     "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
     "unused_devices", "weights_span", "SIGN_STEP_UPSTREAM_CHANGED", "OVERLAP_WHILE_OFF", "inference_tensors",
     "others_empty", "others_not_pairs", "setting_type", "cancelled", "cancelled_after_move",
-    "UNSTAGED_FOR_RESUME",
+    "UNSTAGED_FOR_RESUME", "lanes_hung",
     *refusals_processes.__all__,
 ]
 
@@ -99,10 +99,12 @@ def lane0_not_home(device: str, home: str) -> str:
             f"{home},... (or move the model with --device_map)")
 
 
-def mirror_does_not_fit(lane: int, device: str, price: int, margin: float, free: int) -> str:
-    return (f"lane {lane} on {device}: a mirror needs ~{price / 2**30:.2f} GiB (weights + fp32 tuning values + "
-            f"activations + {margin - 1:.0%} margin) but only {free / 2**30:.2f} GiB is free for it. Fix: fewer "
-            "lanes, a smaller --batch_size, or --low_gpu_mem_usage")
+def lane_does_not_fit(lane: int, device: str, price: int, margin: float, free: int, *, home: bool = False) -> str:
+    what = ("home (lane 0) needs ~{:.2f} GiB more for its share (fp32 tuning values, gradient buffer, exchange "
+            "scratch, staging, activations" if home else
+            "a mirror needs ~{:.2f} GiB (weights + fp32 tuning values + activations").format(price / 2**30)
+    return (f"lane {lane} on {device}: {what} + {margin - 1:.0%} margin) but only {free / 2**30:.2f} GiB is free for "
+            "it. Fix: fewer lanes, a smaller --batch_size, or --low_gpu_mem_usage")
 
 
 def unsupported_home(device_type: str) -> str:
@@ -454,6 +456,23 @@ def pass_lane_failed_rerun(what: str, err: str, restored: str) -> str:
 def lane_failure(err: str) -> str:
     """A record's reason when ``auto`` reran a block or a pass serially after a lane failure."""
     return f"lane failure: {err}. Fix: none needed (rerun serially, same result as auto-round's own)"
+
+
+def lanes_hung(block: str, world: int, communicator: str, lanes: str, waited_s: float, cause: str,
+               ended: bool) -> str:
+    """The watchdog (dpq.tune_loop): an iteration's readback passed --parallel_timeout, or the communicator
+    reported an asynchronous error (``cause``); ``lanes``: those whose work had not finished; ``ended``:
+    aborting the communicator ended the work queued on the lanes (NCCL's abort), so home can be restored."""
+    what = f"{block} at world {world}: lane(s) {lanes} had not finished an iteration after {waited_s:.1f} s ({cause})"
+    if ended:
+        return (f"{what}; the {communicator} communicators were aborted, which ends their queued work, and these GPUs "
+                "use device copies for the rest of this run. Fix: if the block's iterations are that slow, raise "
+                "--parallel_timeout; otherwise rerun with NCCL_DEBUG=WARN for NCCL's own reason (under "
+                "--parallel_quantization auto such a block is redone serially)")
+    return (f"{what}; the {communicator} communicator cannot end work already queued on the GPUs (torch.cuda.nccl has "
+            "no abort, a copy between devices has none either), so this process cannot use those GPUs again and the "
+            "block could not be put back. Fix: restart the run; install CuPy's NCCL (pip install dpq[cuda12]), whose "
+            "communicators can be aborted, or raise --parallel_timeout if the block's iterations are that slow")
 
 
 # -- the installed auto-round (dpq.autoround.compat, dpq.autoround.patches) ----------------------

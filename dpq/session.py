@@ -47,14 +47,23 @@ from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_los
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.fallback_p2p import make_communicator, select_communicator
 from dpq.faults import fault_point, faulty, inject_fault
-from dpq.mirror import ReplicaSet
-from dpq.plan import Plan, PlanRefused, PlanRequest, resolve, validate_world
+from dpq.mirror import ReplicaSet, release_cached_memory
+from dpq.nccl_lifecycle import NcclInitFailed
+from dpq.plan import BlockPrice, Plan, PlanRefused, PlanRequest, resolve, validate_world
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
 
 __all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "agree_plan", "fault_point", "inject_fault",
            "lanes_for", "plan_for", "release_run", "run"]
+
+
+DEFAULT_TIMEOUT_S = 600.0  # auto-round-dp's --parallel_timeout default
+# ProcessGroupNCCL's watchdog acts at the group's timeout (the same setting) and, with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (torch's default: "tearing down process without aborting NCCL
+# communicator", https://pytorch.org/docs/stable/torch_nccl_environment_variables.html), ends the
+# process before any rank could be named; dpq's watchdog fires at this fraction of it first.
+PG_WATCHDOG_LEAD = 0.9
 
 
 @dataclass
@@ -77,9 +86,18 @@ class SessionConfig:
     # run on one yet); True on accelerators puts the exchange on a second stream per lane
     # (dpq.comm_streams), one process only.
     overlap: bool | None = None
+    # --parallel_timeout: how long the host waits for an iteration's work (dpq.tune_loop: the watchdog)
+    # and, across processes, a collective for the other ranks (the process group's timeout).
+    timeout: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         self.world = validate_world(self.world)
+
+    def watchdog_s(self) -> float:
+        """The readback's deadline: the timeout in one process; across processes a little less
+        (:data:`PG_WATCHDOG_LEAD`), so that dpq's watchdog fires before ProcessGroupNCCL's own."""
+        several = self.processes is not None and self.processes.size > 1
+        return self.timeout * PG_WATCHDOG_LEAD if several else self.timeout
 
 
 @dataclass
@@ -92,7 +110,8 @@ class BlockTask:
     adapter's result. ``serial()``: the tuner's own serial run of the block (run when the plan
     says serial, and as ``auto``'s fallback); None: the session's engine runs even at world 1.
     ``lane_error(err, plan)``: the error an explicit world raises when the run fails.
-    ``samples_per_iter``, ``mirror_bytes``, ``extra_reasons`` (tuner features the lanes cannot
+    ``samples_per_iter``, ``price`` (the block's lane prices, :class:`dpq.plan.BlockPrice`) or
+    ``mirror_bytes`` (a flat one per mirror), ``extra_reasons`` (tuner features the lanes cannot
     split) and ``pure_sign`` (the update needs only sign(sum of grads)) go to the plan."""
 
     name: str
@@ -103,6 +122,7 @@ class BlockTask:
     home: torch.device | str | None = None
     pure_sign: bool = False
     mirror_bytes: int | None = None
+    price: BlockPrice | None = None
     extra_reasons: Sequence[str] = ()
     serial: Callable[[], object] | None = None
     lane_error: Callable[[BaseException, Plan], BaseException] | None = None
@@ -129,7 +149,9 @@ def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
     """The block's plan (raises :class:`dpq.plan.PlanRefused` for an explicit world it cannot serve)."""
     return resolve(PlanRequest(world=config.world, devices=config.devices, samples_per_iter=task.samples_per_iter,
                                home=task.home, extra_reasons=list(task.extra_reasons),
-                               mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign))
+                               mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign, price=task.price,
+                               processes=config.processes.size if config.processes is not None else 1,
+                               overlap=config.overlap is True))
 
 
 def lanes_for(request: PlanRequest) -> tuple[Plan, list[Lane] | None]:
@@ -157,10 +179,16 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
     try:
         outcome, result = _run_lanes(config, plan, task, procs)
     except BaseException as err:
+        if getattr(err, "stuck", False):
+            # dpq.tune_loop.LanesHung: work queued on the lanes' devices never ends, so any wait on them
+            # (the restore's copies, a serial rerun) would hang too; the error says so and what to do.
+            raise
         snapshot.restore()
         del snapshot
-        lost = procs is not None and peer_lost(err)  # read before the traceback is released
+        # read before the traceback is released; a watchdog expiry across processes waited for a peer
+        lost = procs is not None and (peer_lost(err) or getattr(err, "peer_lost", False))
         release_run(err, task.name if task.name.startswith("dpq") else f"dpq ({task.name})")
+        release_cached_memory(plan.devices)  # what only the failed run's frames held is free now
         if procs is not None:  # fatal on every rank: ranks could not agree on a serial rerun
             del rng
             _stop_every_rank(procs, err, lost)
@@ -255,12 +283,13 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
     exchange = (SignExchange if plan.exchange == "sign" else FullSumExchange)(comm, overlap=config.overlap)
     t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
+    engine, stuck = None, False
     try:
         engine = TuneEngine(
             replicas, faulty(spec.lane_loss, task), spec.make_optimizer, exchange,
             reduction=spec.reduction, micro_batch=spec.micro_batch, loss_scale=spec.loss_scale,
             sample_numel=spec.sample_numel, debug_identical=config.debug_identical,
-            one_op_sign_step=spec.one_op_sign_step,
+            one_op_sign_step=spec.one_op_sign_step, timeout_s=config.watchdog_s(), name=task.name,
         )
         plan.step = engine.step_note
         outcome = run_loop(engine, spec)
@@ -268,23 +297,32 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
             on_devices = lanes[0].accelerator  # on CPU the forward's host time is the compute itself
             auto.measured(task.name, time.perf_counter() - t_loop, iters=spec.iters, world=plan.world,
                           issue_s=outcome.issue_s if on_devices else None)
+    except BaseException as err:
+        stuck = getattr(err, "stuck", False)  # the watchdog could not end the lanes' work: no wait on them
+        raise
     finally:
         # R5, on success and on failure alike: the current stream and every lane join before
         # the mirrors go and before the adapter unwraps (or the session restores) the home block;
         # the lanes first join their communication streams (dpq.comm_streams, C4).
         getattr(comm, "join", lambda: None)()
-        replicas.close()
+        # Teardown order: the engine's optimizers (which hold the mirrors' tuned values), flat gradient
+        # buffers and exchange scratch go first, so that the cache the replicas empty next holds them
+        # too (a failed run's frames still reference the engine: close() empties it in place).
+        if engine is not None:
+            engine.close()
+        replicas.close(release_cache=not stuck)  # emptying the cache frees device memory: a device sync
     return outcome, task.finish(outcome, plan)
 
 
 def _exchange_communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
     """The run's communicator; with overlap asked for (``config.overlap``) on lanes that have
-    streams, in one process: over a second stream per lane, so the exchange runs beside the
-    backward (dpq.comm_streams)."""
-    if not (config.overlap is True and procs is None and any(lane.stream is not None for lane in lanes)):
+    streams: over a second stream per lane, so the exchange runs beside the backward
+    (dpq.comm_streams), in one process and across processes alike (the process-group communicator
+    over the communication lanes: its legs inside the process and its transfers across)."""
+    if not (config.overlap is True and any(lane.stream is not None for lane in lanes)):
         return _communicator(config, plan, lanes, procs)
     plan.communicator = plan.communicator.removesuffix("+comm-streams")  # 'auto' kept fewer lanes: again
-    comm = CommStreams(_communicator(config, plan, comm_lanes(lanes)), lanes)
+    comm = CommStreams(_communicator(config, plan, comm_lanes(lanes), procs), lanes)
     note = "; on a second stream per lane (overlap)"
     plan.communicator = comm.name
     plan.communicator_reason = plan.communicator_reason.removesuffix(note) + note
@@ -293,7 +331,11 @@ def _exchange_communicator(config: SessionConfig, plan: Plan, lanes: list[Lane],
 
 def _communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
     if plan.communicator and not plan.communicator.startswith("pg-"):
-        comm = make_communicator(plan.communicator, lanes)
+        try:
+            comm = make_communicator(plan.communicator, lanes)
+        except NcclInitFailed:  # remembered for the run (dpq.nccl_lifecycle): the choice now takes copies
+            comm, plan.communicator_reason = select_communicator(lanes)
+            plan.communicator = comm.name
     else:
         comm, plan.communicator_reason = select_communicator(lanes)
         plan.communicator = comm.name

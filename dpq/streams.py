@@ -60,11 +60,24 @@ R7  Lane-local data (:meth:`Lane.bring`): a lane's samples, masks and every per-
     side stream of that device, one per (lane, source device), made current for the copy: the
     two-way barrier is then between the lane and its own side stream. Host memory is pinned
     once per block and copied ``non_blocking`` on the lane's stream.
+R8  Every host wait has a deadline (:func:`wait_events`): the host polls the events it waits for
+    (``event.query()``, which does not block) and, between polls, a health check (the
+    communicator's asynchronous NCCL error state); past the deadline it raises
+    :class:`WaitExpired` naming what had not finished, instead of blocking in
+    ``event.synchronize()`` on a kernel that may never end. The polls are host reads of event
+    state only: they queue nothing, so R6's one sync per iteration stays one.
 
 Lane methods whose name says "current" must be called outside every :meth:`Lane.issue`
 context: inside one, the current stream would be that lane's. ``tests/stream_checker.py``
 checks all of this on CPU lanes with logical streams and vector clocks; ``tests/timeline_model.py``
 replays an iteration on logical devices with CUDA's copy and host-sync semantics (R6, R7).
+
+Streams are the run's (:meth:`Backend.run_stream`): every lane, communication lane and side
+stream takes its stream from a fixed set per device, made on first use and reused by every later
+block. torch hands out pool streams round robin (32 per device and priority) and cuBLAS keeps a
+workspace per (handle, stream) for the process's life, so fresh streams per block would leave up
+to 32 workspaces per device behind; reused ones keep them to the few streams a block uses.
+:func:`release_run_streams` (``disable()``) forgets them.
 
 Every branch between host-CPU lanes and accelerator lanes asks the backend
 (:attr:`Backend.accelerator`, :meth:`Backend.host_memory`), never ``device.type``: a backend with
@@ -74,12 +87,14 @@ logical accelerators on the CPU (the timeline model's) then runs exactly the acc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Backend", "HostCopy", "Lane", "backend", "make_lanes", "map_tensors", "parse_devices"]
+__all__ = ["Backend", "HostCopy", "Lane", "WaitExpired", "backend", "make_lanes", "map_tensors", "parse_devices",
+           "release_run_streams", "wait_events"]
 
 
 class Backend:
@@ -113,6 +128,16 @@ class Backend:
     def new_stream(self, device: torch.device):
         return None
 
+    def run_stream(self, device: torch.device, role: tuple):
+        """The run's stream for ``role`` (e.g. ("lane", 0): the first non-home lane on ``device``) on
+        ``device``: made by :meth:`new_stream` on first use, the same object for every later block
+        (module docstring: streams are the run's)."""
+        streams = self.__dict__.setdefault("_run_streams", {})
+        key = (*_device_key(torch.device(device)), *role)
+        if key not in streams:
+            streams[key] = self.new_stream(device)
+        return streams[key]
+
     def stream_context(self, stream) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -124,6 +149,10 @@ class Backend:
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """Tell the caching allocator that ``stream`` uses ``tensor`` (rule R3); CPU: nothing to tell."""
+        return None
+
+    def empty_cache(self) -> None:
+        """Hand the caching allocator's free blocks back to the device (CPU: no cache)."""
         return None
 
     def mem_get_info(self, device: torch.device) -> tuple[int, int]:
@@ -186,6 +215,11 @@ class _TorchAcceleratorBackend(Backend):
 
     def mem_get_info(self, device: torch.device) -> tuple[int, int]:
         return self.mod.mem_get_info(device)
+
+    def empty_cache(self) -> None:
+        empty = getattr(self.mod, "empty_cache", None) if self.is_available() else None
+        if empty is not None:
+            empty()  # torch.cuda: every device's cached blocks
 
     def can_access_peer(self, a: torch.device, b: torch.device) -> bool:
         if a == b:
@@ -299,6 +333,20 @@ class Lane:
         """An event recorded now on this lane's stream (None where there is nothing to order)."""
         return self.stream.record_event() if self.stream is not None else None
 
+    def mark_current(self):
+        """An event recorded now on this device's current stream (inside an autograd node: the stream
+        autograd runs it on, its forward's); None where there is nothing to order."""
+        if self.stream is None:
+            return None
+        current = self.backend.current_stream(self.device)
+        return current.record_event() if current is not None else None
+
+    def waits(self, mark) -> None:
+        """R4 for one point of another stream: this lane's later work runs after ``mark`` (an event
+        from :meth:`mark` of another lane of this device)."""
+        if self.stream is not None and mark is not None:
+            self.stream.wait_event(mark)
+
     def current_waits(self, mark) -> None:
         """R2 for one point of the lane: the current stream waits for ``mark`` (from :meth:`mark`) only."""
         current = self._current()
@@ -371,7 +419,7 @@ class Lane:
         key = _device_key(device)
         if key not in self._sides:
             be = backend(device)
-            side = be.new_stream(device)
+            side = be.run_stream(device, ("side", *_device_key(self.device), self.index))
             current = be.current_stream(device)
             if side is not None and current is not None:
                 side.wait_stream(current)  # R1: after what produced the source (the pool)
@@ -381,7 +429,8 @@ class Lane:
     def join_sides(self) -> None:
         """R5 for :meth:`bring`: each source device's current stream waits for this lane's side
         stream there, so what the side streams read is not freed or rewritten under them. The
-        side streams are dropped (the next block makes its own). Call outside every ``issue()``."""
+        side streams are dropped from the lane (the next block's lane takes the run's same ones). Call
+        outside every ``issue()``."""
         sides, self._sides = self._sides, {}
         for device, side in sides.values():
             current = backend(device).current_stream(device)
@@ -412,6 +461,54 @@ def map_tensors(value, fn):
     return value
 
 
+# R8: how the host polls. The first polls come quickly (most waits end within microseconds of the
+# host finishing its issuing), later ones back off to POLL_MAX_S, which bounds the latency a poll
+# adds to a wait; the health check runs at most every CHECK_EVERY_S (it is a library call per handle).
+POLL_FIRST_S = 20e-6
+POLL_MAX_S = 500e-6
+CHECK_EVERY_S = 0.05
+
+
+class WaitExpired(RuntimeError):
+    """A host wait passed its deadline (R8); ``pending``: the positions of the events not yet complete."""
+
+    def __init__(self, pending: Sequence[int], waited_s: float) -> None:
+        self.pending, self.waited_s = list(pending), waited_s
+        super().__init__(f"events {self.pending} not complete after {waited_s:.1f} s")
+
+
+def wait_events(events: Sequence, timeout_s: float | None = None, check: Callable[[], None] | None = None,
+                *, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    """R8: the host waits until every event (None: nothing to wait for) has completed.
+
+    Polls ``event.query()`` (CUDA: ``cudaEventQuery``, which returns at once) with a growing pause
+    between rounds, and calls ``check()`` (e.g. the communicator's asynchronous-error check; its
+    exception propagates) before the first pause and every :data:`CHECK_EVERY_S` after it. With
+    ``timeout_s`` set, raises :class:`WaitExpired` once that many seconds have passed with events
+    still pending; without it, waits as long as it takes (still polling and checking). This is the
+    loop NCCL's documentation gives for waiting on work that may depend on a failed peer
+    (``cudaStreamQuery`` + ``ncclCommGetAsyncError``, then ``ncclCommAbort``: "Error handling and
+    communicator abort", https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/communicators.html).
+    """
+    pending = [k for k, e in enumerate(events) if e is not None]
+    if not pending:
+        return
+    start = clock()
+    pause, checked = POLL_FIRST_S, None
+    while True:
+        pending = [k for k in pending if not events[k].query()]
+        if not pending:
+            return
+        now = clock()
+        if check is not None and (checked is None or now - checked >= CHECK_EVERY_S):
+            check()
+            checked = now
+        if timeout_s is not None and now - start >= timeout_s:
+            raise WaitExpired(pending, now - start)
+        sleep(pause)
+        pause = min(POLL_MAX_S, pause * 2)
+
+
 class HostCopy:
     """R6: a small tensor's values copied to host memory on the current stream, read later.
 
@@ -432,9 +529,14 @@ class HostCopy:
             self._host.copy_(tensor, non_blocking=True)
         self._event = stream.record_event() if stream is not None else None
 
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+    @property
+    def event(self):
+        """The event the copy completes at (None: nothing to wait for)."""
+        return self._event
+
+    def wait(self, timeout_s: float | None = None, check: Callable[[], None] | None = None) -> None:
+        """The host waits for the copy (R8: polled, with ``timeout_s`` and ``check`` as in :func:`wait_events`)."""
+        wait_events([self._event], timeout_s, check)
 
     def tolist(self) -> list:
         self.wait()  # the one host sync of an iteration
@@ -488,16 +590,27 @@ def check_device_exists(device: torch.device) -> str | None:
 
 def make_lanes(devices: Sequence[torch.device | str]) -> list[Lane]:
     """One lane per entry. Lane 0 issues on its device's current stream (rule R0: ordered with
-    the caller's work before and after the block without a wait); every other lane gets a
-    fresh stream (also when it shares a device). Make the lanes where they are used: lane 0
-    holds the stream that is current at this call."""
-    lanes = []
+    the caller's work before and after the block without a wait); every other lane gets its own
+    stream (also when it shares a device): the run's n-th lane stream of that device
+    (:meth:`Backend.run_stream`), the same one every block. Make the lanes where they are used:
+    lane 0 holds the stream that is current at this call."""
+    lanes, seen = [], {}
     for i, dev in enumerate(devices):
         dev = torch.device(dev)
         if dev.type != "cpu" and dev.index is None:
             dev = torch.device(dev.type, 0)
         be = backend(dev)
-        stream = be.current_stream(dev) if i == 0 else be.new_stream(dev)
+        if i == 0:
+            stream = be.current_stream(dev)
+        else:
+            n = seen[_device_key(dev)] = seen.get(_device_key(dev), -1) + 1
+            stream = be.run_stream(dev, ("lane", n))
         lanes.append(Lane(index=i, device=dev, stream=stream))
     return lanes
+
+
+def release_run_streams() -> None:
+    """Forget every backend's run streams (``disable()``: the next run makes its own)."""
+    for be in _BACKENDS.values():
+        be.__dict__.pop("_run_streams", None)
 

@@ -35,6 +35,13 @@ and for every layout of W. In one process there is nothing to fetch: the same fo
 
 No Python worker threads; no host sync inside an iteration except the one readback.
 
+The watchdog (R8 of ``dpq.streams``): the readback polls its copies' events against ``timeout_s``
+(``--parallel_timeout``), checking the communicator's asynchronous error state meanwhile. On
+expiry or an error the communicator is aborted (NCCL's abort ends the work queued on the lanes)
+and :class:`LanesHung` names the block, the communicator and the lanes whose work had not
+finished; the session's failure policy then applies (contract 6), unless the abort could not end
+that work (``LanesHung.stuck``): then nothing more is queued on those devices.
+
 Stream order (rules R0-R7 in ``dpq.streams``): lane 0 is the current stream; each lane's
 optimizer state is built under the lane's stream (it is read and written there only); each
 lane's data reaches it through ``Lane.bring`` (R7, in the adapter's lane loss); each lane's
@@ -61,9 +68,10 @@ from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
 from dpq.sign_step import foreach_sign_step, step_choice
 from dpq.split import chunks, contiguous_ranges
-from dpq.streams import HostCopy, Lane
+from dpq.streams import HostCopy, Lane, WaitExpired, wait_events
 
-__all__ = ["LaneLoss", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "contiguous_ranges", "run_loop"]
+__all__ = ["LaneLoss", "LanesHung", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "contiguous_ranges",
+           "run_loop"]
 
 
 class LaneLoss(Protocol):
@@ -76,6 +84,17 @@ class LaneLoss(Protocol):
 # Builds a lane's optimizer and lr schedule from that lane's module, exactly as the serial
 # tuner builds them from the home module (same param groups, same order).
 OptimizerFactory = Callable[[torch.nn.Module], tuple[torch.optim.Optimizer, object | None]]
+
+
+class LanesHung(RuntimeError):
+    """The readback's deadline passed, or the communicator reported an asynchronous error (module
+    docstring: the watchdog). ``stuck``: aborting did not end the lanes' queued work, so nothing may
+    wait on those devices again (no restore, no rerun); ``peer_lost``: across processes, the
+    missing work is most likely another rank's."""
+
+    def __init__(self, message: str, *, stuck: bool, peer_lost: bool = False) -> None:
+        super().__init__(message)
+        self.stuck, self.peer_lost = stuck, peer_lost
 
 
 class Exchange(Protocol):
@@ -107,6 +126,8 @@ class TuneEngine:
         sample_numel: Callable[[int], int] | None = None,
         debug_identical: bool = False,
         one_op_sign_step: bool = False,
+        timeout_s: float | None = None,
+        name: str = "the block",
     ) -> None:
         if reduction not in ("mean", "sum"):
             raise ValueError(f"dpq: reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -122,6 +143,8 @@ class TuneEngine:
         self.loss_scale = loss_scale
         self.sample_numel = sample_numel or (lambda i: 1)
         self.debug_identical = debug_identical
+        self.timeout_s = timeout_s  # the readback's deadline (module docstring: the watchdog); None: none
+        self.name = name  # what is tuned, for the watchdog's error
         self.optimizers, self.schedulers = [], []
         for lane, module in zip(replicas.lanes, replicas.modules, strict=True):
             # Built on the lane's stream (lr tensors, scheduler state): every later use is a
@@ -188,6 +211,12 @@ class TuneEngine:
         step_losses: list[dict[int, torch.Tensor]] = []  # per micro-step: global lane -> its loss
         for m in range(steps):
             roots, seeds, lane_losses = [], [], {}
+            reached = [g for g in range(world) if m < len(per_lane[g])]
+            during = None
+            if m == steps - 1 and self._overlaps(reached):
+                # made before the forwards: on accelerator lanes its issuer node must come first (dpq.exchange)
+                local = [g - offset for g in reached if 0 <= g - offset < len(self.lanes)]
+                during = self.exchange.during_backward(self.buckets, local)
             for k, lane in enumerate(self.lanes):
                 if m >= len(per_lane[offset + k]):
                     continue
@@ -203,7 +232,6 @@ class TuneEngine:
                     seeds.append(torch.ones_like(roots[-1]))
                 lane_losses[offset + k] = loss.detach()
             step_losses.append(lane_losses)
-            reached = [g for g in range(world) if m < len(per_lane[g])]
             if m < steps - 1:
                 self._backward(roots, seeds)
                 continue
@@ -211,16 +239,12 @@ class TuneEngine:
             # for the losses only. (Earlier micro-steps' backwards precede it on each lane's stream.)
             readback = self._queue_readback(step_losses, indices)
             before = self._wire_bytes()
-            local = [g - offset for g in reached if 0 <= g - offset < len(self.lanes)]
-            # Across processes, buckets complete in the same order on every rank only when every
-            # rank's lanes all run this backward (the same graphs); else exchange after it, in order.
-            overlap = world > 1 and hasattr(self.exchange, "during_backward") and (
-                world == len(self.lanes) or len(reached) == world)
-            if overlap:
+            if during is not None:
                 # The last backward exchanges buckets as they fill (exchange.py: overlap);
                 # lanes with fewer micro-steps have final gradients already.
-                with self.exchange.during_backward(self.buckets, local):
-                    self._backward(roots, seeds)
+                extra_roots, extra_seeds = getattr(during, "roots", []), getattr(during, "seeds", [])
+                with during:  # its extra roots: the issuer's node on accelerator lanes (dpq.exchange)
+                    self._backward(roots + list(extra_roots), seeds + list(extra_seeds))
             else:
                 self._backward(roots, seeds)
                 if world > 1:  # world 1: one lane already holds the full gradient
@@ -228,6 +252,13 @@ class TuneEngine:
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
         self.issue_s += time.perf_counter() - t_start  # the backward calls took theirs off
         return self._read_losses(readback, per_lane)  # the one host sync of the iteration
+
+    def _overlaps(self, reached: list[int]) -> bool:
+        """The last backward exchanges buckets as they fill. Across processes only when every rank's
+        lanes all run this backward (the same graphs on every rank: the buckets complete alike); else
+        the exchange follows it, in buffer order."""
+        return self.world > 1 and hasattr(self.exchange, "during_backward") and (
+            self.world == len(self.lanes) or len(reached) == self.world)
 
     def _queue_readback(self, step_losses: list[dict[int, torch.Tensor]], indices: list[int]) -> list[HostCopy]:
         """R6: every lane's micro-step losses copied to the host on the lane's own stream (no
@@ -247,8 +278,7 @@ class TuneEngine:
         """Each micro-step's loss: the sum of the global lanes' losses in global lane order, folded
         on the host the same way for every layout (so the same bits on every rank and for 1 x W,
         P x L and W x 1). The waits follow each other with nothing issued between them: one sync."""
-        for copy in readback:
-            copy.wait()
+        self._wait(readback)
         steps = max(len(c) for c in per_lane)
         # As Python values first (exact), then host tensors of the losses' dtype: nothing below
         # reads memory that a device stream wrote.
@@ -269,6 +299,33 @@ class TuneEngine:
                 total = total + t  # in the losses' dtype, in global lane order
             out.append(total)
         return torch.stack(out).tolist()  # host memory: no further wait
+
+    def _wait(self, readback: list[HostCopy]) -> None:
+        """The watchdog (module docstring): the readback's copies, polled against ``timeout_s``."""
+        comm = getattr(self.exchange, "comm", None)
+        events = [copy.event for copy in readback]
+        try:
+            wait_events(events, self.timeout_s, getattr(comm, "check_async_error", None))
+        except Exception as err:
+            pending = err.pending if isinstance(err, WaitExpired) else [k for k, e in enumerate(events)
+                                                                       if e is not None and not e.query()]
+            raise self._hung(comm, pending, err) from err
+
+    def _hung(self, comm, pending: list[int], err: Exception) -> LanesHung:
+        """Abort the communicator and say what hung (module docstring: the watchdog)."""
+        gathered = self.world > len(self.lanes)  # one copy: lane 0's table of every process's losses
+        if gathered:
+            lanes = "0 (its gathered losses of every process)" if pending else "none (an error was reported)"
+        else:
+            lanes = ", ".join(str(self.lane_offset + k) for k in pending) or "none (an error was reported)"
+        waited = err.waited_s if isinstance(err, WaitExpired) else 0.0
+        cause = f"--parallel_timeout {self.timeout_s:g} s passed" if isinstance(err, WaitExpired) else \
+            f"{type(err).__name__}: {err}"
+        name = getattr(comm, "name", "local")
+        abort = getattr(comm, "abort", None)
+        ended = abort(f"the watchdog ({cause})") if abort is not None else False
+        text = refusals.lanes_hung(self.name, self.world, name, lanes, waited, cause.splitlines()[0][:300], ended)
+        return LanesHung(f"dpq: {text}", stuck=bool(pending) and not ended, peer_lost=gathered)
 
     def _check_drawn(self, checksums: list[float]) -> None:
         """Across processes: every global lane's checksum of the iteration's indices agrees."""
@@ -296,7 +353,14 @@ class TuneEngine:
                 check = torch.full((1,), drawn, dtype=torch.float64, device=lane.device)
                 send.append(torch.cat([torch.stack(mine), check]).view(torch.uint8))
                 recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
-        self.exchange.comm.all_gather(send, recv)
+        comm = self.exchange.comm
+        begin = getattr(comm, "begin_bucket", None)  # communication streams (dpq.comm_streams): C1 ...
+        if begin is not None:
+            begin()
+        comm.all_gather(send, recv)
+        join = getattr(comm, "join", None)  # ... and C2: the lanes' streams wait for the gather
+        if join is not None:
+            join()
         steps = len(step_losses)  # the same on every rank: counted from the global split
         return HostCopy(recv[0].view(torch.float64).view(self.world, steps + 1))
 
@@ -308,6 +372,18 @@ class TuneEngine:
         """Before an iteration's first backward: zero the flat buffers (the ``.grad`` views stay),
         or at world 1 drop the grads, as serial's ``zero_grad()`` does."""
         self.buckets.attach() if self.buckets is not None else self.release_grads()
+
+    def close(self) -> None:
+        """Let go of what the run allocated beside the replicas, in place (a failed run's frames may
+        still reference this engine): the optimizers and lr schedules (they hold every lane's tuned
+        values), the flat gradient buffers, their views and the exchange's scratch; the grads go back
+        to None. The session calls it before ``ReplicaSet.close`` empties the allocator's cache."""
+        self.release_grads()
+        if self.buckets is not None:
+            self.buckets.release()
+            self.buckets = None
+        self.optimizers.clear()
+        self.schedulers.clear()
 
     def release_grads(self) -> None:
         """Every tuned ``.grad`` back to None (the run is over; or world 1's next backward)."""

@@ -51,6 +51,21 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"auto-round CPU bf16 autocast: {cpu_bf16_expected()} ({how})")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``, ``--dist loadgroup``): the tests that share a module-scoped
+    fixture of their own module go to one worker, so that the fixture (a set of CLI or torchrun
+    runs, a recorded block) is built once; every other test is scheduled on its own."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        shared = sorted(name for name, fixturedefs in defs.items()
+                        if fixturedefs and fixturedefs[-1].scope == "module"
+                        and fixturedefs[-1].baseid.split("::")[0] == item.nodeid.split("::")[0])
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.nodeid.split('::')[0]}:{shared[0]}"))
+
+
 def cast_floating(value, dtype: torch.dtype):
     """``value`` with every floating tensor in it (lists, tuples, dicts too) cast to ``dtype``: a
     recorded block's pool in the other precision branch."""

@@ -17,8 +17,11 @@ them concurrently). ``allReduce``, ``reduceScatter`` and ``reduce`` are recorded
 CuPy communicator sums through send/recv).
 
 Failure injection: ``FakeNccl.fail[(op, rank)] = status`` makes that rank's call (or
-``("groupEnd", None)``) raise :class:`NcclError` with that status after recording it, as
-CuPy's ``check_status`` does. Like CuPy, ``abort()`` and ``destroy()`` release a handle once:
+``("groupEnd", None)``, or ``("initAll", None)``) raise :class:`NcclError` with that status after
+recording it, as CuPy's ``check_status`` does. ``FakeNccl.async_error[rank] = status``: that
+rank's ``check_async_error()`` (CuPy's wrapper of ``ncclCommGetAsyncError``) raises
+:class:`NcclError` with it, as an asynchronous failure of queued work would; it is recorded as
+``("check_async_error", rank)``. Like CuPy, ``abort()`` and ``destroy()`` release a handle once:
 after either, the other records nothing. ``get_version()`` returns ``FakeNccl.version_code``.
 """
 
@@ -98,6 +101,13 @@ class FakeComm:
     def recv(self, recvbuf, count, datatype, peer, stream):
         self._record("recv", None, recvbuf, count, datatype, None, stream, peer)
 
+    def check_async_error(self):
+        assert not self.released, f"rank {self.rank}'s communicator queried after destroy/abort"
+        self._nccl.calls.append(("check_async_error", self.rank))
+        status = self._nccl.async_error.get(self.rank)
+        if status is not None:
+            raise NcclError(status)
+
     def destroy(self):
         if not self.released:
             self.released = True
@@ -125,6 +135,7 @@ class FakeNccl(types.ModuleType):
         self.pending: list[Call] = []  # this group's calls, run at groupEnd
         self.group_failed = False
         self.fail: dict = {}
+        self.async_error: dict = {}
         self.version_code = version_code
         nccl = self
 
@@ -133,6 +144,8 @@ class FakeNccl(types.ModuleType):
             def initAll(devices):
                 assert isinstance(devices, list), "CuPy's initAll takes an int or a list of ints"
                 nccl.calls.append(("initAll", list(devices)))
+                if ("initAll", None) in nccl.fail:
+                    raise NcclError(nccl.fail[("initAll", None)])
                 multi_rank = nccl.version_code >= 23000 and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
                 if len(set(devices)) < len(devices) and not multi_rank:
                     raise NcclError(NCCL_INVALID_USAGE)  # "Duplicate GPU detected"

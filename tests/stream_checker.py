@@ -108,6 +108,7 @@ class LogicalStream:
         self.checker._host_sync(self.vc, f"{self.name}.synchronize()")
 
     def query(self) -> bool:
+        self.checker._host_sync(self.vc, f"{self.name}.query()")
         return True
 
 
@@ -131,6 +132,8 @@ class LogicalEvent:
         self.checker._host_sync(self.vc, "event.synchronize()")
 
     def query(self) -> bool:
+        """Complete at once; the host learns that it is, as from a wait (a polling loop is a host sync)."""
+        self.checker._host_sync(self.vc, "event.query()")
         return True
 
 

@@ -127,3 +127,28 @@ def test_parallel_tune_with_overlap_on_lanes_with_streams():
     assert streams == plain_streams + 2  # a communication stream per lane
     assert res.losses == plain.losses
     assert all(torch.equal(state[k], plain_state[k]) for k in plain_state)
+
+
+@pytest.mark.parametrize("policy", [SignExchange, FullSumExchange])
+@pytest.mark.parametrize("mutant", [False, True])
+def test_the_issuers_marks_order_each_bucket(monkeypatch, policy, mutant):
+    """Accelerator lanes' overlap (dpq.exchange): the hooks only mark each lane's part of a bucket (an
+    event on its stream) and the issuer node issues it, the communication streams waiting for those
+    marks only (C1). Forced here on CPU lanes with logical streams: no race, the same bits. Mutant:
+    the communication streams ignore the marks; the checker sees the race."""
+    from dpq.exchange import BackwardExchange
+
+    monkeypatch.setattr(BackwardExchange, "_on_devices", lambda self: True)
+    issued = []
+    real_serve = BackwardExchange.serve
+    monkeypatch.setattr(BackwardExchange, "serve", lambda bx: (real_serve(bx), issued.append(bx.issued_in_backward)))
+    if mutant:
+        real_begin = CommStreams.begin_bucket
+        monkeypatch.setattr(CommStreams, "begin_bucket", lambda self, marks=None: None if marks else real_begin(self))
+    got, violations = tune(2, policy, streams=True, overlap=True, iters=2)
+    if mutant:
+        assert violations, "the checker saw nothing"
+        return
+    assert violations == [] and issued and all(n > 0 for n in issued)
+    want, _ = tune(2, policy, streams=False, overlap=False, iters=2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -151,7 +151,7 @@ def test_error_mid_group_closes_group_aborts_and_refuses_later_use(fake):
     assert fake.calls == []  # refused before any NCCL call: nothing can wait on the aborted handles
     # the next block over these GPUs: device copies, said why; forcing NCCL is refused clearly
     nxt, reason = select_communicator(cuda_lanes(0, 1, 2, block=1))
-    assert nxt.name == "p2p" and "aborted earlier in this run" in reason
+    assert nxt.name == "p2p" and "failed earlier in this run" in reason and "no NCCL kind" in reason
     with pytest.raises(NcclAborted):
         select_communicator(cuda_lanes(0, 1, 2, block=1), prefer="cupy-nccl")
     assert fake.calls == []
@@ -201,7 +201,7 @@ def test_torch_nccl_error_is_clear_and_marks_devices_off_nccl(fake, monkeypatch)
     with pytest.raises(NcclAborted):
         comm.all_reduce(bufs(2))
     nxt, reason = select_communicator(cuda_lanes(0, 1, block=1))
-    assert nxt.name == "p2p" and "aborted earlier" in reason
+    assert nxt.name == "p2p" and "failed earlier" in reason
 
 
 # -- 11: two ranks on one GPU -------------------------------------------------------------
@@ -400,3 +400,79 @@ def test_disable_destroys_the_runs_communicators(fake):
     assert ("destroy", 0) not in fake.calls
     disable()
     assert sorted(c for c in fake.calls if c[0] == "destroy") == [("destroy", 0), ("destroy", 1)]
+
+
+# -- issue 19, item 2: after NCCL failed for some GPUs, no NCCL kind runs on them again ---------------
+
+
+def test_after_a_cupy_abort_no_nccl_kind_runs_on_those_gpus(fake, monkeypatch):
+    """torch.cuda.nccl cannot be aborted: after CuPy's communicators for GPUs 0-2 were aborted, no
+    block gets it for them (nor for a tuple sharing one of them); other GPUs keep NCCL."""
+    monkeypatch.setattr(nccl_comm, "torch_nccl_available", lambda: True)
+    comm, _ = select_communicator(cuda_lanes(0, 1, 2))
+    fake.fail[("send", 0)] = fake_cupy_nccl.NCCL_INVALID_USAGE
+    with pytest.raises(NcclCollectiveError, match="later blocks use device copies"):
+        comm.all_reduce(bufs(3))
+    for ids in ((0, 1, 2), (2, 3)):
+        nxt, reason = select_communicator(cuda_lanes(*ids, block=1))
+        assert nxt.name == "p2p" and "no NCCL kind is used for them again" in reason, (ids, reason)
+    assert select_communicator(cuda_lanes(4, 5))[0].name == "cupy-nccl"
+
+
+def test_an_init_failure_is_remembered_for_the_run(fake):
+    """ncclCommInitAll costs seconds: a failed one is not retried by every block. The session's block
+    goes on with device copies at once."""
+    from dpq.plan import Plan
+    from dpq.session import SessionConfig, _communicator
+
+    fake.fail[("initAll", None)] = 2  # ncclSystemError
+    with pytest.raises(nccl_comm.NcclInitFailed, match="NCCL_ERROR 2"):
+        select_communicator(cuda_lanes(0, 1))
+    for block in (1, 2):
+        nxt, reason = select_communicator(cuda_lanes(0, 1, block=block))
+        assert nxt.name == "p2p" and "failed earlier in this run" in reason
+    with pytest.raises(nccl_comm.NcclInitFailed, match="not retried"):
+        select_communicator(cuda_lanes(0, 1), prefer="cupy-nccl")
+    plan = Plan(2, [torch.device("cuda", 0), torch.device("cuda", 1)], communicator="cupy-nccl")
+    comm = _communicator(SessionConfig(), plan, cuda_lanes(0, 1, block=3))  # the plan's choice made earlier
+    assert comm.name == plan.communicator == "p2p" and "failed earlier" in plan.communicator_reason
+    assert [c for c in fake.calls if c[0] == "initAll"] == [("initAll", [0, 1])]  # tried once
+    close_communicators()  # a new run tries again
+    fake.fail.clear()
+    assert select_communicator(cuda_lanes(0, 1))[0].name == "cupy-nccl"
+
+
+def test_an_asynchronous_error_aborts_every_rank(fake):
+    comm, _ = select_communicator(cuda_lanes(0, 1, 2))
+    comm.check_async_error()  # healthy: each rank asked once
+    assert fake.calls[-3:] == [("check_async_error", 0), ("check_async_error", 1), ("check_async_error", 2)]
+    fake.calls.clear()
+    fake.async_error[1] = 6  # ncclRemoteError
+    with pytest.raises(NcclCollectiveError, match=r"asynchronous error reported by rank 1.*NCCL_ERROR 6"):
+        comm.check_async_error()
+    assert fake.calls == [("check_async_error", 0), ("check_async_error", 1), ("abort", 0), ("abort", 1),
+                          ("abort", 2)]
+    fake.calls.clear()
+    comm.check_async_error()  # aborted: nothing to ask
+    with pytest.raises(NcclAborted):
+        comm.all_reduce(bufs(3))
+    assert fake.calls == [] and comm.abort("again") is True  # abort twice: the handles are released once
+    assert fake.calls == []
+
+
+def test_every_group_launch_holds_the_allocators_free_mutex(fake, monkeypatch):
+    """As torch's AutoNcclGroup does: no cudaFree of another thread between groupStart and groupEnd
+    (NCCL's deadlock with a half-launched group); released before an abort, also after an error."""
+    monkeypatch.setattr(torch._C, "_cuda_lock_mutex", lambda: fake.calls.append(("lock",)), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_unlock_mutex", lambda: fake.calls.append(("unlock",)), raising=False)
+    comm, _ = select_communicator(cuda_lanes(0, 1))
+    fake.calls.clear()
+    comm.all_reduce(bufs(2))  # two groups: to the owners, back from them
+    ops = [c[0] if not isinstance(c, Call) else "call" for c in fake.calls]
+    assert ops == ["lock", "groupStart", *["call"] * 4, "groupEnd", "unlock"] * 2
+    fake.calls.clear()
+    fake.fail[("send", 1)] = fake_cupy_nccl.NCCL_INVALID_USAGE
+    with pytest.raises(NcclCollectiveError):
+        comm.all_reduce(bufs(2))
+    ops = [c[0] if not isinstance(c, Call) else "call" for c in fake.calls]
+    assert ops[0] == "lock" and ops[-4:] == ["groupEnd", "unlock", "abort", "abort"]

@@ -122,6 +122,36 @@ def test_timeline_mutation_fails(rec, mutation):
             assert_one_sync(tl)
 
 
+def assert_issued_by_the_caller(model) -> None:
+    """Every collective of the iterations issued by the thread that called backward (``main``), none
+    by autograd's device threads (which run the lanes' hooks), while the backward ran."""
+    coll = [op for op in model.ops if op.kind == "collective" and op.iteration >= 0]
+    assert coll, "no collective in the iterations"
+    assert {op.thread for op in coll} == {"main"}, sorted({(op.thread, op.name) for op in coll})
+    assert any(op.phase == "backward" for op in coll), "nothing was issued during the backward"
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_timeline_overlap_issues_no_collective_from_a_device_thread(rec, monkeypatch, mutant):
+    """--parallel_overlap on logical GPUs: the hooks on autograd's device threads only mark their
+    buckets; the issuer node runs on the calling thread and issues them (on the communication streams,
+    one host sync per iteration still). Mutant: the hooks issue, as before; the model names their thread."""
+    from dpq.exchange import BackwardExchange
+
+    if mutant:
+        monkeypatch.setattr(BackwardExchange, "_on_devices", lambda self: False)
+        model = run_adapter(rec, 2, iters=1, overlap=True)
+        with pytest.raises(AssertionError, match="autograd dev"):
+            assert_issued_by_the_caller(model)
+        return
+    model = run_adapter(rec, 2, iters=1, overlap=True)
+    assert model.violations == []
+    assert [len(it.syncs) for it in timeline(model).iterations] == [1]
+    assert_issued_by_the_caller(model)
+    comm = {op.stream.sid for op in model.ops if op.kind == "collective"}
+    assert comm.isdisjoint(lane_streams(model))  # on the communication streams
+
+
 def _rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -130,19 +160,26 @@ def _rank(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        model = run_adapter(rec, 1, iters=ITERS)  # 2 processes x 1 lane: world 2
-        tl = timeline(model)
-        torch.save({"syncs": [[(s.what, s.site) for s in it.syncs] for it in tl.iterations],
-                    "violations": model.violations,
-                    "collectives": sum(op.kind == "collective" for op in model.ops if op.iteration >= 1)},
-                   f"{out}/rank{rank}.pt")
+        res = {}
+        for overlap in (None, True):
+            model = run_adapter(rec, 1, iters=ITERS, overlap=overlap)  # 2 processes x 1 lane: world 2
+            tl = timeline(model)
+            coll = [op for op in model.ops if op.kind == "collective" and op.iteration >= 1]
+            res[overlap] = {"syncs": [[(s.what, s.site) for s in it.syncs] for it in tl.iterations],
+                            "violations": model.violations, "collectives": len(coll),
+                            "threads": sorted({op.thread for op in coll}),
+                            "on_lane_streams": sum(op.stream.sid in lane_streams(model) for op in coll
+                                                   if op.phase in ("backward", "exchange"))}
+        torch.save(res, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 def test_timeline_torchrun_2x1(tmp_path):
     """Under torchrun (2 gloo processes x 1 lane): one host sync per iteration on every rank (the
-    losses and each rank's checksum of the drawn indices come back in one copy of the gathered table)."""
+    losses and each rank's checksum of the drawn indices come back in one copy of the gathered table),
+    also with --parallel_overlap, whose exchange runs on the communication streams, issued by the
+    calling thread."""
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(2)]
     for p in procs:
@@ -151,8 +188,10 @@ def test_timeline_torchrun_2x1(tmp_path):
         p.join(timeout=240)
         assert p.exitcode == 0
     for r in range(2):
-        res = torch.load(Path(tmp_path) / f"rank{r}.pt")
-        assert res["violations"] == []
-        assert [len(s) for s in res["syncs"]] == [1] * ITERS, res["syncs"]
-        assert all("_read_losses" in s[0][1] for s in res["syncs"])
-        assert res["collectives"] > 0  # the exchange crossed the processes
+        for overlap, res in torch.load(Path(tmp_path) / f"rank{r}.pt").items():
+            assert res["violations"] == []
+            assert [len(s) for s in res["syncs"]] == [1] * ITERS, res["syncs"]
+            assert all("_read_losses" in s[0][1] for s in res["syncs"])
+            assert res["collectives"] > 0  # the exchange crossed the processes
+            if overlap:  # --parallel_overlap under torchrun: the caller issues, on the communication streams
+                assert res["threads"] == ["main"] and res["on_lane_streams"] == 0, res

@@ -160,6 +160,9 @@ class ModelEvent:
         self.model.host_sync(self.op, "event.synchronize()")
 
     def query(self) -> bool:
+        """Complete, as the replay will have it when the host asks again: a polling loop (dpq.streams R8)
+        is a host wait for the event."""
+        self.model.host_sync(self.op, "event.query() (polled)")
         return True
 
 
@@ -190,6 +193,7 @@ class ModelStream:
         self.model.host_sync(self.last, f"{self.name}.synchronize()")
 
     def query(self) -> bool:
+        self.model.host_sync(self.last, f"{self.name}.query() (polled)")
         return True
 
 
@@ -304,10 +308,15 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
+# dpq.streams' polled host wait (R8): the site of a sync is who waits, not the polling loop
+_WAIT_HELPERS = {"wait_events", "<listcomp>", "wait", "tolist"}
+
+
 def _site() -> str:
     """The innermost two frames of dpq, auto-round or a test (what caused a sync or a copy)."""
     frames = [f for f in traceback.extract_stack()[:-1]
-              if "/torch/" not in f.filename and not f.filename.endswith("timeline_model.py")]
+              if "/torch/" not in f.filename and not f.filename.endswith("timeline_model.py")
+              and not (f.filename.endswith("dpq/streams.py") and f.name in _WAIT_HELPERS)]
     keep = [f for f in frames if "/dpq/" in f.filename or "auto_round" in f.filename or "/tests/" in f.filename]
     keep = keep[-2:] if keep else frames[-2:]
     return " <- ".join(f"{f.filename.split('/site-packages/')[-1].split('/work/main/')[-1]}:{f.lineno} {f.name}"
@@ -359,7 +368,13 @@ class TimelineModel:
     """Context manager: record the real code on ``devices`` logical accelerators (module docstring).
 
     ``ops`` is the record; ``violations`` lists device mixes (an op reading tensors of two devices);
-    ``lanes`` the lanes the session made (captured from ``dpq.session.make_lanes``)."""
+    ``lanes`` the lanes the session made (captured from ``dpq.session.make_lanes``).
+
+    Memory: ``live[place]`` is the bytes of every live storage that has that place (booked: made by
+    an op, a transfer or a factory under the model, or given a place by :meth:`place`), ``peak[place]``
+    its maximum since :meth:`reset_peaks` (every storage is counted once, whatever views it has; one
+    an op writes in place is not counted again). What the accelerator runtime allocates beside the
+    tensors (workspaces, NCCL's buffers, the caching allocator's rounding) is not in it."""
 
     active: TimelineModel | None = None
 
@@ -371,6 +386,9 @@ class TimelineModel:
         self.violations: list[str] = []
         self.lanes: list = []
         self._places: dict[int, int | None] = {}
+        self._sizes: dict[int, tuple[int | None, int]] = {}  # storage -> (place, bytes) counted in live
+        self.live: dict[int | None, int] = defaultdict(int)
+        self.peak: dict[int | None, int] = defaultdict(int)
         self._pinned: set[int] = set()
         self._default: dict[int, ModelStream] = {}
         self._tls = threading.local()
@@ -400,9 +418,25 @@ class TimelineModel:
             return
         self._places[key] = place
         with torch._C.DisableTorchFunction():
-            weakref.finalize(t.untyped_storage(), self._forget, key).atexit = False
+            storage = t.untyped_storage()
+            weakref.finalize(storage, self._forget, key).atexit = False
+            nbytes = storage.nbytes()
+        was = self._sizes.get(key)
+        if was is not None:  # booked again (a new place for the same storage): moved, not allocated
+            self.live[was[0]] -= was[1]
+        self._sizes[key] = (place, nbytes)
+        self.live[place] += nbytes
+        self.peak[place] = max(self.peak[place], self.live[place])
+
+    def reset_peaks(self) -> None:
+        """Every place's peak back to what lives there now."""
+        self.peak.clear()
+        self.peak.update(self.live)
 
     def _forget(self, key: int) -> None:
+        gone = self._sizes.pop(key, None)
+        if gone is not None:
+            self.live[gone[0]] -= gone[1]
         self._places.pop(key, None)
         self._pinned.discard(key)
         self._window_writes.pop(key, None)
@@ -641,6 +675,13 @@ class TimelineModel:
                 return
         if name == "aten::lift_fresh":
             return  # torch.tensor(<Python data>): host memory
+        if name.endswith("_like") and device is not None:  # empty_like(x, device=...): where device= says
+            for t in outs:
+                self._book(t, place_of_device(device))
+            if place_of_device(device) is not HOST:
+                self._add(self._new(name, "kernel", stream=self.current_stream(place_of_device(device)),
+                                    bytes=self._bytes(outs), cls=self._cls(outs)))
+            return
         places = {self.place_of(t) for t in ins}
         devs = {p for p in places if p is not HOST}
         host_big = [t for t in ins if self.place_of(t) is HOST and t.dim() > 0]
@@ -751,6 +792,17 @@ class TimelineModel:
                                    (dpq_exchange._Exchange, "exchange", "exchange"),
                                    (dpq_exchange.BackwardExchange, "__exit__", "exchange")):
             self._patch(owner, meth, _in_phase(self, getattr(owner, meth), phase))
+
+        # Autograd runs nodes (hooks, custom Functions) without the caller's torch function modes, so
+        # Tensor.device would answer the real cpu inside the overlap's issuer (dpq.exchange): put the
+        # places back for it. (The hooks only count and record events: no tensor op.)
+        real_serve = dpq_exchange.BackwardExchange.serve
+
+        def serve(bx):
+            with _Places(model):
+                return real_serve(bx)
+
+        self._patch(dpq_exchange.BackwardExchange, "serve", serve)
 
         real_autograd_backward = torch.autograd.backward
 

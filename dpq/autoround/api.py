@@ -282,6 +282,7 @@ def parallel_tune(
     progress: bool = False,
     auto_world: AutoWorld | None = None,
     overlap: bool | None = None,
+    timeout: float = session.DEFAULT_TIMEOUT_S,
 ) -> ParallelTuneResult:
     """SignRound-tune ``block`` data-parallel and apply the best rounding/scales to it.
 
@@ -307,7 +308,8 @@ def parallel_tune(
     time (``dpq.cost_model.AutoWorld``; None: a fresh one for this call). ``overlap``: exchange
     gradient buckets during the backward (None: on for CPU lanes, off for accelerator lanes; True
     on accelerators puts the exchange on a second stream per lane, ``dpq.comm_streams``: checked
-    for stream order on CPU, not yet run on a GPU).
+    for stream order on CPU, not yet run on a GPU). ``timeout``: seconds the host waits for an
+    iteration's work on the lanes before the run stops as hung (``dpq.tune_loop``: the watchdog).
 
     Bad arguments (block, pool, settings, lanes) raise one ``ValueError`` listing every problem
     with its fix, before the block is touched. Any later failure (an exception or out-of-memory
@@ -340,7 +342,7 @@ def parallel_tune(
             if auto_world is None and world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
             config = session.SessionConfig(world=world, devices=devices, debug_identical=debug_identical,
-                                           auto_world=auto_world, overlap=overlap)
+                                           auto_world=auto_world, overlap=overlap, timeout=float(timeout))
             plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons

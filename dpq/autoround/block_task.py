@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from dpq import refusals, session
-from dpq.plan import Plan, price_mirror
+from dpq.plan import BlockPrice, Plan
 
 from .compat import check_auto_round_version, prepare_block_for_tuning
 from .seams_common import ParallelLaneError
@@ -92,8 +92,8 @@ def task_plan_fields(q, block, fp_inputs) -> dict:
         samples_per_iter=per_iter,
         home=home,
         extra_reasons=feature_refusals(q, block, fp_inputs),
-        mirror_bytes=(price_mirror(block, fp_inputs, per_iter, compute_dtype=q.model_context.amp_dtype)
-                      if isinstance(fp_inputs, list) else None),
+        price=(BlockPrice(block, fp_inputs, per_iter, compute_dtype=q.model_context.amp_dtype)
+               if isinstance(fp_inputs, list) else None),
         pure_sign=is_pure_sign(q.optimizer, q.momentum),
     )
 

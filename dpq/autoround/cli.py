@@ -2,7 +2,8 @@
 
   --parallel_quantization {off,auto,N}   tune each block data-parallel (default off)
   --parallel_devices LIST                lane devices, e.g. 0,1,2,3 or cpu,cpu
-  --parallel_timeout SECONDS             under torchrun: how long a collective waits (default 600)
+  --parallel_timeout SECONDS             how long a wait for the lanes' work (and, under torchrun, a
+                                         collective) may take (default 600)
 
 Our flags are taken out of argv, ``enable()`` is called, and auto-round's own runner gets the
 rest. At the end a per-block summary is printed (world, seconds, exchange bytes).
@@ -51,9 +52,11 @@ dpq (data-parallel tuning) options:
                         write the per-block records (world, seconds, exchange bytes, per-iteration
                         losses) as JSON
   --parallel_timeout SECONDS
-                        under torchrun: how long a rank waits in a collective for the others before
-                        the run stops (a hung or lost rank), 10 to 604800; the others wait for rank 0's
-                        save as long as it takes (on its heartbeat). Default: 600
+                        how long the host waits for an iteration's work on the lanes before the block
+                        is stopped as hung (its NCCL communicators aborted, the block put back; under
+                        auto it reruns serially), and under torchrun how long a rank waits in a
+                        collective for the others (a hung or lost rank), 10 to 604800; the others
+                        wait for rank 0's save as long as it takes (on its heartbeat). Default: 600
 """
 
 
@@ -280,7 +283,8 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
     if world != "off":
         try:
             integration.enable(world, devices, debug_identical=ours.parallel_debug,
-                               overlap=True if ours.parallel_overlap else None, processes=procs)
+                               overlap=True if ours.parallel_overlap else None, processes=procs,
+                               timeout=float(ours.parallel_timeout))
         except PatchMismatch as e:
             print(f"auto-round-dp: {e}", file=sys.stderr)
             return 1

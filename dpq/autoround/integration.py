@@ -26,6 +26,7 @@ from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet
 from dpq.fallback_p2p import close_communicators
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
+from dpq.streams import release_run_streams
 
 from . import patches
 from .compat import check_auto_round_version
@@ -87,6 +88,7 @@ class _State:
     devices: object = None
     debug_identical: bool = False
     overlap: bool | None = None  # dpq.session.SessionConfig.overlap
+    timeout: float = session.DEFAULT_TIMEOUT_S  # dpq.session.SessionConfig.timeout (--parallel_timeout)
     auto_world: AutoWorld | None = None  # 'auto': the run's cost model (one per enable())
     auto_given: bool = False  # the caller gave it: used even where lanes share a device
     records: list[BlockRecord] = field(default_factory=list)
@@ -124,7 +126,7 @@ def _run_state() -> _State | None:
 
 def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False,
            auto_world: AutoWorld | None = None, overlap: bool | None = None,
-           processes: ProcessSet | None = None) -> None:
+           processes: ProcessSet | None = None, timeout: float = session.DEFAULT_TIMEOUT_S) -> None:
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
 
     ``parallel_quantization``: 'off', 'auto' (use what fits; never refuses) or an int world
@@ -146,6 +148,9 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     :func:`dpq.parallel_tune`'s (None: on for CPU lanes, off for accelerator lanes). ``processes``:
     the group's :class:`dpq.distributed.ProcessSet` when the caller made one for the job already
     (auto-round-dp does, to agree on the job and report a cancel through it; default: detected).
+    ``timeout`` (``--parallel_timeout``, seconds): how long the host waits for an iteration's work
+    on the lanes before the run is stopped as hung (``dpq.tune_loop``: the watchdog), and across
+    processes how long a collective waits for the other ranks.
 
     Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
     back the settings of the ``enable()`` before it (or, after the outermost, auto-round's
@@ -161,7 +166,8 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     world = validate_world(parallel_quantization)
     model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
     procs = (processes if processes is not None else ProcessSet.detect()) if world != "off" else None
-    new = _State(world=world, devices=devices, debug_identical=debug_identical, overlap=overlap, auto_world=model,
+    new = _State(world=world, devices=devices, debug_identical=debug_identical, overlap=overlap,
+                 timeout=float(timeout), auto_world=model,
                  auto_given=auto_world is not None, processes=procs if procs is not None and procs.size > 1 else None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
 
@@ -181,8 +187,10 @@ def disable() -> None:
 
 def _release_run_resources() -> None:
     """End of the outermost run: free what the run kept across blocks. NCCL communicators are
-    created once per device tuple per run (ncclCommInitAll costs seconds) and destroyed here."""
+    created once per device tuple per run (ncclCommInitAll costs seconds) and destroyed here; the
+    run's lane streams (dpq.streams: one fixed set per device) are forgotten."""
     close_communicators()
+    release_run_streams()
 
 
 def _auto_split_requested() -> bool:
@@ -277,7 +285,7 @@ def _session_config(cfg: _State, plan: Plan | None) -> session.SessionConfig:
     """``plan`` None: several processes (the session plans and agrees; it runs no cost model there)."""
     return session.SessionConfig(world=cfg.world, devices=_lane_devices(cfg), debug_identical=cfg.debug_identical,
                                  auto_world=None if plan is None else _auto_world_for(cfg, plan),
-                                 processes=cfg.processes, overlap=cfg.overlap)
+                                 processes=cfg.processes, overlap=cfg.overlap, timeout=cfg.timeout)
 
 
 def _auto_world_for(cfg: _State, plan: Plan) -> AutoWorld | None:
@@ -293,7 +301,8 @@ def _auto_world_for(cfg: _State, plan: Plan) -> AutoWorld | None:
 
 
 def _tuner_request(cfg: _State, q, block, fp_inputs) -> PlanRequest:
-    return PlanRequest(world=cfg.world, devices=_lane_devices(cfg), **_task_plan_fields(q, block, fp_inputs))
+    return PlanRequest(world=cfg.world, devices=_lane_devices(cfg), overlap=cfg.overlap is True,
+                       **_task_plan_fields(q, block, fp_inputs))
 
 
 def _plan_for(cfg: _State, q, block, fp_inputs, block_ctx) -> Plan:
