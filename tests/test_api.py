@@ -465,18 +465,11 @@ def test_inference_tensors_are_refused_with_the_fix(tiny_block):
     _refused(tiny_block, r"the block's weights hold inference tensors", block=frozen_block)
 
 
-@pytest.fixture(scope="module")
-def plain_world2(tiny_block):
-    """The tune both grad modes are compared with, made once."""
-    block, inputs, others = tiny_block
-    return dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, iters=2, batch_size=4, world=2,
-                             devices="cpu,cpu")
-
-
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_the_callers_grad_mode_does_not_matter(tiny_block, plain_world2, mode):
+def test_the_callers_grad_mode_does_not_matter(tiny_block, mode):
     block, inputs, others = tiny_block
-    plain = plain_world2
+    plain = dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, iters=2, batch_size=4, world=2,
+                              devices="cpu,cpu")
     block = copy.deepcopy(block)  # made outside the mode (under inference_mode a copy's weights are inference tensors)
     with mode():
         res = dpq.parallel_tune(block, inputs, input_others=others, iters=2, batch_size=4, world=2, devices="cpu,cpu")
