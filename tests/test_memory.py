@@ -98,15 +98,11 @@ def test_nested_tensors_are_mirrored_onto_the_lane():
         rs.close()
 
 
-def test_auto_queries_no_device_it_drops(monkeypatch):
-    """A free-memory query makes a CUDA context (hundreds of MB) on a device that had none: under auto
-    the plan stops at the first lane whose mirror does not fit (it and those after are dropped), an
-    explicit world still queries every lane (it names every reason)."""
+def _four_fake_gpus(monkeypatch, free_bytes, *, total: int, queried: list | None = None) -> None:
+    """cuda:0..3 on a fake backend for the plan (every pair peer-capable, every device existing):
+    ``mem_get_info`` answers ``(free_bytes(index), total)`` and appends each queried index to ``queried``."""
     import dpq.plan as plan_mod
     import dpq.streams as dpq_streams
-    from dpq.plan import PlanRefused, PlanRequest, resolve
-
-    queried = []
 
     class Gpus(dpq_streams.Backend):
         type, accelerator, has_streams = "cuda", True, True
@@ -118,14 +114,25 @@ def test_auto_queries_no_device_it_drops(monkeypatch):
             return 4
 
         def mem_get_info(self, device):
-            queried.append(device.index)
-            return (10 if device.index == 2 else 1000), 1000  # cuda:2 is nearly full
+            if queried is not None:
+                queried.append(device.index)
+            return free_bytes(device.index), total
 
         def can_access_peer(self, a, b):
             return True
 
     monkeypatch.setitem(dpq_streams._BACKENDS, "cuda", Gpus())
     monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)
+
+
+def test_auto_queries_no_device_it_drops(monkeypatch):
+    """A free-memory query makes a CUDA context (hundreds of MB) on a device that had none: under auto
+    the plan stops at the first lane whose mirror does not fit (it and those after are dropped), an
+    explicit world still queries every lane (it names every reason)."""
+    from dpq.plan import PlanRefused, PlanRequest, resolve
+
+    queried = []
+    _four_fake_gpus(monkeypatch, lambda k: 10 if k == 2 else 1000, total=1000, queried=queried)  # cuda:2 nearly full
     plan = resolve(PlanRequest(world="auto", devices="cuda:0,cuda:1,cuda:2,cuda:3", home="cuda:0", mirror_bytes=100))
     assert plan.world == 2 and queried == [1, 2]
     queried.clear()
@@ -258,7 +265,6 @@ def test_home_is_checked_and_accelerator_lanes_carry_the_runtimes_allocations(mo
     process group's communicator. A home without room refuses an explicit world (named as home) and
     makes 'auto' serial."""
     import dpq.plan as plan_mod
-    import dpq.streams as dpq_streams
     from dpq.plan import (
         CUBLAS_WORKSPACE,
         NCCL_COMM,
@@ -273,24 +279,7 @@ def test_home_is_checked_and_accelerator_lanes_carry_the_runtimes_allocations(mo
     )
 
     free = {0: 2**40, 1: 2**40, 2: 2**40, 3: 2**40}
-
-    class Gpus(dpq_streams.Backend):
-        type, accelerator, has_streams = "cuda", True, True
-
-        def is_available(self):
-            return True
-
-        def device_count(self):
-            return 4
-
-        def mem_get_info(self, device):
-            return free[device.index], 2**40
-
-        def can_access_peer(self, a, b):
-            return True
-
-    monkeypatch.setitem(dpq_streams._BACKENDS, "cuda", Gpus())
-    monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)
+    _four_fake_gpus(monkeypatch, free.__getitem__, total=2**40)
     monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("cupy-nccl", "test"))
     block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     price = BlockPrice(block, [torch.randn(1, 16, 64)], 8)
