@@ -167,7 +167,8 @@ def _branch(rec, compute: torch.dtype):
         q.model_context.amp, q.model_context.amp_dtype, runner.amp, runner.amp_dtype = saved
 
 
-@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_autocast"])
+@pytest.mark.parametrize("compute", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.explicit_bf16)],
+                         ids=["fp32", "bf16_autocast"])
 def test_the_plan_prices_what_every_lane_allocates(monkeypatch, compute):
     """A real auto-round block tuned through the adapter at world 3 on logical GPUs (the timeline
     model: home on device 1 with the block and its pool, mirrors on 2 and 3), every storage on each

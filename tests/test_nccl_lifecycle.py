@@ -314,7 +314,8 @@ def _lane_pass(block, runner, pool, share: int) -> tuple[int, int]:
     return sum(kept.values()), allocated.peak
 
 
-@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_autocast"])
+@pytest.mark.parametrize("compute", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.explicit_bf16)],
+                         ids=["fp32", "bf16_autocast"])
 def test_mirror_price_against_what_a_lane_allocates_and_auto_round_estimate(recorded_blocks, compute):
     """Both of auto-round's CPU branches, each built explicitly whatever this CPU made auto-round
     choose: the block in fp32 without autocast (a CPU without AVX512-BF16), and in bf16 under bf16
