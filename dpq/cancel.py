@@ -87,6 +87,7 @@ class _State:
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     said: bool = False  # the cancel was told to the user (by the main thread, or the watcher)
     watcher: threading.Thread | None = None
+    pipe: tuple[int, int] | None = None  # the wakeup fd's (read, write) ends
 
 
 _state = _State()
@@ -129,6 +130,7 @@ def install(*, watch_parent: bool = False, peers: Peers | None = None) -> None:
     if _state.watcher is not None:
         return
     read_fd, write_fd = os.pipe()
+    _state.pipe = (read_fd, write_fd)
     os.set_blocking(write_fd, False)  # the C-level handler must never block
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -136,6 +138,27 @@ def install(*, watch_parent: bool = False, peers: Peers | None = None) -> None:
     _state.parent = os.getppid() if watch_parent else None
     _state.watcher = threading.Thread(target=_watch, args=(read_fd,), name="dpq-cancel", daemon=True)
     _state.watcher.start()
+
+
+def _forget_in_child() -> None:
+    """A forked child (a multiprocessing worker, a data loader) starts without cancel handling:
+    it inherits the handlers and the wakeup fd but not the watcher thread, so a signal to the
+    child would write into the parent's pipe and cancel the *parent* (``terminate()`` on a worker
+    would stop the run), and the child would raise Cancelled instead of dying of the signal."""
+    global _state
+    if _state.watcher is None:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    for fd in _state.pipe or ():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _state = _State()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def on_exit(cleanup: Callable[[], None]) -> Callable[[], None]:

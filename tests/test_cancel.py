@@ -20,9 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 # mode: "alone" (one process), "stubborn" (one process whose main thread ignores Cancelled),
 # "everywhere" / "peers" (several processes: every rank cancelled / only this one), "moving" (one
-# process, the signal arrives during a move into place)
+# process, the signal arrives during a move into place), "forks" (one process that first forks a
+# worker and terminates it)
 SCRIPT = r"""
-import sys, threading, time
+import multiprocessing, sys, threading, time
 sys.path.insert(0, sys.argv[2])
 from dpq import cancel
 
@@ -41,6 +42,14 @@ class Peers:
 
 
 cancel.install(peers=Peers() if mode in ("everywhere", "peers") else None)
+if mode == "forks":
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    worker.start()
+    time.sleep(0.3)
+    worker.terminate()
+    worker.join()
+    time.sleep(0.5)  # the parent's watcher would have read the worker's signal by now
+    print("worker", worker.exitcode, cancel.cancelled(), flush=True)
 try:
     if mode == "moving":
         with cancel.uninterrupted():
@@ -66,6 +75,8 @@ def _cancel(mode: str, *signals: int, gap_s: float = 0.0) -> tuple[int, str, str
     """Run the script in ``mode``, send ``signals`` once it is ready; (rc, stdout, stderr, seconds to exit)."""
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(REPO)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    if mode == "forks":
+        assert proc.stdout.readline().strip() == "worker -15 None"  # died of the signal; the parent untouched
     assert proc.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
     for sig in signals:
@@ -106,3 +117,10 @@ def test_a_move_into_place_finishes_before_the_cancel():
     rc, out, err, _ = _cancel("moving", signal.SIGTERM)
     assert rc == 143 and out.split() == ["moved", "unwound", "15"], (rc, out, err)
     assert refusals.cancelled_after_move("SIGTERM") in err
+
+
+def test_a_forked_worker_neither_inherits_nor_forwards_the_cancel():
+    """A worker forked after install (multiprocessing, a data loader) dies of its own SIGTERM
+    (``terminate()``) without cancelling the parent; the parent's own cancel still works."""
+    rc, out, err, seconds = _cancel("forks", signal.SIGTERM)
+    assert rc == 143 and "unwound 15" in out and seconds < 1.0, (rc, out, err)
