@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dpq import cancel
 from dpq.autoround import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,9 @@ def test_recipe_accepts_the_dp_flags(monkeypatch, recipe):
         seen["active"] = integration._active()
 
     monkeypatch.setattr(cli, "runner_for", lambda r: seen.setdefault("recipe", r) and fake_runner)
+    # run as the command, main installs cancel handling: recorded, not installed in pytest's process
+    # (its signal handlers and watcher thread would outlive the test)
+    monkeypatch.setattr(cancel, "install", lambda **kw: seen.setdefault("cancel", kw))
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     fn = getattr(cli, f"main_{recipe.replace('-', '_')}")
     monkeypatch.setattr(sys, "argv", ["auto-round-dp-" + recipe, "--model", "m", "--parallel_quantization", "2",
@@ -58,3 +62,4 @@ def test_recipe_accepts_the_dp_flags(monkeypatch, recipe):
     assert seen["world"] == 2 and seen["devices"] == "cpu,cpu"
     assert seen["argv"][1:] == ["--model", "m", "--iters", "0"]  # ours taken out, the rest for auto-round
     assert not integration._active()  # disabled at the end
+    assert seen["cancel"] == {"watch_parent": False} and not cancel.installed()
