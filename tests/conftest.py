@@ -66,6 +66,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(f"{item.nodeid.split('::')[0]}:{shared[0]}"))
 
 
+def pytest_collection_finish(session):
+    """Every test module (and with them auto-round and transformers) is imported now: freeze that
+    heap, as the CLI does for its own process (``dpq.autoround.cli._freeze_imported_heap``), so that
+    auto-round's ``gc.collect()`` calls in in-process tests walk only what the tests made since."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def cast_floating(value, dtype: torch.dtype):
     """``value`` with every floating tensor in it (lists, tuples, dicts too) cast to ``dtype``: a
     recorded block's pool in the other precision branch."""

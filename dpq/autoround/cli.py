@@ -31,6 +31,7 @@ Recipes: ``auto-round-dp-best``, ``-light``, ``-rtn``, ``-opt-rtn``, ``-mllm`` r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -268,6 +269,17 @@ def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe:
             dist.destroy_process_group()
 
 
+def _freeze_imported_heap() -> None:
+    """auto-round's ``clear_memory`` runs ``gc.collect()`` several times per block, and with
+    auto-round and transformers imported each full collection walks ~400k objects (0.23 s on a
+    2-core CPU, 2026-12-02): seconds per block of host time, which lanes do not shrink. What is
+    imported by now lives as long as the process, so it is frozen (``gc.freeze``: later
+    collections skip it); garbage made later is collected as before. Only as the command: a
+    library caller's heap is theirs."""
+    gc.collect()
+    gc.freeze()
+
+
 def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str],
          procs=None) -> int:
     import traceback
@@ -289,6 +301,8 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
             print(f"auto-round-dp: {e}", file=sys.stderr)
             return 1
     sys.argv = ["auto-round-dp" + (f"-{recipe}" if recipe else ""), *rest]
+    if cancel.installed():  # run as the command (main installed cancel handling): the process is ours
+        _freeze_imported_heap()
     failure: Exception | None = None
     try:
         run()
