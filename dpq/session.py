@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from dpq.comm_streams import CommStreams, comm_lanes
+from dpq.communicators import make_communicator, select_communicator
 from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
-from dpq.fallback_p2p import make_communicator, select_communicator
 from dpq.faults import fault_point, faulty, inject_fault
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.nccl_lifecycle import NcclInitFailed
