@@ -32,8 +32,8 @@ that called ``backward``):
 
 * Every lane on the CPU (default: overlap on). Autograd runs CPU backward on the thread that
   called ``backward``, so the hooks run on the issuing thread, and the hook that completes a
-  bucket issues it (checked at each hook: a hook on another thread raises). Verified here
-  (tests, ``benchmarks/overlap.py``). Note: on CPU the lanes' backwards run one after another
+  bucket issues it (checked at each hook: a hook on another thread raises; tests and
+  ``benchmarks/overlap.py`` exercise it). On CPU the lanes' backwards run one after another
   on that thread (autograd orders ready nodes by sequence number, so the last lane's graph runs
   first and lane 0's last); a bucket completes during lane 0's backward, so only that part of
   the backward can hide the exchange.
