@@ -282,19 +282,15 @@ class _Exchange:
         """Bucket ``i``; ``marks``: per lane, the event after which its gradients are final (else
         everything queued on the lanes so far)."""
         before = self.comm.wire_bytes
-        begin = getattr(self.comm, "begin_bucket", None)  # dpq.comm_streams: C1
-        if begin is not None:
-            begin() if marks is None else begin(marks)
+        self.comm.begin_bucket(marks)  # dpq.comm_streams: C1
         self._exchange(buckets, i)
         self.total_wire_bytes += self.comm.wire_bytes - before
 
     def wait(self) -> None:
         """The lanes' next use of the grads waits for the last collective. Real communicators
         queue their collectives on the lanes' streams, which orders the step after them: nothing
-        to do. A communicator that completes later (``dpq.simulated_link``) has ``wait()``."""
-        wait = getattr(self.comm, "wait", None)
-        if wait is not None:
-            wait()
+        to do; one that completes later (``dpq.testing.simulated_link``) waits here."""
+        self.comm.wait()
 
     def _check(self, buckets: GradBuckets) -> None:
         if buckets.world != len(self.comm.lanes):

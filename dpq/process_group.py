@@ -97,11 +97,6 @@ class ProcessGroupCommunicator(CommunicatorBase):
     def world(self) -> int:
         return len(self.lanes) * self.processes
 
-    @property
-    def lane_offset(self) -> int:
-        """Global lane index of this process's lane 0 (``process_rank * len(lanes)``)."""
-        return self.process_rank * len(self.lanes)
-
     def _check_same_lane_count(self) -> None:
         count = len(self.lanes)
         t = torch.tensor([count, -count], dtype=torch.int64, device=self.lanes[0].device)
@@ -235,5 +230,4 @@ class ProcessGroupCommunicator(CommunicatorBase):
             if abort is not None:
                 abort()
                 ended = True
-        inner = getattr(self.inner, "abort", None)
-        return (inner(reason) if inner is not None else False) or ended
+        return self.inner.abort(reason) or ended

@@ -584,7 +584,7 @@ def test_auto_chooses_the_world_by_predicted_time(tmp_path, bandwidth_GBps, comp
 
     from dpq.autoround import cli
     from dpq.cost_model import AutoWorld
-    from dpq.simulated_link import SimulatedLink
+    from dpq.testing.simulated_link import SimulatedLink
 
     links = []
 

@@ -19,9 +19,10 @@ def _module_name(path: Path) -> str:
 
 
 def _runtime_modules() -> list[str]:
-    """Everything in dpq/ but the adapter (dpq/autoround/) and the demo (dpq/demo/)."""
+    """Everything in dpq/ but the adapter (dpq/autoround/), the demo (dpq/demo/) and the test
+    scaffolding (dpq/testing/)."""
     return sorted(_module_name(p) for p in DPQ.rglob("*.py")
-                  if not {"autoround", "demo"} & set(p.relative_to(DPQ).parts))
+                  if not {"autoround", "demo", "testing"} & set(p.relative_to(DPQ).parts))
 
 
 def test_runtime_imports_no_auto_round():
@@ -99,6 +100,15 @@ def test_no_import_cycle_among_dpq_modules():
         if node not in state:
             dfs(node)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_only_tests_and_benchmarks_import_the_scaffolding():
+    """dpq/testing/ (the simulated link) is for tests and benchmarks: no other dpq module imports it."""
+    paths = {_module_name(p): p for p in DPQ.rglob("*.py")}
+    known = set(paths)
+    users = sorted(name for name, path in paths.items() if not name.startswith("dpq.testing")
+                   and any(m.startswith("dpq.testing") for m in _imports(path, name, known)))
+    assert "dpq.testing.simulated_link" in known and not users, users
 
 
 def test_no_star_import():
