@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dpq.communicators import select_communicator
 from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
-from dpq.fallback_p2p import select_communicator
 from dpq.streams import make_lanes
 
 NUMEL = 4 * 2**20  # 4M fp32 elements (16 MiB) per lane

@@ -72,6 +72,7 @@ def nccl_send_bytes() -> list[tuple[int, str, int, int]]:
 
 
 def _worker(rank: int, store: str, out: str) -> None:
+    from dpq.fallback_p2p import LocalCommunicator
     from dpq.process_group import ProcessGroupCommunicator
     from dpq.streams import make_lanes
 
@@ -82,7 +83,8 @@ def _worker(rank: int, store: str, out: str) -> None:
     result = {}
     for layout, group, lanes, members in (("4x1", None, 1, (0, 1, 2, 3)), ("2x2", pair, 2, (0, 1))):
         if rank in members:
-            comm = ProcessGroupCommunicator(make_lanes(["cpu"] * lanes), group=group)
+            local = make_lanes(["cpu"] * lanes)
+            comm = ProcessGroupCommunicator(local, inner=LocalCommunicator(local), group=group)
             for op in OPS:
                 before = comm.p2p_bytes_sent
                 getattr(comm, op)(*_args(op, lanes, comm.world))

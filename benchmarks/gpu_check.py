@@ -563,10 +563,10 @@ def producer_sleeps(cycles: int = CYCLES):
 def issuing_threads():
     """Which threads issue the exchange's collectives, and how many buckets the overlap's issuer sent
     during the backward (with small buckets, so that a block has several)."""
-    from dpq import exchange, fallback_p2p
+    from dpq import comm_base, exchange
 
     seen = {"threads": set(), "issued_in_backward": []}
-    cls = fallback_p2p.CommunicatorBase
+    cls = comm_base.CommunicatorBase
     real = {m: getattr(cls, m) for m in ("all_reduce", "reduce_scatter", "all_gather")}
     real_serve, real_cap = exchange.BackwardExchange.serve, exchange.GradBuckets.__init__.__defaults__
 
@@ -632,7 +632,7 @@ def step_race(args) -> dict:
     from auto_round.algorithms.quantization.sign_round.sign_sgd import SignSGD
 
     from dpq.autoround import tune
-    from dpq.fallback_p2p import select_communicator
+    from dpq.communicators import select_communicator
     from dpq.streams import make_lanes
     from dpq.tune_loop import LanesHung
 

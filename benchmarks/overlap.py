@@ -10,7 +10,7 @@ the layer's seven Linear weights in fp32 (the shapes of auto-round's rounding va
 loss the MSE against the layer's fp32 outputs, under bf16 autocast where auto-round would use
 it on this CPU (``--amp``), as auto-round's.
 
-The exchange goes over :class:`dpq.simulated_link.SimulatedLink` around the local
+The exchange goes over :class:`dpq.testing.simulated_link.SimulatedLink` around the local
 communicator: the real sums, then each collective completes after ``latency + bytes /
 bandwidth``. The bandwidth is set so that one iteration's exchange takes about one lane's
 backward time (``--exchange-vs-backward``, default 1.0). One lane's backward is measured as
@@ -65,8 +65,8 @@ import torch  # noqa: E402
 from dpq.exchange import FullSumExchange, GradBuckets, SignExchange  # noqa: E402
 from dpq.fallback_p2p import LocalCommunicator  # noqa: E402
 from dpq.mirror import ReplicaSet  # noqa: E402
-from dpq.simulated_link import SimulatedLink  # noqa: E402
 from dpq.streams import make_lanes  # noqa: E402
+from dpq.testing.simulated_link import SimulatedLink  # noqa: E402
 from dpq.tune_loop import TuneEngine  # noqa: E402
 
 TUNED = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

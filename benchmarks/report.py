@@ -222,7 +222,7 @@ def tuned_numel(rec, device) -> int:
 
 
 def comm_throughput(devices, sizes: list[tuple[str, int]], budget_s: float = 0.3) -> list[dict]:
-    from dpq.fallback_p2p import COMMUNICATORS
+    from dpq.communicators import COMMUNICATORS
     from dpq.nccl_comm import ring_wire_bytes
     from dpq.streams import make_lanes
 

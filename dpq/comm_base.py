@@ -74,6 +74,39 @@ class Communicator(Protocol):
         """In place: every ``bufs[k]`` becomes ``bufs[root]``."""
         ...
 
+    # The rest has defaults in CommunicatorBase; callers call these, never probe for them.
+
+    @property
+    def lane_offset(self) -> int:
+        """Global index of ``lanes[0]``: 0 in one process; ``process_rank * len(lanes)`` across processes."""
+        ...
+
+    def begin_bucket(self, marks: Sequence | None = None) -> None:
+        """Before a bucket's collectives: communication streams wait for each lane's mark (an event;
+        None: everything the lane queued). Default: nothing (collectives run on the lanes' streams)."""
+        ...
+
+    def join(self) -> None:
+        """The lanes' streams wait for every collective issued so far. Default: nothing (they ran there)."""
+        ...
+
+    def wait(self) -> None:
+        """The lanes' next use of the results waits for the last collective, also one that completes
+        later than it is issued (a simulated link). Default: :meth:`join`."""
+        ...
+
+    def check_async_error(self) -> None:
+        """Raise if queued work failed without an error at issue (watchdog)."""
+        ...
+
+    def abort(self, reason: str) -> bool:
+        """End queued work that may never complete; True when it was ended."""
+        ...
+
+    def close(self) -> None:
+        """Release what the communicator holds."""
+        ...
+
 
 def ring_wire_bytes(op: str, world: int, numel: int, itemsize: int) -> int:
     """Bytes one lane puts on the wire for ``op`` under the ring algorithm.
@@ -202,6 +235,21 @@ class CommunicatorBase:
         self._count("reduce", n, bufs[0].element_size())
         if self._issues():
             self._reduce(bufs, root)
+
+    process_rank = 0  # this process's rank in a process group (one process: 0)
+
+    @property
+    def lane_offset(self) -> int:
+        return self.process_rank * len(self.lanes)
+
+    def begin_bucket(self, marks: Sequence | None = None) -> None:
+        """Collectives run on the lanes' own streams, after what the lanes queued: nothing to wait for."""
+
+    def join(self) -> None:
+        """Collectives ran on the lanes' own streams: the lanes' later work is ordered after them."""
+
+    def wait(self) -> None:
+        self.join()
 
     def close(self) -> None:
         """Release communicator resources (nothing to release by default)."""

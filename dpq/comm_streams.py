@@ -74,10 +74,24 @@ class CommStreams:
         self.lanes = list(inner.lanes)
         self.name = f"{inner.name}+comm-streams"
 
-    def __getattr__(self, name: str):  # world, wire_bytes, rank, ...: the inner communicator's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    # what the lanes' collectives are: the inner communicator's
+    @property
+    def world(self) -> int:
+        return self.inner.world
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.inner.wire_bytes
+
+    @property
+    def lane_offset(self) -> int:
+        return self.inner.lane_offset
+
+    def check_async_error(self) -> None:
+        self.inner.check_async_error()
+
+    def abort(self, reason: str) -> bool:
+        return self.inner.abort(reason)
 
     def begin_bucket(self, marks=None) -> None:
         """C1: each communication stream waits for its compute lane's mark (``marks[k]``, an event
@@ -103,9 +117,7 @@ class CommStreams:
 
     def wait(self) -> None:
         """C2: the compute lanes' later work runs after every collective issued so far."""
-        inner_wait = getattr(self.inner, "wait", None)
-        if inner_wait is not None:
-            inner_wait()
+        self.inner.wait()  # a simulated link: until its last collective completed
         self.join()
 
     def join(self) -> None:
@@ -115,6 +127,4 @@ class CommStreams:
 
     def close(self) -> None:
         self.join()
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+        self.inner.close()

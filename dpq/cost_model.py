@@ -148,7 +148,7 @@ def probe_link(comm, sizes: Sequence[int] = (2**12, 2**20), reps: int = 3) -> tu
     """(latency_s, bandwidth_Bps) of ``comm`` from timed all_reduces of two sizes on its real lanes
     (fp32 zeros, one buffer per lane; the median of ``reps`` each), fitted to t = latency + bytes / bw
     with bytes the ring wire bytes. Waits for each call: the lanes synchronize, and a communicator
-    that completes later (``dpq.simulated_link``) is waited for."""
+    that completes later (``dpq.testing.simulated_link``) is waited for."""
     from dpq.nccl_comm import ring_wire_bytes
 
     lanes = comm.lanes
@@ -157,9 +157,7 @@ def probe_link(comm, sizes: Sequence[int] = (2**12, 2**20), reps: int = 3) -> tu
         return 0.0, float("inf")
 
     def done():
-        wait = getattr(comm, "wait", None)
-        if wait is not None:
-            wait()
+        comm.wait()
         for lane in lanes:
             lane.synchronize()
 
@@ -203,7 +201,7 @@ class AutoWorld:
     ``issue_s`` when given, else the previous block's measured one (``measured(issue_s=...)``: the
     session passes the engine's for accelerator lanes; on CPU lanes the forward's host time is the
     compute itself), else 0. ``wrap``: the run's communicator as the choice and the lanes see it
-    (tests and benchmarks put ``dpq.simulated_link.SimulatedLink`` around it)."""
+    (tests and benchmarks put ``dpq.testing.simulated_link.SimulatedLink`` around it)."""
 
     def __init__(self, *, issue_s: float | None = None, overlap: float = 0.0, setup_per_mirror_s: float = 0.0,
                  policy: str = "sign", buckets: int = 1, probe_sizes: Sequence[int] = (2**12, 2**20),

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["JobMismatch", "ProcessLayout", "ProcessSet", "RankFailure", "agree", "agree_job", "lane_offset",
+__all__ = ["JobMismatch", "ProcessLayout", "ProcessSet", "RankFailure", "agree", "agree_job",
            "peer_lost"]
 
 
@@ -69,15 +69,6 @@ class ProcessLayout:
     def describe(self) -> str:
         p, lanes = self.processes, self.lanes
         return f"world {self.world} = {p} process{'es' if p != 1 else ''} x {lanes} lane{'s' if lanes != 1 else ''}"
-
-
-def lane_offset(comm: object) -> int:
-    """Global lane index of ``comm``'s lane 0: 0 in-process; ``process_rank * len(lanes)`` for a
-    process-group communicator (its ``lane_offset`` when it has one)."""
-    offset = getattr(comm, "lane_offset", None)
-    if offset is not None:
-        return int(offset)
-    return int(getattr(comm, "process_rank", 0)) * len(comm.lanes)
 
 
 @dataclass

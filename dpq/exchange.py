@@ -32,8 +32,8 @@ that called ``backward``):
 
 * Every lane on the CPU (default: overlap on). Autograd runs CPU backward on the thread that
   called ``backward``, so the hooks run on the issuing thread, and the hook that completes a
-  bucket issues it (checked at each hook: a hook on another thread raises). Verified here
-  (tests, ``benchmarks/overlap.py``). Note: on CPU the lanes' backwards run one after another
+  bucket issues it (checked at each hook: a hook on another thread raises; tests and
+  ``benchmarks/overlap.py`` exercise it). On CPU the lanes' backwards run one after another
   on that thread (autograd orders ready nodes by sequence number, so the last lane's graph runs
   first and lane 0's last); a bucket completes during lane 0's backward, so only that part of
   the backward can hide the exchange.
@@ -282,19 +282,15 @@ class _Exchange:
         """Bucket ``i``; ``marks``: per lane, the event after which its gradients are final (else
         everything queued on the lanes so far)."""
         before = self.comm.wire_bytes
-        begin = getattr(self.comm, "begin_bucket", None)  # dpq.comm_streams: C1
-        if begin is not None:
-            begin() if marks is None else begin(marks)
+        self.comm.begin_bucket(marks)  # dpq.comm_streams: C1
         self._exchange(buckets, i)
         self.total_wire_bytes += self.comm.wire_bytes - before
 
     def wait(self) -> None:
         """The lanes' next use of the grads waits for the last collective. Real communicators
         queue their collectives on the lanes' streams, which orders the step after them: nothing
-        to do. A communicator that completes later (``dpq.simulated_link``) has ``wait()``."""
-        wait = getattr(self.comm, "wait", None)
-        if wait is not None:
-            wait()
+        to do; one that completes later (``dpq.testing.simulated_link``) waits here."""
+        self.comm.wait()
 
     def _check(self, buckets: GradBuckets) -> None:
         if buckets.world != len(self.comm.lanes):

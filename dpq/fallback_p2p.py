@@ -1,6 +1,7 @@
-"""Communicators without in-process NCCL (local, peer copies, host staging, XPU copies); the choice.
+"""Communicators without in-process NCCL: local, peer copies, host staging, XPU copies.
 
-The torch.distributed process-group communicator is in :mod:`dpq.process_group`.
+Which communicator a run's lanes use is :mod:`dpq.communicators`' job; the NCCL ones are in
+:mod:`dpq.nccl_comm`, the torch.distributed process-group one in :mod:`dpq.process_group`.
 
 Local, peer-copy, host-staged and xpu-copy communicators share one algorithm
 (:class:`_RootReduce`): bring every lane's buffer to one *place* (lane 0's device, or host
@@ -10,7 +11,7 @@ lane. Every lane receives a copy of the same accumulator, so results are bitwise
 across lanes, and the fixed order makes them repeatable run to run.
 
 Cross-stream invariant (what keeps these communicators correct on accelerators): every
-copy between two lanes' memory is bracketed by :func:`_join` of the lanes involved, before
+copy between two lanes' memory is bracketed by :func:`dpq.streams.join` of the lanes involved, before
 and after, and runs inside both lanes' stream contexts. So a buffer is read only after the
 work its owner lane queued before the collective; a lane's later work runs after the data
 written into its buffers arrived; and no buffer - nor a staging block that the caching
@@ -31,68 +32,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dpq import nccl_comm, refusals
-from dpq.comm_base import ordered_sum
-from dpq.nccl_comm import (
-    Communicator,
-    CommunicatorBase,
-    CupyNcclCommunicator,
-    TorchNcclCommunicator,
-    close_communicators,
-)
-from dpq.streams import Lane, backend
+from dpq.comm_base import CommunicatorBase, ordered_sum
+from dpq.streams import Lane, backend, copy_between, device_key, join, unique_lanes
 
-__all__ = [
-    "COMMUNICATORS",
-    "HostStagedCommunicator",
-    "LocalCommunicator",
-    "PeerCopyCommunicator",
-    "XpuCopyCommunicator",
-    "choose_communicator",
-    "close_communicators",
-    "make_communicator",
-    "select_communicator",
-]
-
-HPU_MULTI_LANE = refusals.HPU_MULTI_LANE  # the text lives with every other refusal (dpq.refusals)
+__all__ = ["HostStagedCommunicator", "LocalCommunicator", "PeerCopyCommunicator", "XpuCopyCommunicator"]
 
 _HOST = None  # a place index meaning host memory (device places are lane indices)
-
-
-def _device_key(device: torch.device) -> tuple[str, int]:
-    return device.type, 0 if device.index is None else device.index
-
-
-def _wait(waiter: Lane, producer: Lane) -> None:
-    waiter.wait_for(producer)  # R4 of dpq.streams: every crossing goes through Lane
-
-
-def _join(lanes: Sequence[Lane]) -> None:
-    """Device-side barrier: work queued afterwards on any of ``lanes`` runs after all work queued on all of them.
-
-    Hub and spokes through the first lane: 2*(len-1) event waits, no host sync.
-    """
-    hub, *rest = lanes
-    for lane in rest:
-        _wait(hub, lane)
-    for lane in rest:
-        _wait(lane, hub)
-
-
-def _unique(lanes) -> list[Lane]:
-    return list({id(lane): lane for lane in lanes}.values())
-
-
-def _copy_between(moves: Sequence[tuple[Tensor, Lane, Tensor, Lane]]) -> None:
-    """Device-to-device (or same-device) copies between lanes, joined before and after."""
-    if not moves:
-        return
-    involved = _unique(lane for _, dst_lane, _, src_lane in moves for lane in (dst_lane, src_lane))
-    _join(involved)
-    for dst, dst_lane, src, src_lane in moves:
-        with dst_lane.issue(), src_lane.issue():  # src entered last: same-device copies run on its stream
-            dst.copy_(src, non_blocking=True)
-    _join(involved)
 
 
 def _copy_to_host(moves: Sequence[tuple[Tensor, Tensor, Lane]]) -> None:
@@ -100,7 +45,7 @@ def _copy_to_host(moves: Sequence[tuple[Tensor, Tensor, Lane]]) -> None:
     for dst, src, lane in moves:
         with lane.issue():
             dst.copy_(src, non_blocking=True)
-    for lane in _unique(lane for _, _, lane in moves):
+    for lane in unique_lanes(lane for _, _, lane in moves):
         lane.synchronize()  # the host reads these next: the one host sync of the staged path
 
 
@@ -139,14 +84,14 @@ class _RootReduce(CommunicatorBase):
     def _move(self, moves: Sequence[Move]) -> None:
         """``dst <- src`` for every move, ordered against both ends (module docstring)."""
         lane = self.lanes
-        _copy_between([(d, lane[dp], s, lane[sp]) for d, dp, s, sp in moves if dp is not _HOST and sp is not _HOST])
+        copy_between([(d, lane[dp], s, lane[sp]) for d, dp, s, sp in moves if dp is not _HOST and sp is not _HOST])
         _copy_to_host([(d, s, lane[sp]) for d, dp, s, sp in moves if dp is _HOST and sp is not _HOST])
         _copy_from_host([(d, s, lane[dp]) for d, dp, s, sp in moves if sp is _HOST and dp is not _HOST])
 
     def _fetch(self, srcs: Sequence[Tensor]) -> list[Tensor]:
         """Every lane's buffer readable at the place, in lane order."""
         if not self.copies_to_place:
-            _join(self.lanes)  # the place reads the lanes' own buffers on its stream
+            join(self.lanes)  # the place reads the lanes' own buffers on its stream
             return list(srcs)
         parts = [
             src if k == self.place else self._empty_at(self.place, src.numel(), src.dtype) for k, src in enumerate(srcs)
@@ -164,7 +109,7 @@ class _RootReduce(CommunicatorBase):
     def _finish(self) -> None:
         # Lanes must not touch buffers the place read or wrote on its stream until it is done.
         if self.place is not _HOST:
-            _join(self.lanes)
+            join(self.lanes)
 
     def _own_out(self, bufs: Sequence[Tensor], k: int) -> Tensor | None:
         """``bufs[k]`` when it can be the accumulator in place (it lives at the place)."""
@@ -216,7 +161,7 @@ class LocalCommunicator(_RootReduce):
 
     def __init__(self, lanes: Sequence[Lane]) -> None:
         super().__init__(lanes)
-        devices = {_device_key(lane.device) for lane in self.lanes}
+        devices = {device_key(lane.device) for lane in self.lanes}
         if len(devices) != 1:
             raise ValueError(
                 f"dpq: the local communicator needs lanes on one device, got {sorted(map(str, devices))}; "
@@ -273,101 +218,3 @@ class HostStagedCommunicator(_RootReduce):
 
     name = "host"
     place = _HOST
-
-
-# -- the choice ----------------------------------------------------------------------------
-
-COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
-    "local": LocalCommunicator,
-    "p2p": PeerCopyCommunicator,
-    "host": HostStagedCommunicator,
-    "xpu-copy": XpuCopyCommunicator,
-    "cupy-nccl": CupyNcclCommunicator,
-    "torch-nccl": TorchNcclCommunicator,
-}
-
-
-def _all_pairs_peer(devices: Sequence[torch.device]) -> bool:
-    devices = list({_device_key(d): d for d in devices}.values())
-    return all(backend(a).can_access_peer(a, b) for a in devices for b in devices if a != b)
-
-
-def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
-    """(communicator name, one-line reason) for lanes on ``devices`` (in lane order); the plan's
-    choice (``dpq.plan.Plan.communicator``). Raises ValueError for lanes no communicator joins."""
-    devices = [torch.device(d) for d in devices]
-    world = len(devices)
-    if world == 1:
-        return "local", "one lane: nothing to exchange"
-    keys = {_device_key(d) for d in devices}
-    if len(keys) == 1:
-        return "local", f"all {world} lanes share {devices[0]}: sums stay on that device"
-    types = {d.type for d in devices}
-    if "hpu" in types:
-        raise ValueError(f"dpq: {HPU_MULTI_LANE}")
-    if len(types) > 1:
-        return "host", f"lanes mix device types ({', '.join(sorted(types))}): sums go through host memory"
-    if types == {"xpu"}:
-        return "xpu-copy", f"{world} xpu lanes: oneCCL has no in-process multi-device API, so device-to-device copies"
-    if types == {"cuda"}:
-        if len(keys) == world:
-            ids = [index for _, index in (_device_key(d) for d in devices)]
-            # dpq.nccl_lifecycle: once NCCL failed for any of these GPUs (an abort, a failed init), no
-            # NCCL kind runs on them again in this run: copies, which need no init and cannot hang in NCCL
-            failed = nccl_comm.failed_comm_sets(ids)
-            if failed:
-                why = (f"{world} distinct GPUs, but NCCL over cuda devices {list(failed[0].device_ids)} failed earlier "
-                       f"in this run ({failed[0].failure}), so no NCCL kind is used for them again in this process")
-            elif nccl_comm.cupy_nccl_available():
-                return "cupy-nccl", f"{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
-            elif nccl_comm.torch_nccl_available():
-                return "torch-nccl", f"{world} distinct GPUs, CuPy absent (pip install dpq[cuda12]): torch.cuda.nccl"
-            else:
-                why = f"{world} distinct GPUs but no NCCL (neither CuPy nor torch.cuda.nccl)"
-        else:
-            why = f"{world} lanes on {len(keys)} GPUs, some shared (NCCL takes one GPU per rank)"
-        if _all_pairs_peer(devices):
-            return "p2p", f"{why}; every GPU pair has peer access: device-to-device copies"
-        return "host", f"{why}; not every GPU pair has peer access: sums go through pinned host memory"
-    return "host", f"lanes on {len(keys)} distinct {types.pop()} devices: sums go through host memory"
-
-
-def make_communicator(name: str, lanes: Sequence[Lane]) -> Communicator:
-    """The communicator ``name`` (the plan's choice) over ``lanes``."""
-    lanes = list(lanes)
-    if name in ("cupy-nccl", "torch-nccl"):
-        # the run's NCCL handles for these devices, made once (close_communicators destroys them)
-        return COMMUNICATORS[name](lanes, shared=True)
-    return COMMUNICATORS[name](lanes)
-
-
-def select_communicator(lanes: Sequence[Lane], prefer: str | None = None) -> tuple[Communicator, str]:
-    """The communicator for ``lanes`` and a one-line reason.
-
-    Cheap to call once per block: the NCCL communicators (``ncclCommInitAll``) are made once
-    per device tuple per run and shared by every call's wrapper, which reads each call's
-    streams from the lanes it was given. :func:`close_communicators` destroys them (dpq's
-    ``disable()`` calls it). ``prefer`` forces one by name (benchmarks, tests); a forced
-    choice the lanes cannot take fails in that communicator's constructor with its own reason.
-    """
-    lanes = list(lanes)
-    if not lanes:
-        raise ValueError("dpq: select_communicator needs at least one lane")
-    if prefer is None:
-        name, reason = choose_communicator([lane.device for lane in lanes])
-        return make_communicator(name, lanes), reason
-    if prefer not in COMMUNICATORS:
-        raise ValueError(f"dpq: unknown communicator {prefer!r}; choose from {', '.join(COMMUNICATORS)}")
-    hpus = {_device_key(lane.device) for lane in lanes if lane.device.type == "hpu"}
-    if hpus and len({_device_key(lane.device) for lane in lanes}) > 1:
-        raise ValueError(f"dpq: {HPU_MULTI_LANE}")
-    return make_communicator(prefer, lanes), f"{prefer}: forced by prefer={prefer!r}"
-
-
-def __getattr__(name: str):
-    # The process-group communicator lives in dpq.process_group (which builds on this module).
-    if name == "ProcessGroupCommunicator":
-        from dpq.process_group import ProcessGroupCommunicator
-
-        return ProcessGroupCommunicator
-    raise AttributeError(f"module 'dpq.fallback_p2p' has no attribute {name!r}")

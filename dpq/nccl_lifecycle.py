@@ -5,7 +5,7 @@ tuple per run, an NCCL error aborts the set, and :func:`close_communicators` des
 Invariant kept here: once NCCL failed for some GPUs in this run (an abort after an error or a hang,
 or a failed ``ncclCommInitAll``), the failed set stays cached and :func:`failed_comm_sets` names it
 for every device tuple that shares one of its GPUs, whatever the NCCL kind: the choice of
-communicator (``dpq.fallback_p2p.choose_communicator``) then takes device copies for them, so no
+communicator (``dpq.communicators.choose_communicator``) then takes device copies for them, so no
 block retries an init that costs seconds, and no torch.cuda.nccl communicator (which cannot be
 aborted) runs where CuPy's was aborted. :func:`close_communicators` (``disable()``) forgets them."""
 
@@ -68,7 +68,7 @@ class NcclCommSet:
             raise NcclAborted(
                 f"dpq: the {self.where()} were aborted after {self.failure}; they cannot be used again. "
                 "select_communicator picks device copies (p2p/host) for these GPUs for the rest of this run; "
-                "dpq.fallback_p2p.close_communicators() (called by disable()) forgets them"
+                "dpq.nccl_lifecycle.close_communicators() (called by disable()) forgets them"
             )
         if self.state == "closed":
             raise RuntimeError(f"dpq: the {self.where()} were destroyed by close_communicators()")

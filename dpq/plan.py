@@ -5,7 +5,7 @@ reason at once (never only the first: a user fixing one reason per run would rer
 job many times). ``world='auto'`` never refuses: it keeps the lanes that can be served, falls
 back to serial when none beyond home can, and says why. An explicit world refuses before the
 block starts. The plan also names the communicator for the chosen lanes
-(``dpq.fallback_p2p.choose_communicator``) and the exchange policy (the sign path when the task
+(``dpq.communicators.choose_communicator``) and the exchange policy (the sign path when the task
 says its optimizer is pure SignSGD, full sums otherwise), each with its reason; the session
 (``dpq.session``) makes them.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dpq import refusals
-from dpq.fallback_p2p import COMMUNICATORS, choose_communicator
+from dpq.communicators import COMMUNICATORS, choose_communicator
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
 __all__ = ["BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments", "device_spec_errors",
@@ -78,7 +78,7 @@ class Plan:
     devices: list[torch.device]
     reasons: list[str] = field(default_factory=list)  # why 'auto' kept fewer lanes, or why serial
     notes: list[str] = field(default_factory=list)  # said, but no reason to refuse (e.g. devices left unused)
-    communicator: str = "local"  # a name in dpq.fallback_p2p.COMMUNICATORS ("": chosen on the lanes)
+    communicator: str = "local"  # a name in dpq.communicators.COMMUNICATORS ("": chosen on the lanes)
     communicator_reason: str = "one lane: nothing to exchange"
     exchange: str = "full"  # "sign": sign of the summed gradient; "full": full fp32 sums
     exchange_reason: str = ""

@@ -21,8 +21,7 @@ import torch
 from torch import Tensor
 
 from dpq.comm_base import CommunicatorBase, chunk_bounds, ordered_sum
-from dpq.fallback_p2p import _copy_between, _join, select_communicator
-from dpq.streams import Lane
+from dpq.streams import Lane, copy_between, join
 
 __all__ = ["ProcessGroupCommunicator"]
 
@@ -75,7 +74,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
     """
 
     def __init__(
-        self, lanes: Sequence[Lane], group: object | None = None, inner: CommunicatorBase | None = None
+        self, lanes: Sequence[Lane], *, inner: CommunicatorBase, group: object | None = None
     ) -> None:
         import torch.distributed as dist
 
@@ -87,7 +86,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         super().__init__(lanes)
         self._dist = dist
         self.group = group
-        self.inner = inner if inner is not None else select_communicator(self.lanes)[0]
+        self.inner = inner
         self.processes = dist.get_world_size(group)
         self.process_rank = dist.get_rank(group)
         self.name = f"pg-{dist.get_backend(group)}"
@@ -97,11 +96,6 @@ class ProcessGroupCommunicator(CommunicatorBase):
     @property
     def world(self) -> int:
         return len(self.lanes) * self.processes
-
-    @property
-    def lane_offset(self) -> int:
-        """Global lane index of this process's lane 0 (``process_rank * len(lanes)``)."""
-        return self.process_rank * len(self.lanes)
 
     def _check_same_lane_count(self) -> None:
         count = len(self.lanes)
@@ -140,7 +134,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
 
     def _at_place(self, bufs: Sequence[Tensor]) -> list[Tensor]:
         """Every lane's buffer readable on lane 0's stream: in place where it is on lane 0's
-        device (after the join), else a copy there. Call after :func:`_join` of the lanes."""
+        device (after the join), else a copy there. Call after :func:`dpq.streams.join` of the lanes."""
         home = self.lanes[0]
         out = list(bufs)
         moves = []
@@ -149,7 +143,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
                 with home.issue():
                     out[k] = torch.empty_like(b, device=bufs[0].device)
                 moves.append((out[k], home, b, lane))
-        _copy_between(moves)
+        copy_between(moves)
         return out
 
     def _scatter_sum(self, bufs: Sequence[Tensor], bounds: Sequence[int]) -> Tensor:
@@ -162,7 +156,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         """
         lanes, L, base = self.lanes, len(self.lanes), self.lane_offset
         lo, hi = bounds[base], bounds[base + L]
-        _join(lanes)  # R4: the lanes' writes of bufs are done before lane 0 reads or sends them
+        join(lanes)  # R4: the lanes' writes of bufs are done before lane 0 reads or sends them
         parts = self._at_place(bufs)
         others = self._others()
         with lanes[0].issue():
@@ -183,7 +177,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         n, home = recv[0].numel(), self.lanes[0]
         acc = self._scatter_sum(send, [g * n for g in range(self.world + 1)])
         lanes = zip(recv, self.lanes, strict=True)
-        _copy_between([(r, lane, acc[k * n : (k + 1) * n], home) for k, (r, lane) in enumerate(lanes)])
+        copy_between([(r, lane, acc[k * n : (k + 1) * n], home) for k, (r, lane) in enumerate(lanes)])
 
     def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
         bounds, L = chunk_bounds(bufs[0].numel(), self.world), len(self.lanes)
@@ -199,7 +193,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
     def _all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
         n, L, base, home = send[0].numel(), len(self.lanes), self.lane_offset, self.lanes[0]
         gathered = recv[0]
-        _copy_between([(gathered[(base + k) * n : (base + k + 1) * n], home, s, lane)
+        copy_between([(gathered[(base + k) * n : (base + k + 1) * n], home, s, lane)
                        for k, (s, lane) in enumerate(zip(send, self.lanes, strict=True))])
         with home.issue():
             others = self._others()
@@ -236,5 +230,4 @@ class ProcessGroupCommunicator(CommunicatorBase):
             if abort is not None:
                 abort()
                 ended = True
-        inner = getattr(self.inner, "abort", None)
-        return (inner(reason) if inner is not None else False) or ended
+        return self.inner.abort(reason) or ended

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from dpq.comm_streams import CommStreams, comm_lanes
+from dpq.communicators import make_communicator, select_communicator
 from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
-from dpq.fallback_p2p import make_communicator, select_communicator
 from dpq.faults import fault_point, faulty, inject_fault
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.nccl_lifecycle import NcclInitFailed
@@ -275,9 +275,7 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
             plan.world, plan.devices, lanes = keep, plan.devices[:keep], lanes[:keep]
             if keep == 1:
                 plan.communicator, plan.communicator_reason = "local", "one lane: nothing to exchange"
-            close = getattr(comm, "close", None)  # e.g. a simulated link's timer
-            if close is not None:
-                close()
+            comm.close()
             comm = _exchange_communicator(config, plan, lanes)
     # overlap None: the exchange's own default (on for CPU lanes, off on accelerators)
     exchange = (SignExchange if plan.exchange == "sign" else FullSumExchange)(comm, overlap=config.overlap)
@@ -304,7 +302,7 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
         # R5, on success and on failure alike: the current stream and every lane join before
         # the mirrors go and before the adapter unwraps (or the session restores) the home block;
         # the lanes first join their communication streams (dpq.comm_streams, C4).
-        getattr(comm, "join", lambda: None)()
+        comm.join()
         # Teardown order: the engine's optimizers (which hold the mirrors' tuned values), flat gradient
         # buffers and exchange scratch go first, so that the cache the replicas empty next holds them
         # too (a failed run's frames still reference the engine: close() empties it in place).

@@ -92,9 +92,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
-__all__ = ["Backend", "HostCopy", "Lane", "WaitExpired", "backend", "make_lanes", "map_tensors", "parse_devices",
-           "release_run_streams", "wait_events"]
+__all__ = ["Backend", "HostCopy", "Lane", "WaitExpired", "backend", "copy_between", "device_key", "join", "make_lanes",
+           "map_tensors", "parse_devices", "release_run_streams", "unique_lanes", "wait_events"]
 
 
 class Backend:
@@ -133,7 +134,7 @@ class Backend:
         ``device``: made by :meth:`new_stream` on first use, the same object for every later block
         (module docstring: streams are the run's)."""
         streams = self.__dict__.setdefault("_run_streams", {})
-        key = (*_device_key(torch.device(device)), *role)
+        key = (*device_key(torch.device(device)), *role)
         if key not in streams:
             streams[key] = self.new_stream(device)
         return streams[key]
@@ -374,7 +375,7 @@ class Lane:
         Call outside every ``issue()`` context.
         """
         dest = torch.device(device) if device is not None else None
-        if dest is not None and _device_key(dest) != _device_key(self.device):
+        if dest is not None and device_key(dest) != device_key(self.device):
             # To the host: a blocking copy (the host may read the result at once; an async copy
             # into pageable memory gives no event to wait for). Device to device: async.
             blocking = backend(dest).host_memory(dest)
@@ -405,7 +406,7 @@ class Lane:
         The copy lands in memory of this lane's stream.
         """
         src = tensor.device
-        if _device_key(src) == _device_key(self.device):
+        if device_key(src) == device_key(self.device):
             return tensor
         src_backend = backend(src)
         if src_backend.host_memory(src):
@@ -416,10 +417,10 @@ class Lane:
             return tensor.to(self.device, non_blocking=True)
 
     def _side(self, device: torch.device):
-        key = _device_key(device)
+        key = device_key(device)
         if key not in self._sides:
             be = backend(device)
-            side = be.run_stream(device, ("side", *_device_key(self.device), self.index))
+            side = be.run_stream(device, ("side", *device_key(self.device), self.index))
             current = be.current_stream(device)
             if side is not None and current is not None:
                 side.wait_stream(current)  # R1: after what produced the source (the pool)
@@ -446,8 +447,40 @@ class Lane:
         return self.backend.mem_get_info(self.device)[0]
 
 
-def _device_key(device: torch.device) -> tuple[str, int]:
+def device_key(device: torch.device) -> tuple[str, int]:
+    """(type, index) with a missing index as 0: ``cuda`` and ``cuda:0`` are one device."""
     return device.type, 0 if device.index is None else device.index
+
+
+def join(lanes: Sequence[Lane]) -> None:
+    """Device-side barrier (R4): work queued afterwards on any of ``lanes`` runs after all work
+    queued on all of them. Hub and spokes through the first lane: 2*(len-1) event waits, no host sync."""
+    hub, *rest = lanes
+    for lane in rest:
+        hub.wait_for(lane)
+    for lane in rest:
+        lane.wait_for(hub)
+
+
+def unique_lanes(lanes) -> list[Lane]:
+    """``lanes`` without repeats (the same Lane object once), in first-seen order."""
+    return list({id(lane): lane for lane in lanes}.values())
+
+
+def copy_between(moves: Sequence[tuple[Tensor, Lane, Tensor, Lane]]) -> None:
+    """Copies ``(dst, dst_lane, src, src_lane)`` between lanes' memory, joined before and after
+    (:func:`join` of the lanes involved), each inside both lanes' stream contexts: a buffer is
+    read only after the work its owner queued before, the destination's later work runs after
+    the data arrived, and torch's cross-device copy (which barriers on both devices' *current*
+    streams) sees the lanes' streams as current."""
+    if not moves:
+        return
+    involved = unique_lanes(lane for _, dst_lane, _, src_lane in moves for lane in (dst_lane, src_lane))
+    join(involved)
+    for dst, dst_lane, src, src_lane in moves:
+        with dst_lane.issue(), src_lane.issue():  # src entered last: same-device copies run on its stream
+            dst.copy_(src, non_blocking=True)
+    join(involved)
 
 
 def map_tensors(value, fn):
@@ -603,7 +636,7 @@ def make_lanes(devices: Sequence[torch.device | str]) -> list[Lane]:
         if i == 0:
             stream = be.current_stream(dev)
         else:
-            n = seen[_device_key(dev)] = seen.get(_device_key(dev), -1) + 1
+            n = seen[device_key(dev)] = seen.get(device_key(dev), -1) + 1
             stream = be.run_stream(dev, ("lane", n))
         lanes.append(Lane(index=i, device=dev, stream=stream))
     return lanes

@@ -63,7 +63,6 @@ from typing import Literal, Protocol
 import torch
 
 from dpq import refusals
-from dpq.distributed import lane_offset
 from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
 from dpq.sign_step import foreach_sign_step, step_choice
@@ -158,7 +157,7 @@ class TuneEngine:
         # its world is P x L and this process's lanes start at global lane `lane_offset`.
         comm = getattr(exchange, "comm", None)
         self.world = comm.world if comm is not None else replicas.world
-        self.lane_offset = lane_offset(comm) if comm is not None else 0
+        self.lane_offset = comm.lane_offset if comm is not None else 0
         if not 0 <= self.lane_offset <= self.world - replicas.world:
             raise ValueError(f"dpq: local lanes {self.lane_offset}..{self.lane_offset + replicas.world - 1} are not "
                              f"lanes of world {self.world}")
@@ -305,7 +304,7 @@ class TuneEngine:
         comm = getattr(self.exchange, "comm", None)
         events = [copy.event for copy in readback]
         try:
-            wait_events(events, self.timeout_s, getattr(comm, "check_async_error", None))
+            wait_events(events, self.timeout_s, comm.check_async_error if comm is not None else None)
         except Exception as err:
             pending = err.pending if isinstance(err, WaitExpired) else [k for k, e in enumerate(events)
                                                                        if e is not None and not e.query()]
@@ -321,9 +320,8 @@ class TuneEngine:
         waited = err.waited_s if isinstance(err, WaitExpired) else 0.0
         cause = f"--parallel_timeout {self.timeout_s:g} s passed" if isinstance(err, WaitExpired) else \
             f"{type(err).__name__}: {err}"
-        name = getattr(comm, "name", "local")
-        abort = getattr(comm, "abort", None)
-        ended = abort(f"the watchdog ({cause})") if abort is not None else False
+        name = comm.name if comm is not None else "local"
+        ended = comm.abort(f"the watchdog ({cause})") if comm is not None else False
         text = refusals.lanes_hung(self.name, self.world, name, lanes, waited, cause.splitlines()[0][:300], ended)
         return LanesHung(f"dpq: {text}", stuck=bool(pending) and not ended, peer_lost=gathered)
 
@@ -354,19 +352,15 @@ class TuneEngine:
                 send.append(torch.cat([torch.stack(mine), check]).view(torch.uint8))
                 recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
         comm = self.exchange.comm
-        begin = getattr(comm, "begin_bucket", None)  # communication streams (dpq.comm_streams): C1 ...
-        if begin is not None:
-            begin()
+        comm.begin_bucket()  # communication streams (dpq.comm_streams): C1 ...
         comm.all_gather(send, recv)
-        join = getattr(comm, "join", None)  # ... and C2: the lanes' streams wait for the gather
-        if join is not None:
-            join()
+        comm.join()  # ... and C2: the lanes' streams wait for the gather
         steps = len(step_losses)  # the same on every rank: counted from the global split
         return HostCopy(recv[0].view(torch.float64).view(self.world, steps + 1))
 
     def _wire_bytes(self) -> int:
         comm = getattr(self.exchange, "comm", None)
-        return int(getattr(comm, "wire_bytes", 0))
+        return int(comm.wire_bytes) if comm is not None else 0
 
     def _fresh_grads(self) -> None:
         """Before an iteration's first backward: zero the flat buffers (the ``.grad`` views stay),

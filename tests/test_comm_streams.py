@@ -85,7 +85,7 @@ def test_a_missing_join_is_caught(monkeypatch, mutant, overlap):
     by the gradient hooks, which make the communication stream wait for the stream each gradient
     was accumulated on; after the backward only begin_bucket does it.)"""
     if mutant.startswith("no join before"):
-        monkeypatch.setattr(CommStreams, "begin_bucket", lambda self: None)
+        monkeypatch.setattr(CommStreams, "begin_bucket", lambda self, marks=None: None)
     else:
         monkeypatch.setattr(CommStreams, "join", lambda self: None)
     _, violations = tune(2, SignExchange, streams=True, overlap=overlap, iters=2)

@@ -11,22 +11,12 @@ import torch
 import torch.distributed as dist
 
 from dpq import nccl_comm
-from dpq.fallback_p2p import (
-    HPU_MULTI_LANE,
-    HostStagedCommunicator,
-    LocalCommunicator,
-    PeerCopyCommunicator,
-    ProcessGroupCommunicator,
-    XpuCopyCommunicator,
-    select_communicator,
-)
-from dpq.nccl_comm import (
-    Communicator,
-    CupyNcclCommunicator,
-    TorchNcclCommunicator,
-    cupy_nccl_available,
-    ring_wire_bytes,
-)
+from dpq.comm_base import Communicator, ring_wire_bytes
+from dpq.communicators import select_communicator
+from dpq.fallback_p2p import HostStagedCommunicator, LocalCommunicator, PeerCopyCommunicator, XpuCopyCommunicator
+from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator, cupy_nccl_available
+from dpq.process_group import ProcessGroupCommunicator
+from dpq.refusals import HPU_MULTI_LANE
 from dpq.streams import Lane, make_lanes
 from tests import fake_cupy_nccl
 
@@ -56,7 +46,7 @@ def make_comm(request):
     def make(world: int):
         lanes = make_lanes(["cpu"] * world)
         if request.param == "pg":
-            return ProcessGroupCommunicator(lanes)
+            return ProcessGroupCommunicator(lanes, inner=select_communicator(lanes)[0])
         comm, _ = select_communicator(lanes, prefer=request.param)
         return comm
 
@@ -221,7 +211,7 @@ def test_rejects_bad_buffers():
 
 def test_process_group_needs_init():
     with pytest.raises(RuntimeError, match=r"torch\.distributed initialised"):
-        ProcessGroupCommunicator(make_lanes(["cpu"]))
+        ProcessGroupCommunicator(lanes := make_lanes(["cpu"]), inner=LocalCommunicator(lanes))
 
 
 # -- select_communicator ------------------------------------------------------------------

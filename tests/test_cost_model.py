@@ -17,8 +17,8 @@ from dpq.cost_model import (
     wire_bytes,
 )
 from dpq.fallback_p2p import LocalCommunicator
-from dpq.simulated_link import SimulatedLink
 from dpq.streams import make_lanes
+from dpq.testing.simulated_link import SimulatedLink
 
 
 def test_predict_by_hand():

@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 
 from dpq import refusals, tune_loop
-from dpq.distributed import ProcessLayout, ProcessSet, RankFailure, lane_offset
+from dpq.distributed import ProcessLayout, ProcessSet, RankFailure
 from dpq.exchange import GradBuckets
+from dpq.fallback_p2p import LocalCommunicator
 from dpq.plan import PlanRefused
 from dpq.session import BlockTask, SessionConfig, run
+from dpq.streams import make_lanes
 from dpq.tune_loop import TuneSpec
 
 NSAMPLES, ITERS = 12, 4
@@ -286,11 +288,12 @@ def test_failing_rank_stops_every_rank(spawned):
         assert results[rank]["seconds"] < 15  # gloo sees a closed peer at once; then up to 5 s (grace) for reports
 
 
-def test_lane_offset_without_the_property():
-    class Comm:
-        lanes, process_rank = [object(), object()], 3
+def test_lane_offset_is_the_process_rank_times_its_lanes():
+    class Rank3(LocalCommunicator):
+        process_rank = 3
 
-    assert lane_offset(Comm()) == 6
+    assert LocalCommunicator(make_lanes(["cpu"] * 2)).lane_offset == 0
+    assert Rank3(make_lanes(["cpu"] * 2)).lane_offset == 6
     assert ProcessLayout(2, 1, 2).describe() == "world 4 = 2 processes x 2 lanes"
     assert ProcessLayout(1, 0, 1).describe() == "world 1 = 1 process x 1 lane"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dpq.communicators import select_communicator
 from dpq.exchange import FullSumExchange, GradBuckets, SignExchange, sign_padded_length
-from dpq.fallback_p2p import select_communicator
 from dpq.streams import make_lanes
 
 WORLDS = [1, 2, 3, 4]

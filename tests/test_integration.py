@@ -13,6 +13,7 @@ import torch
 
 from dpq import session
 from dpq.autoround import integration
+from dpq.autoround.run import current_run
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
 from dpq.plan import PlanRefused, PlanRequest, resolve
 from tests import mutants, parity_stats
@@ -583,7 +584,7 @@ def test_auto_chooses_the_world_by_predicted_time(tmp_path, bandwidth_GBps, comp
 
     from dpq.autoround import cli
     from dpq.cost_model import AutoWorld
-    from dpq.simulated_link import SimulatedLink
+    from dpq.testing.simulated_link import SimulatedLink
 
     links = []
 
@@ -620,9 +621,9 @@ def test_enable_nests_and_disable_restores_what_it_replaced():
     before = {n: Q.__dict__.get(n) for n in ("quantize_block", "dispatch_block")}
     with integration.parallel_quantization(2, "cpu,cpu") as outer:
         with integration.parallel_quantization("auto", "cpu,cpu"):
-            assert integration._current().world == "auto"
+            assert current_run().world == "auto"
         assert Q.quantize_block is integration._delegated_quantize_block and shard_seams.installed()
-        assert integration._current().world == 2 and integration._current().records is outer
+        assert current_run().world == 2 and current_run().records is outer
     assert {n: Q.__dict__.get(n) for n in before} == before and not shard_seams.installed()
 
     integration.enable(2, "cpu,cpu")

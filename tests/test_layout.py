@@ -1,4 +1,5 @@
-"""The package's shape: the runtime imports no auto-round, no import cycle among dpq's modules."""
+"""The package's shape: the runtime imports no auto-round, no import cycle among dpq's modules
+(function-level imports included), no ``import *``."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ def _module_name(path: Path) -> str:
 
 
 def _runtime_modules() -> list[str]:
-    """Everything in dpq/ but the adapter (dpq/autoround/) and the demo (dpq/demo/)."""
+    """Everything in dpq/ but the adapter (dpq/autoround/), the demo (dpq/demo/) and the test
+    scaffolding (dpq/testing/)."""
     return sorted(_module_name(p) for p in DPQ.rglob("*.py")
-                  if not {"autoround", "demo"} & set(p.relative_to(DPQ).parts))
+                  if not {"autoround", "demo", "testing"} & set(p.relative_to(DPQ).parts))
 
 
 def test_runtime_imports_no_auto_round():
@@ -51,33 +53,27 @@ print("ok", len({modules!r}))
 
 
 def _imports(path: Path, name: str, known: set[str]) -> set[str]:
-    """The dpq modules ``path`` imports at module level (outside functions and classes)."""
+    """The dpq modules ``path`` imports anywhere: at module level and inside functions and classes
+    (an import deferred into a function body is a cycle all the same, only hidden until called)."""
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-
-    def visit(nodes) -> None:
-        for node in nodes:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                continue
-            if isinstance(node, ast.Import):
-                out.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")
-                    anchor = anchor[: len(anchor) - (node.level - 1)]
-                    base = ".".join(anchor + ([base] if base else []))
-                out.add(base)
-                out.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
-            for field in ("body", "orelse", "finalbody", "handlers"):
-                visit(getattr(node, field, []) or [])
-
-    visit(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
     return {m for m in out if m in known and m != name}
 
 
 def test_no_import_cycle_among_dpq_modules():
+    """Function-level imports included (:func:`_imports`)."""
     paths = {_module_name(p): p for p in DPQ.rglob("*.py")}
     known = set(paths)
     graph = {name: _imports(path, name, known) for name, path in paths.items()}
@@ -104,6 +100,22 @@ def test_no_import_cycle_among_dpq_modules():
         if node not in state:
             dfs(node)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_only_tests_and_benchmarks_import_the_scaffolding():
+    """dpq/testing/ (the simulated link) is for tests and benchmarks: no other dpq module imports it."""
+    paths = {_module_name(p): p for p in DPQ.rglob("*.py")}
+    known = set(paths)
+    users = sorted(name for name, path in paths.items() if not name.startswith("dpq.testing")
+                   and any(m.startswith("dpq.testing") for m in _imports(path, name, known)))
+    assert "dpq.testing.simulated_link" in known and not users, users
+
+
+def test_no_star_import():
+    found = [f"{p.relative_to(DPQ.parent)}:{node.lineno}" for p in DPQ.rglob("*.py")
+             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ImportFrom)
+             and any(a.name == "*" for a in node.names)]
+    assert not found, found
 
 
 @pytest.mark.parametrize("spec", ["cuda:256", "256", "cuda:128,cuda:0", [300]])

@@ -229,8 +229,8 @@ def test_home_price_covers_what_the_process_group_stages_on_lane_0():
     during the exchange is at least ``price_home``'s process-group term (the staging is held) and
     at most that plus its exchange term (the sign path's own scratch)."""
     from dpq.comm_base import CommunicatorBase
+    from dpq.communicators import select_communicator
     from dpq.exchange import GradBuckets, SignExchange
-    from dpq.fallback_p2p import select_communicator
     from dpq.plan import price_home
     from dpq.process_group import ProcessGroupCommunicator
     from dpq.streams import make_lanes

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dpq import nccl_comm
-from dpq.fallback_p2p import close_communicators, select_communicator
+from dpq.communicators import select_communicator
 from dpq.nccl_comm import (
     CupyNcclCommunicator,
     NcclAborted,
@@ -37,6 +37,7 @@ from dpq.nccl_comm import (
     cupy_nccl_version,
     multi_rank_gpu_enabled,
 )
+from dpq.nccl_lifecycle import close_communicators
 from tests import fake_cupy_nccl
 from tests.conftest import cast_floating
 from tests.fake_cupy_nccl import Call

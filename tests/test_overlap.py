@@ -10,8 +10,8 @@ import torch
 
 from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
-from dpq.simulated_link import SimulatedLink
 from dpq.streams import make_lanes
+from dpq.testing.simulated_link import SimulatedLink
 
 SIZES = [(12, 8), (12,), (16, 12), (16,), (6, 16), (5, 6), (5,)]  # 96..5 elements per parameter
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dpq.autoround import integration, patches
+from dpq.autoround import integration, patches, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_changed_upstream_signature_is_refused_naming_version_and_symbol(monkeyp
     msg = str(e.value)
     assert f"auto-round {__version__}" in msg and "AWQTransform._clip_block(" in msg
     assert "does not run a changed upstream function" in msg
-    assert not patches.installed() and not integration._active()
+    assert not patches.installed() and not (run.current_run() is not None)
     for (owner, name), fn in before.items():
         if name != "_clip_block":
             assert owner.__dict__.get(name) is fn  # nothing was patched
@@ -187,7 +187,7 @@ def test_mllm_and_diffusion_saves_are_rank_0s_alone(monkeypatch, mixin, rank):
                         real(owner, name))
     monkeypatch.setattr(dist, "barrier", lambda group=None: barriers.append(group))
     procs = _Procs(rank, ["out/w4"])
-    monkeypatch.setattr(ranks, "processes", lambda: procs)
+    monkeypatch.setattr(ranks, "run_processes", lambda: procs)
     compressor = type("Compressor", (MLLMMixin if mixin == "mllm" else DiffusionMixin, BaseCompressor), {})
     c = object.__new__(compressor)
     c.__dict__.update(model="M", model_context=SimpleNamespace(processor=None, image_processor=None, tokenizer=None))
@@ -199,7 +199,7 @@ def test_mllm_and_diffusion_saves_are_rank_0s_alone(monkeypatch, mixin, rank):
     assert barriers == [None] and writes == ([out] if rank == 0 else [])
     assert procs.sent == ([("beat", "save"), ("save", [f"{out}/w4"])] if rank == 0 else [])
     assert procs.awaited == ([] if rank == 0 else ["save"])  # without a collective deadline, on rank 0's beat
-    monkeypatch.setattr(ranks, "processes", lambda: None)  # one process: straight through, no barrier
+    monkeypatch.setattr(ranks, "run_processes", lambda: None)  # one process: straight through, no barrier
     with integration.parallel_quantization(1):
         assert compressor.save_quantized(c, out) == "M"
     assert len(writes) == (2 if rank == 0 else 1) and writes[-1] == out and len(barriers) == 1

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dpq.comm_base import ring_wire_bytes
-from dpq.fallback_p2p import select_communicator
+from dpq.communicators import select_communicator
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import make_lanes
 
@@ -108,7 +108,8 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         if rank not in ranks:
             continue
         group = None if name == "4x1" else groups[name]
-        comm = ProcessGroupCommunicator(make_lanes(["cpu"] * per_process), group=group)
+        lanes = make_lanes(["cpu"] * per_process)
+        comm = ProcessGroupCommunicator(lanes, inner=select_communicator(lanes)[0], group=group)
         assert comm.lane_offset == ranks.index(rank) * per_process and comm.world == len(ranks) * per_process
         saved[name] = {"offset": comm.lane_offset, "out": run_collectives(comm, comm.lane_offset),
                        "wire_bytes": comm.wire_bytes, "p2p_bytes_sent": comm.p2p_bytes_sent}
@@ -208,7 +209,7 @@ def test_stream_order_in_one_process():
     try:
         with StreamOrderChecker() as chk:
             lanes = make_lanes(["cpu"] * 3)
-            comm = ProcessGroupCommunicator(lanes)
+            comm = ProcessGroupCommunicator(lanes, inner=select_communicator(lanes)[0])
 
             def on_lanes(make):
                 out = []

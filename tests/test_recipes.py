@@ -39,15 +39,15 @@ def test_each_recipe_maps_to_auto_rounds_runner(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_accepts_the_dp_flags(monkeypatch, recipe):
-    from dpq.autoround import integration
+    from dpq.autoround import run
 
     seen = {}
 
     def fake_runner():
         seen["argv"] = list(sys.argv)
-        seen["world"] = integration._current().world
-        seen["devices"] = integration._current().devices
-        seen["active"] = integration._active()
+        seen["world"] = run.current_run().world
+        seen["devices"] = run.current_run().devices
+        seen["active"] = (run.current_run() is not None)
 
     monkeypatch.setattr(cli, "runner_for", lambda r: seen.setdefault("recipe", r) and fake_runner)
     # run as the command, main installs cancel handling: recorded, not installed in pytest's process
@@ -61,5 +61,5 @@ def test_recipe_accepts_the_dp_flags(monkeypatch, recipe):
     assert seen["recipe"] == recipe and seen["active"]
     assert seen["world"] == 2 and seen["devices"] == "cpu,cpu"
     assert seen["argv"][1:] == ["--model", "m", "--iters", "0"]  # ours taken out, the rest for auto-round
-    assert not integration._active()  # disabled at the end
+    assert not (run.current_run() is not None)  # disabled at the end
     assert seen["cancel"] == {"watch_parent": False} and not cancel.installed()

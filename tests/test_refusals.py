@@ -14,7 +14,7 @@ from dpq import refusals
 
 DPQ = Path(__file__).resolve().parent.parent / "dpq"
 HOME = DPQ / "refusals.py"
-HOMES = {HOME, DPQ / "refusals_processes.py"}  # the texts for several processes, re-exported by refusals.py
+HOMES = {HOME}
 COLLECTORS = {"reasons", "problems", "notes"}  # the lists refusal texts are gathered in
 MIN_PROSE = 12  # literal characters in a string that make it a sentence rather than a label or a separator
 
@@ -124,13 +124,7 @@ def test_no_module_outside_refusals_builds_a_refusal_text_inline():
     assert all(pending.get(rel) for rel in still), f"no inline texts left: drop from PENDING {still - set(pending)}"
 
 
-@pytest.mark.parametrize("module", ["dpq.fallback_p2p", "dpq.plan"])
+@pytest.mark.parametrize("module", ["dpq.communicators", "dpq.plan"])
 def test_the_hpu_text_is_one_text(module):
-    import importlib
-
-    importlib.import_module(module)
-    from dpq import fallback_p2p
-
-    assert fallback_p2p.HPU_MULTI_LANE is refusals.HPU_MULTI_LANE
     src = (DPQ / f"{module.split('.')[1]}.py").read_text()
     assert "Gaudi" not in src  # the sentence itself lives in dpq/refusals.py only

@@ -245,8 +245,8 @@ def test_stream_checker_map_over_lanes():
 @pytest.mark.parametrize("policy", ["full", "sign"])
 def test_stream_checker_exchange(name, policy):
     """Communicators and exchanges on their own: lanes write grads, exchange, read them, home reads them."""
+    from dpq.communicators import select_communicator
     from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
-    from dpq.fallback_p2p import select_communicator
 
     with StreamOrderChecker() as chk:
         lanes = make_lanes(["cpu"] * 3)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import dpq.streams as dpq_streams
-from dpq import fallback_p2p
+from dpq import communicators
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.session import PG_WATCHDOG_LEAD, SessionConfig, run
 from dpq.streams import WaitExpired, wait_events
@@ -126,7 +126,7 @@ class Hanging(LocalCommunicator):
 def device(monkeypatch):
     dev = Device()
     monkeypatch.setitem(dpq_streams._BACKENDS, "cpu", Backend(dev))
-    monkeypatch.setitem(fallback_p2p.COMMUNICATORS, "local", Hanging)
+    monkeypatch.setitem(communicators.COMMUNICATORS, "local", Hanging)
     monkeypatch.setattr(Hanging, "device", dev, raising=False)
     monkeypatch.setattr(Hanging, "aborts", [], raising=False)
     return dev

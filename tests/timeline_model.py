@@ -736,8 +736,8 @@ class TimelineModel:
         self._restore.append(lambda: setattr(owner, name, real))
 
     def __enter__(self) -> TimelineModel:
+        from dpq import communicators, plan, session
         from dpq import exchange as dpq_exchange
-        from dpq import fallback_p2p, plan, session
         from dpq import tune_loop as tl
 
         TimelineModel.active = self
@@ -752,11 +752,11 @@ class TimelineModel:
                 return "model-nccl", f"{len(places)} logical GPUs: NCCL semantics (timeline model)"
             return real_choose(devices)
 
-        real_choose = fallback_p2p.choose_communicator
-        self._patch(fallback_p2p, "choose_communicator", choose)
+        real_choose = communicators.choose_communicator
+        self._patch(communicators, "choose_communicator", choose)
         self._patch(plan, "choose_communicator", choose)
-        fallback_p2p.COMMUNICATORS["model-nccl"] = ModelNccl
-        self._restore.append(lambda: fallback_p2p.COMMUNICATORS.pop("model-nccl", None))
+        communicators.COMMUNICATORS["model-nccl"] = ModelNccl
+        self._restore.append(lambda: communicators.COMMUNICATORS.pop("model-nccl", None))
 
         real_make_lanes = session.make_lanes
 

@@ -19,6 +19,7 @@ from dpq import refusals, session
 from dpq.plan import BlockPrice, Plan
 
 from .compat import check_auto_round_version, prepare_block_for_tuning
+from .run import run_processes
 from .seams_common import ParallelLaneError
 
 check_auto_round_version()
@@ -56,19 +57,15 @@ def feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) ->
 def _unclaimed_group() -> bool:
     """A group of several processes is initialised but the installed config holds no process set
     (``enable()`` ran before ``init_process_group``): the runs would not span the processes."""
-    from . import ranks
-
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return False
-    return ranks.processes() is None
+    return run_processes() is None
 
 
 def _global_world(plan: Plan) -> int:
     """The lanes over every process (the plan's are this process's)."""
-    from . import ranks
-
-    procs = ranks.processes()
+    procs = run_processes()
     return plan.world * (procs.size if procs is not None else 1)
 
 

@@ -288,6 +288,7 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
     from dpq.autoround import integration, shard_seams
     from dpq.autoround.integration import ParallelLaneError
     from dpq.autoround.patches import PatchMismatch
+    from dpq.autoround.run import current_run
     from dpq.distributed import RankFailure, peer_lost
     from dpq.plan import PlanRefused
 
@@ -309,7 +310,7 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
     except (PlanRefused, ParallelLaneError, RankFailure) as e:
         failure = e
     except Exception as e:  # outside a block's run: under several processes the others learn which rank
-        cfg = integration._current()
+        cfg = current_run()
         if cfg is None or cfg.processes is None:
             raise
         failure = cfg.processes.stop(e, peer_lost(e))

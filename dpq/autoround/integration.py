@@ -17,19 +17,19 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet
-from dpq.fallback_p2p import close_communicators
+from dpq.nccl_lifecycle import close_communicators
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
 from dpq.streams import release_run_streams
 
 from . import patches
 from .compat import check_auto_round_version
+from .run import BlockRecord, Run, current_run, finished_run
 from .seams_common import ParallelLaneError
 
 check_auto_round_version()
@@ -54,74 +54,6 @@ def _ORIGINAL(self, *args, **kwargs):
 
 def _ORIGINAL_DISPATCH(self, *args, **kwargs):
     return patches.original(SignRoundQuantizer, "dispatch_block")(self, *args, **kwargs)
-
-
-@dataclass
-class BlockRecord:
-    name: str
-    world: int
-    seconds: float
-    wire_bytes: int = 0
-    best_loss: float | None = None
-    communicator: str = ""
-    reasons: list[str] = field(default_factory=list)
-    fell_back: bool = False
-    algorithm: str = ""  # the quantizer class that ran (SignRoundQuantizer, SignRoundV2Quantizer, ...)
-    losses: list[float] = field(default_factory=list)  # per iteration (engine runs only)
-    best_iter: int | None = None
-    # the issuing thread's host time per lane-iteration (dpq.tune_loop.TuneEngine.issue_s): on
-    # accelerator lanes, W x this next to the GPUs' time per iteration says whether one thread keeps up
-    issue_s: float | None = None
-    # 'auto' with the cost model (dpq.cost_model): the predicted seconds of the lanes' run per candidate
-    # world (the chosen one is ``world``) and the measured seconds of the same span (mirrors + loop)
-    predicted_s: dict[int, float] = field(default_factory=dict)
-    measured_s: float | None = None
-
-
-@dataclass
-class _State:
-    """One ``enable()``: its settings and its run's records. It lives in its frame of the patch
-    table's stack (:mod:`dpq.autoround.patches`): ``enable()`` pushes, ``disable()`` pops, and the
-    code below reads the innermost one with :func:`_current` and passes it on as an argument."""
-
-    world: int | str = "off"
-    devices: object = None
-    debug_identical: bool = False
-    overlap: bool | None = None  # dpq.session.SessionConfig.overlap
-    timeout: float = session.DEFAULT_TIMEOUT_S  # dpq.session.SessionConfig.timeout (--parallel_timeout)
-    auto_world: AutoWorld | None = None  # 'auto': the run's cost model (one per enable())
-    auto_given: bool = False  # the caller gave it: used even where lanes share a device
-    records: list[BlockRecord] = field(default_factory=list)
-    shapes_logged: set = field(default_factory=set)
-    cpu_logged: bool = False
-    # Several processes (torchrun): the group every block's run spans, one ProcessSet per job (its
-    # store keys are the job's), detected at enable(); None: this process alone.
-    processes: ProcessSet | None = None
-
-
-# The last run's state once its disable() popped it, so that its records stay readable
-# (run_summary(), auto_world_report(), the CLI's report). Only those read it: nothing that runs a
-# block does (they read _current(), None after disable()).
-_finished: _State | None = None
-
-
-def _current() -> _State | None:
-    """The innermost enabled config on the patch stack (None: no enable() in effect; ours, left
-    under someone else's patch, then passes calls through)."""
-    for f in reversed(patches.frames()):
-        if isinstance(f.config, _State):
-            return f.config
-    return None
-
-
-def _active() -> bool:
-    return _current() is not None
-
-
-def _run_state() -> _State | None:
-    """The run whose records are read: the innermost enabled one, else the last one finished."""
-    cfg = _current()
-    return cfg if cfg is not None else _finished
 
 
 def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False,
@@ -166,7 +98,7 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
     world = validate_world(parallel_quantization)
     model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
     procs = (processes if processes is not None else ProcessSet.detect()) if world != "off" else None
-    new = _State(world=world, devices=devices, debug_identical=debug_identical, overlap=overlap,
+    new = Run(world=world, devices=devices, debug_identical=debug_identical, overlap=overlap,
                  timeout=float(timeout), auto_world=model,
                  auto_given=auto_world is not None, processes=procs if procs is not None and procs.size > 1 else None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
@@ -174,14 +106,12 @@ def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_ide
 
 def disable() -> None:
     """Undo the innermost ``enable()``; a no-op when nothing is enabled."""
-    global _finished
-    cfg = _current()
+    cfg = current_run()
     if cfg is None:
         return
     while patches.uninstall().config is not cfg:
         pass  # a seams-only install above this enable() ends with it
-    _finished = cfg
-    if not _active():
+    if current_run() is None:
         _release_run_resources()
 
 
@@ -204,7 +134,7 @@ def _whole_block_dispatch(self, block, input_ids, input_others):
     With dpq on, those GPUs are lanes instead: a block whose mirror fits the home device stays
     whole there (and runs data-parallel); a block that does not fit keeps auto-round's split
     placement, and the plan then runs it serially (weights span several devices)."""
-    cfg = _current()
+    cfg = current_run()
     if cfg is None or cfg.world == "off":
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     block = _dispatch(self, block, input_ids, input_others)
@@ -240,25 +170,25 @@ def parallel_quantization(world: int | str = "auto", devices=None, **kw) -> Iter
     (the run's own list: still readable after the ``with``)."""
     enable(world, devices, **kw)
     try:
-        yield _current().records
+        yield current_run().records
     finally:
         disable()
 
 
 def run_summary() -> list[BlockRecord]:
     """The block records of the innermost enabled run, or after it, of the last run."""
-    cfg = _run_state()
+    cfg = finished_run()
     return list(cfg.records) if cfg is not None else []
 
 
 def auto_world_report() -> list[dict]:
     """``'auto'``'s predicted vs measured seconds per block of that run (``AutoWorld.report``;
     [] when no block chose its world by the cost model)."""
-    cfg = _run_state()
+    cfg = finished_run()
     return cfg.auto_world.report() if cfg is not None and cfg.auto_world is not None else []
 
 
-def _preflight(cfg: _State, q, block, inputs) -> None:
+def _preflight(cfg: Run, q, block, inputs) -> None:
     """An explicit world's plan for this block, resolved before any of the block's work (the
     collection passes come first): raises :class:`dpq.plan.PlanRefused` with every reason at
     once, the tuner's feature reasons included. Several processes: agreed by every rank
@@ -272,7 +202,7 @@ def _preflight(cfg: _State, q, block, inputs) -> None:
                            bool(request.extra_reasons), lambda: resolve(request))
 
 
-def _lane_devices(cfg: _State):
+def _lane_devices(cfg: Run):
     if cfg.devices is not None:
         return cfg.devices
     dl = [d for d in (device_manager.device_list or []) if d is not None]
@@ -281,14 +211,14 @@ def _lane_devices(cfg: _State):
     return None
 
 
-def _session_config(cfg: _State, plan: Plan | None) -> session.SessionConfig:
+def _session_config(cfg: Run, plan: Plan | None) -> session.SessionConfig:
     """``plan`` None: several processes (the session plans and agrees; it runs no cost model there)."""
     return session.SessionConfig(world=cfg.world, devices=_lane_devices(cfg), debug_identical=cfg.debug_identical,
                                  auto_world=None if plan is None else _auto_world_for(cfg, plan),
                                  processes=cfg.processes, overlap=cfg.overlap, timeout=cfg.timeout)
 
 
-def _auto_world_for(cfg: _State, plan: Plan) -> AutoWorld | None:
+def _auto_world_for(cfg: Run, plan: Plan) -> AutoWorld | None:
     """The run's cost model for this block's lanes. The default one models one device per lane
     (compute divided by W): for lanes sharing a device it has no basis, so every fitting lane runs
     (as without it), and the plan notes why."""
@@ -300,18 +230,18 @@ def _auto_world_for(cfg: _State, plan: Plan) -> AutoWorld | None:
     return cfg.auto_world
 
 
-def _tuner_request(cfg: _State, q, block, fp_inputs) -> PlanRequest:
+def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
     return PlanRequest(world=cfg.world, devices=_lane_devices(cfg), overlap=cfg.overlap is True,
                        **_task_plan_fields(q, block, fp_inputs))
 
 
-def _plan_for(cfg: _State, q, block, fp_inputs, block_ctx) -> Plan:
+def _plan_for(cfg: Run, q, block, fp_inputs, block_ctx) -> Plan:
     plan = resolve(_tuner_request(cfg, q, block, fp_inputs))
     _log_plan(cfg, plan, block, block_ctx)
     return plan
 
 
-def _log_plan(cfg: _State, plan: Plan, block, block_ctx, layout=None) -> None:
+def _log_plan(cfg: Run, plan: Plan, block, block_ctx, layout=None) -> None:
     """The plan, once per block shape (several processes: on rank 0, with the agreed layout)."""
     if cfg.processes is not None and cfg.processes.rank != 0:
         return
@@ -330,7 +260,7 @@ def _log_plan(cfg: _State, plan: Plan, block, block_ctx, layout=None) -> None:
 
 def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
                               input_ids=None, **kwargs):
-    cfg = _current()
+    cfg = current_run()
     if cfg is None:  # left under someone else's patch after disable(): pass through
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
     t0 = time.perf_counter()
@@ -366,7 +296,7 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
     return run.result
 
 
-def _prediction(cfg: _State, before: int) -> dict:
+def _prediction(cfg: Run, before: int) -> dict:
     """The cost model's prediction and measurement for the block just run: the record its
     choice added after the first ``before`` (none: the block's world was not chosen by it)."""
     new = cfg.auto_world.records[before:] if cfg.auto_world is not None else []
@@ -375,7 +305,7 @@ def _prediction(cfg: _State, before: int) -> dict:
     return {"predicted_s": dict(new[-1]["predicted_s"]), "measured_s": new[-1]["measured_s"]}
 
 
-def _parallel_block(cfg: _State, q, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
+def _parallel_block(cfg: Run, q, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
                     input_ids, serial) -> session.BlockRun:
     """The block through the session: auto-round's own ``serial`` when the plan says one lane
     (an explicit world 1 runs the engine: bitwise serial, the CLI's '1 == off' test checks the

@@ -2,7 +2,7 @@
 processes (torchrun) by rank 0 alone.
 
 Six replacements in the patch table (:mod:`.patches`), each passing straight through when no
-``enable()`` holds a process set (:attr:`dpq.autoround.integration._State.processes`), but the
+``enable()`` holds a process set (:attr:`dpq.autoround.run.Run.processes`), but the
 first, which needs only dpq on:
 
 * ``BaseCompressor.quantize_and_save``: the run writes its output into a folder beside
@@ -41,18 +41,10 @@ import os
 from dpq.staging import Staging
 
 from . import patches
+from .run import current_run, run_processes
 
-__all__ = ["adjust_immediate_packing_and_saving", "diffusion_save_quantized", "mllm_save_quantized", "processes",
+__all__ = ["adjust_immediate_packing_and_saving", "diffusion_save_quantized", "mllm_save_quantized",
            "quantize_and_save", "save_quantized", "setup_ddp_if_needed_"]
-
-
-def processes():
-    """The run's process set (several processes), or None: the innermost ``enable()``'s."""
-    for f in reversed(patches.frames()):
-        procs = getattr(f.config, "processes", None)
-        if procs is not None:
-            return procs if procs.size > 1 else None
-    return None
 
 
 def _original(owner: str, name: str):
@@ -101,10 +93,8 @@ def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=Tru
     from dpq import refusals
     from dpq.distributed import RankFailure, peer_lost
 
-    from .integration import _current
-
     original = _original(_BASE, "quantize_and_save")
-    cfg, procs = _current(), processes()
+    cfg, procs = current_run(), run_processes()
     if cfg is None or cfg.world == "off" or (procs is not None and procs.rank != 0):
         return original(self, output_dir, format, inplace, max_shard_size, **kwargs)
     if os.environ.get("AR_RESUME_DIR"):
@@ -140,7 +130,7 @@ def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders,
     The other ranks wait for rank 0's folders without a collective deadline (a save can take long):
     on its heartbeat (:meth:`dpq.distributed.ProcessSet.await_rank0`), until rank 0 hands them out:
     after this save, or, inside :func:`quantize_and_save`, once they are moved into place."""
-    procs = processes()
+    procs = run_processes()
     save = _original(owner, "save_quantized")
     if procs is None or _writing:
         return save(self, output_dir, format, inplace, return_folders=return_folders, **kwargs)
@@ -174,15 +164,13 @@ def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders,
 
 def adjust_immediate_packing_and_saving(self):
     _original(_BASE, "_adjust_immediate_packing_and_saving")(self)
-    procs = processes()
+    procs = run_processes()
     if procs is not None and procs.rank != 0:
         self.compress_context.is_immediate_saving = False  # only rank 0 writes --output_dir
 
 
 def setup_ddp_if_needed_(ar, block, device_list):
-    from .integration import _current
-
-    cfg = _current()
+    cfg = current_run()
     if cfg is None or cfg.world == "off":
         return _original(_SR_MODULE, "setup_ddp_if_needed_")(ar, block, device_list)
     return block, _no_sync

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from dpq.nccl_comm import Communicator
+from dpq.comm_base import Communicator
 
 __all__ = ["Completion", "SimulatedLink"]
 
@@ -107,7 +107,7 @@ class _Timer:
 
 
 class SimulatedLink:
-    """A :class:`dpq.nccl_comm.Communicator` over ``inner`` whose collectives complete after
+    """A :class:`dpq.comm_base.Communicator` over ``inner`` whose collectives complete after
     ``latency_s + wire bytes / (bandwidth_GBps * 1e9)`` seconds on a one-at-a-time link (module
     docstring). World 1 (no wire bytes): complete at once, no latency."""
 
@@ -133,6 +133,22 @@ class SimulatedLink:
     @property
     def wire_bytes(self) -> int:
         return self.inner.wire_bytes
+
+    @property
+    def lane_offset(self) -> int:
+        return self.inner.lane_offset
+
+    def begin_bucket(self, marks=None) -> None:
+        self.inner.begin_bucket(marks)
+
+    def join(self) -> None:
+        self.inner.join()
+
+    def check_async_error(self) -> None:
+        self.inner.check_async_error()
+
+    def abort(self, reason: str) -> bool:
+        return self.inner.abort(reason)
 
     def link_seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
@@ -174,6 +190,7 @@ class SimulatedLink:
         """Block (GIL released) until every collective issued so far has completed."""
         if self.last is not None:
             self.last.wait()
+        self.inner.wait()
 
     def close(self) -> None:
         if self._timer is not None:

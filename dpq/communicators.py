@@ -1,0 +1,110 @@
+"""Which communicator a run's lanes use, and building it: the one place that picks one.
+
+:func:`choose_communicator` is the plan's choice from the lane devices alone (a name and a
+one-line reason; ``dpq.plan.Plan.communicator``); :func:`make_communicator` builds a named one
+over the lanes; :func:`select_communicator` does both (or takes a forced name). The registry
+:data:`COMMUNICATORS` maps each name to its class: the copy communicators of
+:mod:`dpq.fallback_p2p` and the NCCL ones of :mod:`dpq.nccl_comm`. The process-group
+communicator (:mod:`dpq.process_group`) wraps one of these for the lanes inside a process and is
+built by the session, which has the process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dpq import nccl_comm, nccl_lifecycle, refusals
+from dpq.comm_base import Communicator, CommunicatorBase
+from dpq.fallback_p2p import HostStagedCommunicator, LocalCommunicator, PeerCopyCommunicator, XpuCopyCommunicator
+from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator
+from dpq.streams import Lane, backend, device_key
+
+__all__ = ["COMMUNICATORS", "choose_communicator", "make_communicator", "select_communicator"]
+
+COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
+    "local": LocalCommunicator,
+    "p2p": PeerCopyCommunicator,
+    "host": HostStagedCommunicator,
+    "xpu-copy": XpuCopyCommunicator,
+    "cupy-nccl": CupyNcclCommunicator,
+    "torch-nccl": TorchNcclCommunicator,
+}
+
+
+def _all_pairs_peer(devices: Sequence[torch.device]) -> bool:
+    devices = list({device_key(d): d for d in devices}.values())
+    return all(backend(a).can_access_peer(a, b) for a in devices for b in devices if a != b)
+
+
+def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
+    """(communicator name, one-line reason) for lanes on ``devices`` (in lane order); the plan's
+    choice (``dpq.plan.Plan.communicator``). Raises ValueError for lanes no communicator joins."""
+    devices = [torch.device(d) for d in devices]
+    world = len(devices)
+    if world == 1:
+        return "local", "one lane: nothing to exchange"
+    keys = {device_key(d) for d in devices}
+    if len(keys) == 1:
+        return "local", f"all {world} lanes share {devices[0]}: sums stay on that device"
+    types = {d.type for d in devices}
+    if "hpu" in types:
+        raise ValueError(f"dpq: {refusals.HPU_MULTI_LANE}")
+    if len(types) > 1:
+        return "host", f"lanes mix device types ({', '.join(sorted(types))}): sums go through host memory"
+    if types == {"xpu"}:
+        return "xpu-copy", f"{world} xpu lanes: oneCCL has no in-process multi-device API, so device-to-device copies"
+    if types == {"cuda"}:
+        if len(keys) == world:
+            ids = [index for _, index in (device_key(d) for d in devices)]
+            # dpq.nccl_lifecycle: once NCCL failed for any of these GPUs (an abort, a failed init), no
+            # NCCL kind runs on them again in this run: copies, which need no init and cannot hang in NCCL
+            failed = nccl_lifecycle.failed_comm_sets(ids)
+            if failed:
+                why = (f"{world} distinct GPUs, but NCCL over cuda devices {list(failed[0].device_ids)} failed earlier "
+                       f"in this run ({failed[0].failure}), so no NCCL kind is used for them again in this process")
+            elif nccl_comm.cupy_nccl_available():
+                return "cupy-nccl", f"{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
+            elif nccl_comm.torch_nccl_available():
+                return "torch-nccl", f"{world} distinct GPUs, CuPy absent (pip install dpq[cuda12]): torch.cuda.nccl"
+            else:
+                why = f"{world} distinct GPUs but no NCCL (neither CuPy nor torch.cuda.nccl)"
+        else:
+            why = f"{world} lanes on {len(keys)} GPUs, some shared (NCCL takes one GPU per rank)"
+        if _all_pairs_peer(devices):
+            return "p2p", f"{why}; every GPU pair has peer access: device-to-device copies"
+        return "host", f"{why}; not every GPU pair has peer access: sums go through pinned host memory"
+    return "host", f"lanes on {len(keys)} distinct {types.pop()} devices: sums go through host memory"
+
+
+def make_communicator(name: str, lanes: Sequence[Lane]) -> Communicator:
+    """The communicator ``name`` (the plan's choice) over ``lanes``."""
+    lanes = list(lanes)
+    if name in ("cupy-nccl", "torch-nccl"):
+        # the run's NCCL handles for these devices, made once (close_communicators destroys them)
+        return COMMUNICATORS[name](lanes, shared=True)
+    return COMMUNICATORS[name](lanes)
+
+
+def select_communicator(lanes: Sequence[Lane], prefer: str | None = None) -> tuple[Communicator, str]:
+    """The communicator for ``lanes`` and a one-line reason.
+
+    Cheap to call once per block: the NCCL communicators (``ncclCommInitAll``) are made once
+    per device tuple per run and shared by every call's wrapper, which reads each call's
+    streams from the lanes it was given. :func:`close_communicators` destroys them (dpq's
+    ``disable()`` calls it). ``prefer`` forces one by name (benchmarks, tests); a forced
+    choice the lanes cannot take fails in that communicator's constructor with its own reason.
+    """
+    lanes = list(lanes)
+    if not lanes:
+        raise ValueError("dpq: select_communicator needs at least one lane")
+    if prefer is None:
+        name, reason = choose_communicator([lane.device for lane in lanes])
+        return make_communicator(name, lanes), reason
+    if prefer not in COMMUNICATORS:
+        raise ValueError(f"dpq: unknown communicator {prefer!r}; choose from {', '.join(COMMUNICATORS)}")
+    hpus = {device_key(lane.device) for lane in lanes if lane.device.type == "hpu"}
+    if hpus and len({device_key(lane.device) for lane in lanes}) > 1:
+        raise ValueError(f"dpq: {refusals.HPU_MULTI_LANE}")
+    return make_communicator(prefer, lanes), f"{prefer}: forced by prefer={prefer!r}"
