@@ -44,6 +44,7 @@ import torch
 
 from dpq.comm_streams import CommStreams, comm_lanes
 from dpq.communicators import make_communicator, select_communicator
+from dpq.compiles import CompileWatch
 from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.faults import fault_point, faulty, inject_fault
@@ -143,6 +144,8 @@ class BlockRun:
     fell_back: bool = False
     failure: str = ""  # repr of the lane failure when fell_back
     layout: ProcessLayout | None = None  # several processes: the agreed layout (``layout.describe()``)
+    # torch.compile during the lanes' forwards and backwards, per local lane (dpq.compiles); None: serial
+    compiles: CompileWatch | None = None
 
 
 def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
@@ -176,8 +179,10 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
         return BlockRun(plan, task.serial(), None, time.perf_counter() - t0, serial=True)
     rng = (random.getstate(), torch.get_rng_state())
     snapshot = BlockSnapshot(task.block)
+    watch = CompileWatch(plan.world)
     try:
-        outcome, result = _run_lanes(config, plan, task, procs)
+        with watch:
+            outcome, result = _run_lanes(config, plan, task, procs, watch)
     except BaseException as err:
         if getattr(err, "stuck", False):
             # dpq.tune_loop.LanesHung: work queued on the lanes' devices never ends, so any wait on them
@@ -208,7 +213,7 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
         if task.lane_error is not None:
             raise task.lane_error(err, plan) from err
         raise
-    return BlockRun(plan, result, outcome, time.perf_counter() - t0, layout=layout)
+    return BlockRun(plan, result, outcome, time.perf_counter() - t0, layout=layout, compiles=watch)
 
 
 def _stop_every_rank(procs: ProcessSet, err: BaseException, lost: bool) -> None:
@@ -258,8 +263,8 @@ def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, 
     return plan, layout
 
 
-def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
-               procs: ProcessSet | None = None) -> tuple[LoopOutcome | None, object]:
+def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: ProcessSet | None = None,
+               watch: CompileWatch | None = None) -> tuple[LoopOutcome | None, object]:
     """Everything between the plan and the result. Its frame and those below hold the run
     (mirrors, wrappers, optimizers): on failure ``run`` clears them from the traceback."""
     spec = task.start(plan)
@@ -273,6 +278,8 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
         keep = _choose_world(auto, comm, plan, task, spec)
         if keep < plan.world:  # the first `keep` fitting lanes; the others are not used
             plan.world, plan.devices, lanes = keep, plan.devices[:keep], lanes[:keep]
+            if watch is not None:
+                del watch.lanes[keep:]
             if keep == 1:
                 plan.communicator, plan.communicator_reason = "local", "one lane: nothing to exchange"
             comm.close()
@@ -284,7 +291,7 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
     engine, stuck = None, False
     try:
         engine = TuneEngine(
-            replicas, faulty(spec.lane_loss, task), spec.make_optimizer, exchange,
+            replicas, _watched(watch, faulty(spec.lane_loss, task)), spec.make_optimizer, exchange,
             reduction=spec.reduction, micro_batch=spec.micro_batch, loss_scale=spec.loss_scale,
             sample_numel=spec.sample_numel, debug_identical=config.debug_identical,
             one_op_sign_step=spec.one_op_sign_step, timeout_s=config.watchdog_s(), name=task.name,
@@ -310,6 +317,11 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask,
             engine.close()
         replicas.close(release_cache=not stuck)  # emptying the cache frees device memory: a device sync
     return outcome, task.finish(outcome, plan)
+
+
+def _watched(watch: CompileWatch | None, lane_loss):
+    """The lane loss with each lane's compiles counted (dpq.compiles: a recompile per lane is host time)."""
+    return watch.lane_loss(lane_loss) if watch is not None else lane_loss
 
 
 def _exchange_communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):

@@ -292,8 +292,15 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
                                                            f"step: {plan.step}"],
                                        algorithm=algorithm, losses=out.losses, best_iter=out.best_iter,
                                        issue_s=out.issue_s,
-                                       **_prediction(cfg, chosen)))
+                                       **_compile_fields(run.compiles), **_prediction(cfg, chosen)))
     return run.result
+
+
+def _compile_fields(watch) -> dict:
+    """The block's compiles per lane (dpq.compiles.CompileWatch) as record fields."""
+    if watch is None or not watch.watched:
+        return {}
+    return {"recompiles": watch.recompiles(), "compiles": watch.compiles(), "compile_s": watch.compile_s()}
 
 
 def _prediction(cfg: Run, before: int) -> dict:

@@ -40,6 +40,12 @@ class BlockRecord:
     # world (the chosen one is ``world``) and the measured seconds of the same span (mirrors + loop)
     predicted_s: dict[int, float] = field(default_factory=dict)
     measured_s: float | None = None
+    # torch.compile on the lanes (dpq.compiles), per lane of this process: dynamo recompiles caused by
+    # the lane's forwards (each is host time on the one issuing thread), all its compiles, and the
+    # host seconds they took (lazily compiled backwards included); empty: serial, or nothing watched
+    recompiles: list[int] = field(default_factory=list)
+    compiles: list[int] = field(default_factory=list)
+    compile_s: list[float] = field(default_factory=list)
 
 
 @dataclass
