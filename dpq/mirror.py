@@ -94,11 +94,23 @@ def _mirror(module: torch.nn.Module, device: torch.device, tuned_ids: set[int], 
     mirror = copy.deepcopy(module, memo)
     for m in mirror.modules():
         # Wrappers remember "their" device as a plain attribute (auto-round's WrapperLinear
-        # keeps .device / .output_device); point them at the lane.
+        # keeps .device / .output_device); point them at the lane, in the attribute's own form
+        # (a str stays a str) and untouched where it already names the lane's device: a compiled
+        # forward guards on it (``x.to(self.device)``), and a mirror whose 'cpu' had become
+        # torch.device('cpu') recompiled the block on every lane that shares home's device.
         for attr in ("device", "output_device"):
-            if isinstance(m.__dict__.get(attr), (str, torch.device)):
-                m.__dict__[attr] = device
+            value = m.__dict__.get(attr)
+            if isinstance(value, (str, torch.device)) and not _names(value, device):
+                m.__dict__[attr] = str(device) if isinstance(value, str) else device
     return mirror
+
+
+def _names(value: str | torch.device, device: torch.device) -> bool:
+    """``value`` (a device or its name) is ``device``."""
+    try:
+        return torch.device(value) == device
+    except (RuntimeError, TypeError):
+        return False
 
 
 class ReplicaSet:
