@@ -343,7 +343,9 @@ def test_explicit_world_refuses_before_any_work():
 
 # -- the real CLI, in a subprocess, on the embedded (trained) model --
 
-def _cli_cmd(tmp: Path, out: str, *extra: str) -> list[str]:
+def _cli_cmd(tmp: Path, out: str, *extra: str, torch_compile: bool = False) -> list[str]:
+    """The CLI on the embedded model; ``torch_compile``: no torch.compile flag, so auto-round's
+    default (on, on Linux; tests/test_compile_cli.py), else ``--disable_torch_compile``."""
     from dpq.demo.embedded import DATA_DIR, calibration_jsonl
 
     calib = tmp / "calib.jsonl"
@@ -352,7 +354,8 @@ def _cli_cmd(tmp: Path, out: str, *extra: str) -> list[str]:
     report = tmp / out / "report.json"
     return [sys.executable, "-m", "dpq.autoround.cli", "--model", str(DATA_DIR), "--dataset", str(calib),
             "--iters", "50", "--nsamples", "16", "--seqlen", "64", "--batch_size", "8", "--device_map", "cpu",
-            "--disable_torch_compile", "--output_dir", str(tmp / out), "--parallel_report", str(report), *extra]
+            *([] if torch_compile else ["--disable_torch_compile"]), "--output_dir", str(tmp / out),
+            "--parallel_report", str(report), *extra]
 
 
 # CLI runs go CLI_WORKERS at a time, each with CLI_THREADS intra-op threads: on the 2-core CI box two
@@ -379,13 +382,14 @@ def _cli_load(tmp: Path, out: str, proc: subprocess.CompletedProcess) -> dict:
             "dir": files[0].parent}
 
 
-def _cli_many(tmp: Path, runs: dict[str, list[str]], envs: dict[str, dict] | None = None) -> dict[str, dict]:
+def _cli_many(tmp: Path, runs: dict[str, list[str]], envs: dict[str, dict] | None = None, *,
+              torch_compile: bool = False) -> dict[str, dict]:
     """Run ``{out: extra args}`` CLI jobs, CLI_WORKERS at a time, each with ``envs[out]`` added to
     its environment; returns ``{out: result}``."""
     from concurrent.futures import ThreadPoolExecutor  # threads only wait on the subprocesses
 
     env = dict(os.environ, OMP_NUM_THREADS=str(CLI_THREADS), MKL_NUM_THREADS=str(CLI_THREADS))
-    cmds = {out: _cli_cmd(tmp, out, *extra) for out, extra in runs.items()}
+    cmds = {out: _cli_cmd(tmp, out, *extra, torch_compile=torch_compile) for out, extra in runs.items()}
     with ThreadPoolExecutor(CLI_WORKERS) as pool:
         procs = {out: pool.submit(subprocess.run, cmd, capture_output=True, text=True, timeout=600,
                                   env={**env, **(envs or {}).get(out, {})})
