@@ -4,8 +4,9 @@ world 2 holds statistical parity with serial, and the report says what compiled 
 
 Marked ``compile_cli`` and deselected by pyproject's addopts: each run compiles the block forward
 (inductor, C++ on this CPU) in its own process: one CLI run here takes ~35 CPU-s with compile on,
-~20 without. .ci/run runs the file in its own stage (``-m compile_cli``). Runs and their statistics are tests/test_integration.py's
-CLI runs (the embedded model, 50 iterations, 16 samples x 64 tokens, batch 8), compile left on.
+~20 without. .ci/run runs the file in its own stage (``-m compile_cli``). Runs and their
+statistics are tests/test_integration.py's CLI runs (the embedded model, 50 iterations, 16
+samples x 64 tokens, batch 8), compile left on.
 """
 
 from __future__ import annotations
