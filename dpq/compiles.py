@@ -120,10 +120,6 @@ class CompileWatch:
         for c in self.lanes:
             c.reasons = [f"{cid}: {why[cid]}" if cid in why else cid for cid in c.reasons]
 
-    @property
-    def active(self) -> bool:
-        return self._handler is not None
-
     @contextlib.contextmanager
     def lane(self, k: int) -> Iterator[None]:
         """Compiles that start in here are lane ``k``'s."""
