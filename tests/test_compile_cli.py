@@ -14,9 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import mutants, parity_stats
+from tests import parity_stats
 from tests import test_integration as ti
-from tests.conftest import SITE_HOOKS
 
 pytestmark = pytest.mark.compile_cli
 
@@ -26,31 +25,8 @@ SEEDS = (42, 43)  # two pairs: 6 CLI runs (3 rounds of 2) with the "off" run, se
 
 @pytest.fixture(scope="module")
 def compiled_runs(tmp_path_factory):
-    """CLI runs with compile on, cached by (world, seed) or (world, seed, mutant) like
-    tests/test_integration.py's ``cli_runs``; ``get(*keys)`` runs the missing ones together."""
-    tmp = tmp_path_factory.mktemp("compile_cli")
-    cache: dict = {}
-
-    def name(world, seed, mutant="") -> str:
-        return f"w{world}s{seed}" + (f"m{mutants.MUTANTS.index(mutant)}" if mutant else "")
-
-    def get(*keys: tuple) -> list[dict]:
-        missing, envs = {}, {}
-        for key in keys:
-            if key not in cache:
-                world, seed, *mutant = key
-                extra = ["--seed", str(seed), "--parallel_quantization", str(world)]
-                if world not in ("off", 1):
-                    extra += ["--parallel_devices", ",".join(["cpu"] * world)]
-                missing[name(*key)] = extra
-                if mutant:
-                    envs[name(*key)] = {SITE_HOOKS.MUTANT_ENV: mutant[0]}
-        done = ti._cli_many(tmp, missing, envs, torch_compile=True) if missing else {}
-        for key in keys:
-            cache.setdefault(key, done.get(name(*key)))
-        return [cache[k] for k in keys]
-
-    return get
+    """CLI runs with compile on, cached as tests/test_integration.py's ``cli_runs`` are."""
+    return ti.cached_cli_runs(tmp_path_factory.mktemp("compile_cli"), torch_compile=True)
 
 
 def _compiled(run: dict) -> None:

@@ -409,12 +409,10 @@ def cli_tmp(tmp_path_factory):
 SEEDS = (42, 43, 44)
 
 
-@pytest.fixture(scope="module")
-def cli_runs(cli_tmp):
-    """CLI runs cached by (world, seed) or (world, seed, mutant), world "off" included: every test
-    below shares them (the serial runs serve the world-1 bitwise test and the quality test).
-    ``get(*keys)`` runs the missing ones together and returns them in order; a mutant
-    (tests/mutants.py) runs in the CLI's process through ``DPQ_TEST_MUTANT`` (tests/site_hooks)."""
+def cached_cli_runs(tmp: Path, *, torch_compile: bool = False):
+    """``get(*keys)``: CLI runs cached by (world, seed) or (world, seed, mutant), world "off"
+    included; the missing ones run together and come back in order. A mutant (tests/mutants.py)
+    runs in the CLI's process through ``DPQ_TEST_MUTANT`` (tests/site_hooks)."""
     cache: dict = {}
 
     def name(world, seed, mutant="") -> str:
@@ -431,12 +429,19 @@ def cli_runs(cli_tmp):
                 missing[name(*key)] = extra
                 if mutant:
                     envs[name(*key)] = {SITE_HOOKS.MUTANT_ENV: mutant[0]}
-        done = _cli_many(cli_tmp, missing, envs) if missing else {}
+        done = _cli_many(tmp, missing, envs, torch_compile=torch_compile) if missing else {}
         for key in keys:
             cache.setdefault(key, done.get(name(*key)))
         return [cache[k] for k in keys]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def cli_runs(cli_tmp):
+    """The CLI runs every test below shares (:func:`cached_cli_runs`; the serial runs serve the
+    world-1 bitwise test and the quality test)."""
+    return cached_cli_runs(cli_tmp)
 
 
 AMP_OFF_LINE = "amp is set to FALSE as the current cpu device does not support the 'bf16' data type"
