@@ -37,7 +37,8 @@ from torch import Tensor
 
 from dpq.streams import Lane
 
-__all__ = ["SUPPORTED_DTYPES", "Communicator", "CommunicatorBase", "chunk_bounds", "ordered_sum", "ring_wire_bytes"]
+__all__ = ["SUPPORTED_DTYPES", "Communicator", "CommunicatorBase", "CommunicatorWrapper", "chunk_bounds", "ordered_sum",
+           "ring_wire_bytes"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 
@@ -106,6 +107,58 @@ class Communicator(Protocol):
     def close(self) -> None:
         """Release what the communicator holds."""
         ...
+
+
+class CommunicatorWrapper:
+    """A communicator around ``inner`` (communication streams, a simulated link): every part of
+    the protocol goes to ``inner`` unless the wrapper overrides it."""
+
+    def __init__(self, inner: Communicator, name: str) -> None:
+        self.inner = inner
+        self.name = name
+        self.lanes: list[Lane] = list(inner.lanes)
+
+    @property
+    def world(self) -> int:
+        return self.inner.world
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.inner.wire_bytes
+
+    @property
+    def lane_offset(self) -> int:
+        return self.inner.lane_offset
+
+    def all_reduce(self, bufs: Sequence[Tensor]) -> None:
+        self.inner.all_reduce(bufs)
+
+    def reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        self.inner.reduce_scatter(send, recv)
+
+    def all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
+        self.inner.all_gather(send, recv)
+
+    def broadcast(self, bufs: Sequence[Tensor], root: int = 0) -> None:
+        self.inner.broadcast(bufs, root)
+
+    def begin_bucket(self, marks: Sequence | None = None) -> None:
+        self.inner.begin_bucket(marks)
+
+    def join(self) -> None:
+        self.inner.join()
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def check_async_error(self) -> None:
+        self.inner.check_async_error()
+
+    def abort(self, reason: str) -> bool:
+        return self.inner.abort(reason)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def ring_wire_bytes(op: str, world: int, numel: int, itemsize: int) -> int:

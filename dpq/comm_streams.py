@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dpq.comm_base import CommunicatorWrapper
 from dpq.streams import Lane
 
 __all__ = ["CommStreams", "comm_lanes"]
@@ -61,37 +62,17 @@ def comm_lanes(lanes: Sequence[Lane]) -> list[Lane]:
     return out
 
 
-class CommStreams:
+class CommStreams(CommunicatorWrapper):
     """A communicator over :func:`comm_lanes` whose collectives run beside the compute lanes'
     work (module docstring: C1-C4). ``inner`` is built over the communication lanes; ``compute``
-    are the lanes the replicas and gradient buckets live on, in the same order."""
+    are the lanes the replicas and gradient buckets live on, in the same order. The collectives
+    themselves are ``inner``'s; the joins around them are this class's."""
 
     def __init__(self, inner, compute: Sequence[Lane]) -> None:
         if len(inner.lanes) != len(compute):
             raise ValueError(f"dpq: {len(inner.lanes)} communication lanes for {len(compute)} lanes")
-        self.inner = inner
+        super().__init__(inner, f"{inner.name}+comm-streams")
         self.compute = list(compute)
-        self.lanes = list(inner.lanes)
-        self.name = f"{inner.name}+comm-streams"
-
-    # what the lanes' collectives are: the inner communicator's
-    @property
-    def world(self) -> int:
-        return self.inner.world
-
-    @property
-    def wire_bytes(self) -> int:
-        return self.inner.wire_bytes
-
-    @property
-    def lane_offset(self) -> int:
-        return self.inner.lane_offset
-
-    def check_async_error(self) -> None:
-        self.inner.check_async_error()
-
-    def abort(self, reason: str) -> bool:
-        return self.inner.abort(reason)
 
     def begin_bucket(self, marks=None) -> None:
         """C1: each communication stream waits for its compute lane's mark (``marks[k]``, an event
@@ -102,18 +83,6 @@ class CommStreams:
                 comm.waits(mark)
             else:
                 comm.wait_for(lane)
-
-    def all_reduce(self, bufs) -> None:
-        self.inner.all_reduce(bufs)
-
-    def reduce_scatter(self, send, recv) -> None:
-        self.inner.reduce_scatter(send, recv)
-
-    def all_gather(self, send, recv) -> None:
-        self.inner.all_gather(send, recv)
-
-    def broadcast(self, bufs, root: int = 0) -> None:
-        self.inner.broadcast(bufs, root)
 
     def wait(self) -> None:
         """C2: the compute lanes' later work runs after every collective issued so far."""

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from dpq.comm_base import Communicator
+from dpq.comm_base import Communicator, CommunicatorWrapper
 
 __all__ = ["Completion", "SimulatedLink"]
 
@@ -106,7 +106,7 @@ class _Timer:
         self._thread.join()
 
 
-class SimulatedLink:
+class SimulatedLink(CommunicatorWrapper):
     """A :class:`dpq.comm_base.Communicator` over ``inner`` whose collectives complete after
     ``latency_s + wire bytes / (bandwidth_GBps * 1e9)`` seconds on a one-at-a-time link (module
     docstring). World 1 (no wire bytes): complete at once, no latency."""
@@ -115,9 +115,7 @@ class SimulatedLink:
         if bandwidth_GBps <= 0 or latency_s < 0:
             raise ValueError(f"dpq: a simulated link needs bandwidth > 0 and latency >= 0, got "
                              f"{bandwidth_GBps} GB/s and {latency_s} s")
-        self.inner = inner
-        self.name = f"simulated({inner.name})"
-        self.lanes: list = list(inner.lanes)
+        super().__init__(inner, f"simulated({inner.name})")
         self.bandwidth_Bps = bandwidth_GBps * 1e9
         self.latency_s = latency_s
         self.collectives = 0
@@ -125,30 +123,6 @@ class SimulatedLink:
         self.last: Completion | None = None
         self._free_at = 0.0
         self._timer: _Timer | None = None
-
-    @property
-    def world(self) -> int:
-        return self.inner.world
-
-    @property
-    def wire_bytes(self) -> int:
-        return self.inner.wire_bytes
-
-    @property
-    def lane_offset(self) -> int:
-        return self.inner.lane_offset
-
-    def begin_bucket(self, marks=None) -> None:
-        self.inner.begin_bucket(marks)
-
-    def join(self) -> None:
-        self.inner.join()
-
-    def check_async_error(self) -> None:
-        self.inner.check_async_error()
-
-    def abort(self, reason: str) -> bool:
-        return self.inner.abort(reason)
 
     def link_seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
