@@ -131,7 +131,10 @@ class CompileWatch:
 
     def lane_loss(self, lane_loss: Callable) -> Callable:
         """``lane_loss(lane, module, chunk)`` (:class:`dpq.tune_loop.TuneEngine`'s) with each call
-        inside :meth:`lane` for ``lane.index``."""
+        inside :meth:`lane` for ``lane.index``; as it is when nothing is watched (no callbacks to
+        attribute: nothing added to the issuing thread's per-call work)."""
+        if not self.watched:
+            return lane_loss
 
         def watched(lane, module, chunk):
             with self.lane(lane.index):

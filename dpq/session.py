@@ -263,8 +263,8 @@ def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, 
     return plan, layout
 
 
-def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: ProcessSet | None = None,
-               watch: CompileWatch | None = None) -> tuple[LoopOutcome | None, object]:
+def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: ProcessSet | None,
+               watch: CompileWatch) -> tuple[LoopOutcome | None, object]:
     """Everything between the plan and the result. Its frame and those below hold the run
     (mirrors, wrappers, optimizers): on failure ``run`` clears them from the traceback."""
     spec = task.start(plan)
@@ -278,8 +278,7 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: Proces
         keep = _choose_world(auto, comm, plan, task, spec)
         if keep < plan.world:  # the first `keep` fitting lanes; the others are not used
             plan.world, plan.devices, lanes = keep, plan.devices[:keep], lanes[:keep]
-            if watch is not None:
-                del watch.lanes[keep:]
+            del watch.lanes[keep:]
             if keep == 1:
                 plan.communicator, plan.communicator_reason = "local", "one lane: nothing to exchange"
             comm.close()
@@ -291,7 +290,7 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: Proces
     engine, stuck = None, False
     try:
         engine = TuneEngine(
-            replicas, _watched(watch, faulty(spec.lane_loss, task)), spec.make_optimizer, exchange,
+            replicas, watch.lane_loss(faulty(spec.lane_loss, task)), spec.make_optimizer, exchange,
             reduction=spec.reduction, micro_batch=spec.micro_batch, loss_scale=spec.loss_scale,
             sample_numel=spec.sample_numel, debug_identical=config.debug_identical,
             one_op_sign_step=spec.one_op_sign_step, timeout_s=config.watchdog_s(), name=task.name,
@@ -317,11 +316,6 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: Proces
             engine.close()
         replicas.close(release_cache=not stuck)  # emptying the cache frees device memory: a device sync
     return outcome, task.finish(outcome, plan)
-
-
-def _watched(watch: CompileWatch | None, lane_loss):
-    """The lane loss with each lane's compiles counted (dpq.compiles: a recompile per lane is host time)."""
-    return watch.lane_loss(lane_loss) if watch is not None else lane_loss
 
 
 def _exchange_communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
