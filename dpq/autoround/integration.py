@@ -29,7 +29,7 @@ from dpq.streams import release_run_streams
 
 from . import patches
 from .compat import check_auto_round_version
-from .run import BlockRecord, Run, current_run, finished_run
+from .run import BlockRecord, Run, current_run, reported_run
 from .seams_common import ParallelLaneError
 
 check_auto_round_version()
@@ -177,14 +177,14 @@ def parallel_quantization(world: int | str = "auto", devices=None, **kw) -> Iter
 
 def run_summary() -> list[BlockRecord]:
     """The block records of the innermost enabled run, or after it, of the last run."""
-    cfg = finished_run()
+    cfg = reported_run()
     return list(cfg.records) if cfg is not None else []
 
 
 def auto_world_report() -> list[dict]:
     """``'auto'``'s predicted vs measured seconds per block of that run (``AutoWorld.report``;
     [] when no block chose its world by the cost model)."""
-    cfg = finished_run()
+    cfg = reported_run()
     return cfg.auto_world.report() if cfg is not None and cfg.auto_world is not None else []
 
 

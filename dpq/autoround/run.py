@@ -1,9 +1,9 @@
 """The run: one ``enable()``'s settings and records, kept in its frame of the patch table's stack.
 
 ``enable()`` pushes a :class:`Run` (:func:`dpq.autoround.patches.install`), ``disable()`` pops it.
-A patched function reads the innermost run once, with :func:`current_run`, and passes it on as an
-argument; nothing below it looks the run up again. After the outermost ``disable()`` the last
-run's frame stays readable (:func:`finished_run`) for its records: the run summary, ``auto``'s
+dpq's patched functions read the innermost run with :func:`current_run` (its process set with
+:func:`run_processes`); nothing outside dpq/autoround/ reads it. After the outermost ``disable()`` the last
+run's frame stays readable (:func:`reported_run`) for its records: the run summary, ``auto``'s
 report, the CLI's ``--parallel_report``. Nothing that runs a block reads a finished run.
 """
 
@@ -17,7 +17,7 @@ from dpq.distributed import ProcessSet
 
 from . import patches
 
-__all__ = ["BlockRecord", "Run", "current_run", "finished_run", "run_processes"]
+__all__ = ["BlockRecord", "Run", "current_run", "reported_run", "run_processes"]
 
 
 @dataclass
@@ -76,7 +76,7 @@ def current_run() -> Run | None:
     return None
 
 
-def finished_run() -> Run | None:
+def reported_run() -> Run | None:
     """The run whose records are read: the innermost enabled one, else the last one that ended."""
     run = current_run()
     if run is not None:
