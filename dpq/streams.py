@@ -95,7 +95,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Backend", "HostCopy", "Lane", "WaitExpired", "backend", "copy_between", "device_key", "join", "make_lanes",
-           "map_tensors", "parse_devices", "release_run_streams", "unique_lanes", "wait_events"]
+           "map_tensors", "release_run_streams", "unique_lanes", "wait_events"]
 
 
 class Backend:
@@ -579,24 +579,6 @@ class HostCopy:
     def host(self) -> torch.Tensor:
         """The values in host memory; read them only after :meth:`wait`."""
         return self._host
-
-
-def parse_devices(spec: str | Sequence[str | int | torch.device]) -> list[torch.device]:
-    """'0,1,2' / 'cuda:0,cuda:1' / 'cpu,cpu' / [0, 1] -> torch.devices.
-
-    Bare integers mean the first accelerator type that is available (cuda, xpu, hpu),
-    as auto-round's ``--device_map 0,1`` does.
-    """
-    items = [s.strip() for s in spec.split(",") if s.strip()] if isinstance(spec, str) else list(spec)
-    if not items:
-        raise ValueError("dpq: empty device list; give devices like '0,1' or 'cuda:0,cuda:1' or 'cpu,cpu'")
-    out = []
-    for item in items:
-        if isinstance(item, int) or (isinstance(item, str) and item.isdigit()):
-            out.append(torch.device(default_accelerator_type(), int(item)))
-        else:
-            out.append(torch.device(item))
-    return out
 
 
 def default_accelerator_type() -> str:
