@@ -4,7 +4,7 @@
 
 Not collected by the normal test run (testpaths = tests). Each benchmark reports its bus
 bandwidth in ``extra_info["GB/s"]``: the communicator's ring wire bytes per call (the same
-formula for every communicator, see ``dpq.nccl_comm.ring_wire_bytes``) over the mean time.
+formula for every communicator, see ``dpq.comm_base.ring_wire_bytes``) over the mean time.
 On CPU lanes this measures the summing and copying machinery, not an interconnect.
 """
 

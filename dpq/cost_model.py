@@ -149,7 +149,7 @@ def probe_link(comm, sizes: Sequence[int] = (2**12, 2**20), reps: int = 3) -> tu
     (fp32 zeros, one buffer per lane; the median of ``reps`` each), fitted to t = latency + bytes / bw
     with bytes the ring wire bytes. Waits for each call: the lanes synchronize, and a communicator
     that completes later (``dpq.testing.simulated_link``) is waited for."""
-    from dpq.nccl_comm import ring_wire_bytes
+    from dpq.comm_base import ring_wire_bytes
 
     lanes = comm.lanes
     world = comm.world

@@ -74,7 +74,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dpq.nccl_comm import Communicator
+from dpq.comm_base import Communicator
 from dpq.sign_bits import SignBuffers, pack_signs, sign_groups, sign_padded_length, take, unpack_signs
 from dpq.streams import Lane
 

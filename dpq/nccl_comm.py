@@ -47,39 +47,21 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from dpq.comm_base import SUPPORTED_DTYPES, Communicator, CommunicatorBase, chunk_bounds, ordered_sum, ring_wire_bytes
+from dpq.comm_base import CommunicatorBase, chunk_bounds, ordered_sum
 from dpq.nccl_lifecycle import (
-    NcclAborted,
-    NcclCollectiveError,
     NcclCommSet,
-    NcclInitFailed,
-    aborted_comm_set,
-    close_communicators,
     fail_group,
-    failed_comm_sets,
     shared_comm_set,
 )
 from dpq.streams import Lane
 
 __all__ = [
-    "SUPPORTED_DTYPES",
-    "Communicator",
-    "CommunicatorBase",
     "CupyNcclCommunicator",
-    "NcclAborted",
-    "NcclCollectiveError",
-    "NcclCommSet",
-    "NcclInitFailed",
     "TorchNcclCommunicator",
-    "aborted_comm_set",
-    "close_communicators",
     "cupy_nccl_available",
     "cupy_nccl_version",
     "distinct_cuda_ids",
-    "failed_comm_sets",
     "multi_rank_gpu_enabled",
-    "ring_wire_bytes",
-    "shared_comm_set",
     "torch_nccl_available",
 ]
 

@@ -29,15 +29,8 @@ from torch.utils._pytree import tree_flatten
 
 from dpq import nccl_comm
 from dpq.communicators import select_communicator
-from dpq.nccl_comm import (
-    CupyNcclCommunicator,
-    NcclAborted,
-    NcclCollectiveError,
-    TorchNcclCommunicator,
-    cupy_nccl_version,
-    multi_rank_gpu_enabled,
-)
-from dpq.nccl_lifecycle import close_communicators
+from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator, cupy_nccl_version, multi_rank_gpu_enabled
+from dpq.nccl_lifecycle import NcclAborted, NcclCollectiveError, NcclInitFailed, close_communicators
 from tests import fake_cupy_nccl
 from tests.conftest import cast_floating
 from tests.fake_cupy_nccl import Call
@@ -428,12 +421,12 @@ def test_an_init_failure_is_remembered_for_the_run(fake):
     from dpq.session import SessionConfig, _communicator
 
     fake.fail[("initAll", None)] = 2  # ncclSystemError
-    with pytest.raises(nccl_comm.NcclInitFailed, match="NCCL_ERROR 2"):
+    with pytest.raises(NcclInitFailed, match="NCCL_ERROR 2"):
         select_communicator(cuda_lanes(0, 1))
     for block in (1, 2):
         nxt, reason = select_communicator(cuda_lanes(0, 1, block=block))
         assert nxt.name == "p2p" and "failed earlier in this run" in reason
-    with pytest.raises(nccl_comm.NcclInitFailed, match="not retried"):
+    with pytest.raises(NcclInitFailed, match="not retried"):
         select_communicator(cuda_lanes(0, 1), prefer="cupy-nccl")
     plan = Plan(2, [torch.device("cuda", 0), torch.device("cuda", 1)], communicator="cupy-nccl")
     comm = _communicator(SessionConfig(), plan, cuda_lanes(0, 1, block=3))  # the plan's choice made earlier
