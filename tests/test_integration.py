@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dpq import session
-from dpq.autoround import integration
+from dpq.autoround import block_task, integration
 from dpq.autoround.run import current_run
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
 from dpq.plan import PlanRefused, PlanRequest, resolve
@@ -314,7 +314,7 @@ def test_feature_refusals(recorded_blocks, monkeypatch, patch, expect):
         p = next(block.parameters())
         monkeypatch.setattr(type(block), "parameters",
                             lambda self, recurse=True: iter([p, torch.nn.Parameter(torch.zeros(1, device="meta"))]))
-    reasons = integration._feature_refusals(q, block, inputs, rec.block_ctx)
+    reasons = block_task.feature_refusals(q, block, inputs, rec.block_ctx)
     assert any(expect in r for r in reasons), reasons
     with pytest.raises(PlanRefused, match=expect):
         resolve(PlanRequest(world=2, devices="cpu,cpu", home="cpu", extra_reasons=reasons))

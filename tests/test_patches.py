@@ -203,3 +203,24 @@ def test_mllm_and_diffusion_saves_are_rank_0s_alone(monkeypatch, mixin, rank):
     with integration.parallel_quantization(1):
         assert compressor.save_quantized(c, out) == "M"
     assert len(writes) == (2 if rank == 0 else 1) and writes[-1] == out and len(barriers) == 1
+
+
+@pytest.mark.parametrize("version, refused", [("0.15.2", True), ("0.18.0", True), ("0.16.1", False), ("0.17.0", False)])
+def test_importing_compat_refuses_an_uncovered_auto_round_by_version(monkeypatch, version, refused):
+    """The package imports ``compat`` first, and executing it checks the installed auto-round's series."""
+    import importlib.util
+
+    import auto_round.version
+
+    monkeypatch.setattr(auto_round.version, "__version__", version)
+    spec = importlib.util.find_spec("dpq.autoround.compat")
+    fresh = importlib.util.module_from_spec(spec)  # a second copy: the imported one stays as it is
+    if refused:
+        with pytest.raises(RuntimeError, match=version.replace(".", r"\.")):
+            spec.loader.exec_module(fresh)
+    else:
+        spec.loader.exec_module(fresh)
+        assert fresh.series() == version.rsplit(".", 1)[0]
+    first = ast.parse(Path(integration.__file__).with_name("__init__.py").read_text()).body
+    imports = [node for node in first if isinstance(node, ast.ImportFrom)]
+    assert (imports[0].level, imports[0].module, [a.name for a in imports[0].names]) == (1, None, ["compat"])

@@ -1,19 +1,16 @@
 """Everything that knows auto-round's internals: the series the patch table covers
 (:data:`dpq.autoround.patches.TABLE`, checked against the installed auto-round at install)."""
 
-from .compat import check_auto_round_version
-
-check_auto_round_version()
-
-from .api import ParallelTuneResult, parallel_tune  # noqa: E402
-from .integration import (  # noqa: E402
+from . import compat  # noqa: F401 (first: importing it refuses an auto-round the patch table does not cover)
+from .api import ParallelTuneResult, parallel_tune
+from .integration import (
     ParallelLaneError,
     disable,
     enable,
     parallel_quantization,
     run_summary,
 )
-from .run import BlockRecord  # noqa: E402
+from .run import BlockRecord
 
 __all__ = [
     "BlockRecord",

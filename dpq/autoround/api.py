@@ -10,23 +10,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from auto_round.algorithms.block_runner import BlockForwardRunner
+from auto_round.compressors.utils import IndexSampler
+from auto_round.schemes import preset_name_to_scheme
+from auto_round.utils.common import SHARED_CACHE_KEYS, SUPPORTED_LAYER_TYPES
+from auto_round.wrapper import unwrapper_block, wrapper_block
 
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
 from dpq.mirror import tensors_in
 from dpq.plan import Plan, PlanRefused
 
-from .compat import check_auto_round_version
-
-check_auto_round_version()
-
-from auto_round.algorithms.block_runner import BlockForwardRunner  # noqa: E402
-from auto_round.compressors.utils import IndexSampler  # noqa: E402
-from auto_round.schemes import preset_name_to_scheme  # noqa: E402
-from auto_round.utils.common import SHARED_CACHE_KEYS, SUPPORTED_LAYER_TYPES  # noqa: E402
-from auto_round.wrapper import unwrapper_block, wrapper_block  # noqa: E402
-
-from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec  # noqa: E402
+from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
 
 __all__ = ["ParallelTuneResult", "parallel_tune"]
 

@@ -14,23 +14,19 @@ import time
 from collections.abc import Sequence
 
 import torch
+from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
+from auto_round.logger import logger
+from auto_round.utils import set_amax_for_all_moe_layers
+from auto_round.utils.device_manager import device_manager
+from auto_round.wrapper import unwrapper_block
 
 from dpq import refusals, session
 from dpq.plan import BlockPrice, Plan
 
-from .compat import check_auto_round_version, prepare_block_for_tuning
+from .compat import prepare_block_for_tuning
 from .run import run_processes
 from .seams_common import ParallelLaneError
-
-check_auto_round_version()
-
-from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer  # noqa: E402
-from auto_round.logger import logger  # noqa: E402
-from auto_round.utils import set_amax_for_all_moe_layers  # noqa: E402
-from auto_round.utils.device_manager import device_manager  # noqa: E402
-from auto_round.wrapper import unwrapper_block  # noqa: E402
-
-from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec  # noqa: E402
+from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
 
 __all__ = ["AutoRoundBlock", "feature_refusals", "lane_error", "loss_scale", "task_plan_fields"]
 

@@ -1,4 +1,6 @@
-"""The auto-round versions dpq is written against, checked once on first use."""
+"""The auto-round versions dpq is written against. Importing this module checks the installed one:
+the package imports it before anything that imports auto-round, so an uncovered auto-round is refused
+by name before any of its modules load."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ def check_auto_round_version() -> str:
     if ".".join(__version__.split(".")[:2]) not in SUPPORTED:
         raise RuntimeError(refusals.auto_round_unsupported(SUPPORTED, __version__, PIP_BOUND))
     return __version__
+
+
+check_auto_round_version()
 
 
 def series() -> str:

@@ -19,6 +19,9 @@ import time
 from collections.abc import Iterator
 
 import torch
+from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
+from auto_round.logger import logger
+from auto_round.utils.device_manager import device_manager
 
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
@@ -28,19 +31,9 @@ from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, 
 from dpq.streams import release_run_streams
 
 from . import patches
-from .compat import check_auto_round_version
+from .block_task import AutoRoundBlock, lane_error, task_plan_fields
 from .run import BlockRecord, Run, current_run, reported_run
 from .seams_common import ParallelLaneError
-
-check_auto_round_version()
-
-from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer  # noqa: E402
-from auto_round.logger import logger  # noqa: E402
-from auto_round.utils.device_manager import device_manager  # noqa: E402
-
-from .block_task import AutoRoundBlock, lane_error  # noqa: E402
-from .block_task import feature_refusals as _feature_refusals  # noqa: E402,F401 (tests call it here)
-from .block_task import task_plan_fields as _task_plan_fields  # noqa: E402
 
 __all__ = ["BlockRecord", "ParallelLaneError", "auto_world_report", "disable", "enable", "lane_error",
            "parallel_quantization", "run_summary"]
@@ -232,7 +225,7 @@ def _auto_world_for(cfg: Run, plan: Plan) -> AutoWorld | None:
 
 def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
     return PlanRequest(world=cfg.world, devices=_lane_devices(cfg), overlap=cfg.overlap is True,
-                       **_task_plan_fields(q, block, fp_inputs))
+                       **task_plan_fields(q, block, fp_inputs))
 
 
 def _plan_for(cfg: Run, q, block, fp_inputs, block_ctx) -> Plan:

@@ -17,20 +17,16 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from auto_round.algorithms.quantization.sign_round.sign_sgd import SignSGD
+from auto_round.compressors.utils import IndexSampler, collect_best_params
+from auto_round.logger import logger
 
 from dpq import refusals
 from dpq.mirror import LaneData
 from dpq.streams import Lane, backend, map_tensors
 from dpq.tune_loop import TuneSpec
 
-from .compat import check_auto_round_version
 from .patches import reproduced_changes
-
-check_auto_round_version()
-
-from auto_round.algorithms.quantization.sign_round.sign_sgd import SignSGD  # noqa: E402
-from auto_round.compressors.utils import IndexSampler, collect_best_params  # noqa: E402
-from auto_round.logger import logger  # noqa: E402
 
 
 @dataclass
