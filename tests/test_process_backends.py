@@ -13,6 +13,7 @@ import datetime
 import importlib
 import sys
 import types
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -102,7 +103,8 @@ def test_the_order_check_fails_when_the_import_comes_after_init(monkeypatch):
     assert [c[0] for c in rec.calls] == ["init", "import"]
     assert not order_ok(rec.calls, "import", "init")
     assert not order_ok([("init", "hccl", TIMEOUT)], "import", "init")
-    monkeypatch.setitem(process_setup.SETUPS, "hpu", process_setup.GroupSetup("hccl"))  # a setup that forgot it
+    monkeypatch.setattr(process_setup, "SETUPS",  # a setup that forgot it
+                        MappingProxyType({**process_setup.SETUPS, "hpu": process_setup.GroupSetup("hccl")}))
     rec.calls.clear()
     start_group("hpu", 42, None)
     assert not order_ok(rec.calls, "import", "init")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -170,7 +171,7 @@ def test_adapter_vouches_only_for_checked_signsgd(monkeypatch, caplog):
 
     assert not tune.one_op_sign_step(Sub, None)
     path = "auto_round.algorithms.quantization.sign_round.sign_sgd:_single_tensor_sgd"
-    monkeypatch.setitem(patches.REPRODUCED, path, "0" * 16)
+    monkeypatch.setattr(patches, "REPRODUCED", MappingProxyType({**patches.REPRODUCED, path: "0" * 16}))
     tune._sign_sgd_unchanged.cache_clear()
     try:
         assert patches.reproduced_changes() == [path]

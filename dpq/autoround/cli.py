@@ -37,6 +37,7 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from types import MappingProxyType
 
 OUR_HELP = """
 dpq (data-parallel tuning) options:
@@ -62,8 +63,9 @@ dpq (data-parallel tuning) options:
 
 
 # recipe -> auto-round's runner for it (auto_round.__main__, the targets of its console scripts)
-RECIPES: dict[str | None, str] = {None: "run", "best": "run_best", "light": "run_light", "rtn": "run_rtn",
-                                  "opt-rtn": "run_opt_rtn", "mllm": "run_mllm"}
+RECIPES: MappingProxyType[str | None, str] = MappingProxyType({
+    None: "run", "best": "run_best", "light": "run_light", "rtn": "run_rtn", "opt-rtn": "run_opt_rtn",
+    "mllm": "run_mllm"})
 
 
 def runner_for(recipe: str | None):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from dpq import refusals
 
@@ -104,19 +105,19 @@ two attributes of one object for the duration of one ``AlgorithmComposer.compres
 (per-call swaps, undone in its ``finally``): the composer's ``block_forward`` (a
 ``BlockForwardRunner``) and the block quantizer's bound ``quantize_block`` (timed)."""
 
-NOT_PATCHED: dict[str, dict[str, str]] = {
-    "0.17": {
+NOT_PATCHED: MappingProxyType[str, MappingProxyType[str, str]] = MappingProxyType({
+    "0.17": MappingProxyType({
         "OptimizedRTNQuantizer._quantize_targets": (
             "auto-round 0.17 removed it: optimized-RTN (iters=0) weight searches run through auto-round's own "
             "search dispatch (batched, spread over idle devices), so dpq leaves them to it"),
         "SignRoundV2 init-scale searches": (
             "auto-round 0.17 stages SignRoundV2's wrap-time init-scale searches into its own batched search "
             "dispatch (resolve_optimized_init_scale_fn), so dpq leaves them to it"),
-    },
-}
+    }),
+})
 
 
-REPRODUCED: dict[str, str] = {
+REPRODUCED: MappingProxyType[str, str] = MappingProxyType({
     # dpq.sign_step reproduces auto-round's pure SignSGD step (no momentum, no weight decay):
     # ``param.add_(torch.sign(grad), alpha=-lr)`` per tensor, as one foreach op per device and lr.
     # sha256 (first 16 hex digits) of each upstream source, as checked in 0.16.1 and 0.17.0.dev20261026.
@@ -124,7 +125,7 @@ REPRODUCED: dict[str, str] = {
     "auto_round.algorithms.quantization.sign_round.sign_sgd:_use_grad_for_differentiable": "3371f9df5881fe28",
     "auto_round.algorithms.quantization.sign_round.sign_sgd:sgd": "c830617d808c6b98",
     "auto_round.algorithms.quantization.sign_round.sign_sgd:_single_tensor_sgd": "06fa26629f64157d",
-}
+})
 """auto-round code dpq does not patch but reproduces in its own runtime (a faster equivalent).
 Unlike :data:`TABLE` a change here refuses nothing: :func:`reproduced_changes` names each changed
 symbol, and the caller runs auto-round's own code instead of the reproduction (never a stale copy)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import importlib
 from dataclasses import dataclass
+from types import MappingProxyType
 
 __all__ = ["SETUPS", "GroupSetup", "device_map", "lane_type", "process_lanes", "start_group"]
 
@@ -40,12 +41,12 @@ class GroupSetup:
     own_devices: bool = False  # process LOCAL_RANK runs on indices LOCAL_RANK*L.., set_device on the first
 
 
-SETUPS: dict[str, GroupSetup] = {
+SETUPS: MappingProxyType[str, GroupSetup] = MappingProxyType({
     "cpu": GroupSetup("gloo"),
     "cuda": GroupSetup("cpu:gloo,cuda:nccl", own_devices=True),
     "xpu": GroupSetup("cpu:gloo,xpu:xccl", own_devices=True),
     "hpu": GroupSetup("hccl", register="habana_frameworks.torch.distributed.hccl"),
-}
+})
 
 
 def device_map(rest: list[str]) -> tuple[int | None, str | None]:

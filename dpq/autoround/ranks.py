@@ -76,10 +76,6 @@ def diffusion_save_quantized(self, output_dir=None, format=None, inplace=True, r
     return _rank0_writes(_DIFFUSION, self, output_dir, format, inplace, return_folders, **kwargs)
 
 
-_writing: list[bool] = []  # non-empty while rank 0 runs an original save (the mixins' call BaseCompressor's)
-_staged: list[Staging] = []  # the staging of the quantize_and_save running now (it hands the folders out)
-
-
 def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=True, max_shard_size=None, **kwargs):
     """auto-round's ``quantize_and_save`` with its output written whole or not at all
     (:class:`dpq.staging.Staging`): the whole run (auto-round's immediate saving writes shards during
@@ -100,8 +96,7 @@ def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=Tru
     if os.environ.get("AR_RESUME_DIR"):
         logger.warning(f"dpq: {refusals.UNSTAGED_FOR_RESUME}")
         return original(self, output_dir, format, inplace, max_shard_size, **kwargs)
-    staging = Staging(output_dir)
-    _staged.append(staging)
+    staging = cfg.staging = Staging(output_dir)
     try:
         model, folders = original(self, str(staging.dir), format, inplace, max_shard_size, **kwargs)
         staging.commit()
@@ -113,7 +108,7 @@ def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=Tru
                 raise failure from err
         raise
     finally:
-        _staged.pop()
+        cfg.staging = None
     folders = [staging.path_in_place(f) for f in folders] if isinstance(folders, list) else \
         staging.path_in_place(folders)
     self.output_dir = self.compress_context.output_dir = staging.path_in_place(self.output_dir)
@@ -130,9 +125,9 @@ def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders,
     The other ranks wait for rank 0's folders without a collective deadline (a save can take long):
     on its heartbeat (:meth:`dpq.distributed.ProcessSet.await_rank0`), until rank 0 hands them out:
     after this save, or, inside :func:`quantize_and_save`, once they are moved into place."""
-    procs = run_processes()
+    cfg, procs = current_run(), run_processes()
     save = _original(owner, "save_quantized")
-    if procs is None or _writing:
+    if procs is None or cfg is None or cfg.rank0_saving:
         return save(self, output_dir, format, inplace, return_folders=return_folders, **kwargs)
     import torch.distributed as dist
 
@@ -143,13 +138,13 @@ def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders,
         dist.barrier(group=procs.group)  # every rank got here: none failed after its last collective
         if procs.rank == 0:
             procs.beat("save")
-            _writing.append(True)
+            cfg.rank0_saving = True
             try:
                 out = save(self, output_dir, format, inplace, return_folders=True, **kwargs)
             finally:
-                _writing.pop()
+                cfg.rank0_saving = False
             folders = out[1]
-            if not _staged:
+            if cfg.staging is None:
                 procs.publish("save", folders)
         else:
             from auto_round.logger import logger

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from dpq import session
 from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet
+from dpq.staging import Staging
 
 from . import patches
 
@@ -65,6 +66,11 @@ class Run:
     # Several processes (torchrun): the group every block's run spans, one ProcessSet per job (its
     # store keys are the job's), detected at enable(); None: this process alone.
     processes: ProcessSet | None = None
+    # The save in progress (dpq.autoround.ranks): the staging of the running quantize_and_save (it
+    # hands the folders out once they are in place), and whether rank 0 is inside an original
+    # save_quantized (a mixin's super().save_quantized is part of it: no second barrier).
+    staging: Staging | None = None
+    rank0_saving: bool = False
 
 
 def current_run() -> Run | None:

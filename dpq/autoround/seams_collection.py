@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from types import MappingProxyType
 
 import torch
 from auto_round.algorithms.composer import AlgorithmComposer
@@ -52,17 +53,17 @@ from .seams_init_scale import precompute_init_scales
 __all__ = ["MODULE_STAT_HOOKS", "ORDERED_SINK_HOOKS", "ShardedRunner", "compress_block"]
 
 # hook function (__qualname__) -> {attribute on the hooked module: merge kind}
-MODULE_STAT_HOOKS: dict[str, dict[str, str]] = {
-    "AlgorithmComposer._register_act_max_hooks.<locals>.collect_act_max": {"act_max": "max"},
-    "OptimizedRTNQuantizer._register_imatrix_hooks.<locals>.collect_imatrix": {
-        "imatrix": "sum", "imatrix_cnt": "count"},
-    "SignRoundV2Quantizer._register_imatrix_hooks.<locals>.collect_imatrix": {"imatrix": "sum"},
-}
+MODULE_STAT_HOOKS: MappingProxyType[str, MappingProxyType[str, str]] = MappingProxyType({
+    "AlgorithmComposer._register_act_max_hooks.<locals>.collect_act_max": MappingProxyType({"act_max": "max"}),
+    "OptimizedRTNQuantizer._register_imatrix_hooks.<locals>.collect_imatrix": MappingProxyType({
+        "imatrix": "sum", "imatrix_cnt": "count"}),
+    "SignRoundV2Quantizer._register_imatrix_hooks.<locals>.collect_imatrix": MappingProxyType({"imatrix": "sum"}),
+})
 # hooks that append/accumulate into preprocessor-owned containers in call order
-ORDERED_SINK_HOOKS = {
+ORDERED_SINK_HOOKS: MappingProxyType[str, str] = MappingProxyType({
     "AWQTransform._register_awq_hooks.<locals>._make_activation_hook.<locals>.hook_fn": "awq_activation:ordered",
     "AWQTransform._register_awq_hooks.<locals>._make_parent_hook.<locals>.hook_fn": "awq_parent_args:ordered",
-}
+})
 
 
 
