@@ -25,7 +25,7 @@ the plans are agreed first (:func:`dpq.distributed.agree`: one refusal stops eve
 any work, with every rank's reasons); the communicator is ``ProcessGroupCommunicator`` over this
 process's lanes. Any failure there is fatal on every rank: no serial rerun (the ranks could not
 agree on it), home restored exactly as above, and a :class:`dpq.distributed.RankFailure` naming
-the rank it started on (``ProcessSet.stop``). Test-only fault injection: :func:`inject_fault`.
+the rank it started on (``ProcessSet.stop``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from dpq.communicators import make_communicator, select_communicator
 from dpq.compiles import CompileWatch
 from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
-from dpq.faults import fault_point, faulty, inject_fault
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.nccl_lifecycle import NcclInitFailed
 from dpq.plan import BlockPrice, Plan, PlanRefused, PlanRequest, resolve, validate_world
@@ -55,8 +54,8 @@ from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
 
-__all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "agree_plan", "fault_point", "inject_fault",
-           "lanes_for", "plan_for", "release_run", "run"]
+__all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "agree_plan", "lanes_for", "plan_for",
+           "release_run", "run"]
 
 
 DEFAULT_TIMEOUT_S = 600.0  # auto-round-dp's --parallel_timeout default
@@ -128,7 +127,6 @@ class BlockTask:
     serial: Callable[[], object] | None = None
     lane_error: Callable[[BaseException, Plan], BaseException] | None = None
     on_fallback: Callable[[BaseException], None] | None = None  # e.g. log a warning before the rerun
-    index: int | None = None  # the block's position in its model (fault injection matches it)
 
 
 @dataclass
@@ -290,7 +288,7 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: Proces
     engine, stuck = None, False
     try:
         engine = TuneEngine(
-            replicas, watch.lane_loss(faulty(spec.lane_loss, task)), spec.make_optimizer, exchange,
+            replicas, watch.lane_loss(spec.lane_loss), spec.make_optimizer, exchange,
             reduction=spec.reduction, micro_batch=spec.micro_batch, loss_scale=spec.loss_scale,
             sample_numel=spec.sample_numel, debug_identical=config.debug_identical,
             one_op_sign_step=spec.one_op_sign_step, timeout_s=config.watchdog_s(), name=task.name,

@@ -19,8 +19,8 @@ from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, c
 def _load_site_hooks():
     """tests/site_hooks: ``DPQ_TEST_CPU_BF16=on|off`` forces auto-round's CPU bf16 detection,
     applied here before any auto-round object is built; the directory goes first on PYTHONPATH so
-    that every subprocess applies it too (and ``DPQ_TEST_MUTANT``, which tests set for a
-    subprocess of their own)."""
+    that every subprocess applies it too (and ``DPQ_TEST_MUTANT`` and ``DPQ_TEST_FAULT``,
+    which tests set for a subprocess of their own)."""
     hooks_dir = Path(__file__).parent / "site_hooks"
     spec = importlib.util.spec_from_file_location("dpq_tests_site_hooks", hooks_dir / "sitecustomize.py")
     module = importlib.util.module_from_spec(spec)

@@ -107,7 +107,7 @@ def test_cli_lane_failure_says_what_was_kept(tmp_path):
     that was restored and the block finished before it, and no claim that nothing was lost. Small
     shards (auto-round writes them during quantization): a model saved in --output_dir before is
     left bitwise as it was, without a stray shard beside it, and no partial folder stays behind."""
-    prelude = "from dpq import session; session.inject_fault(block=1, after=1); "
+    prelude = "from dpq.testing.faults import inject_fault; inject_fault(block=1, after=1); "
     report = tmp_path / "report.json"
     before = earlier_model(tmp_path / "out")
     proc = _cli(tmp_path, "--iters", "3", "--batch_size", "4", "--parallel_quantization", "2",

@@ -18,6 +18,7 @@ import torch
 import dpq
 import dpq.session as session
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples, capture_block_inputs
+from dpq.testing.faults import inject_fault
 from tests.conftest import ForwardFault
 
 LAYERS = 16
@@ -142,7 +143,7 @@ def test_autoround_run_keeps_memory_flat(quiet_process):
             census.append(_census(_owned(model, fp_inputs, input_others, a[:2])))
             if index not in FAILING:
                 return installed(self, block, fp_inputs, input_others, *a, **k)
-            with session.inject_fault(block=index, after=1):
+            with inject_fault(block=index, after=1):
                 return installed(self, block, fp_inputs, input_others, *a, **k)
 
         SignRoundQuantizer.quantize_block = counting
@@ -178,7 +179,7 @@ def test_autoround_fallback_runs_after_the_failed_lanes_are_freed(quiet_process,
 
     monkeypatch.setattr(quantizer, "wrapper_block", wrapper_block)
     with integration.parallel_quantization("auto", devices="cpu,cpu") as records, \
-            session.inject_fault(block=1, after=1):
+            inject_fault(block=1, after=1):
         AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(4, 16), device_map="cpu",
                   enable_torch_compile=False, iters=2, nsamples=4, seqlen=16, batch_size=4, group_size=32,
                   seed=42).quantize()

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpq import session
 from dpq.autoround import block_task, integration
 from dpq.autoround.run import current_run
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
 from dpq.plan import PlanRefused, PlanRequest, resolve
+from dpq.testing.faults import inject_fault
 from tests import mutants, parity_stats
 from tests.conftest import SITE_HOOKS, cpu_bf16_expected
 
@@ -28,7 +28,7 @@ def quantize(world, devices=None, iters=6, fail_lane_at=None, return_model=False
     model = build_tiny_llama(TinyLlamaConfig())
     fp = copy.deepcopy(model)
     integration.enable(world, devices, debug_identical=True, auto_world=auto_world)
-    fault = session.inject_fault(block=fail_lane_at[0], after=fail_lane_at[1]) if fail_lane_at else None
+    fault = inject_fault(block=fail_lane_at[0], after=fail_lane_at[1]) if fail_lane_at else None
     try:
         ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(16, 64), device_map="cpu",
                        enable_torch_compile=False, iters=iters, nsamples=16, seqlen=64, batch_size=8, seed=seed,
@@ -219,7 +219,7 @@ def test_lane_failure_under_explicit_world_raises_and_loses_nothing():
     model = build_tiny_llama(TinyLlamaConfig())
     fp_block1 = copy.deepcopy(model.model.layers[1])
     integration.enable(2, "cpu,cpu")
-    fault = session.inject_fault(block=1, after=3)
+    fault = inject_fault(block=1, after=3)
     seen, attrs = {}, {}
     orig = integration._ORIGINAL
 

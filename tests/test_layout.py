@@ -1,5 +1,5 @@
 """The package's shape: the runtime imports no auto-round, no import cycle among dpq's modules
-(function-level imports included), no ``import *``."""
+(function-level imports included), fault injection only in the scaffolding, no ``import *``."""
 
 from __future__ import annotations
 
@@ -109,6 +109,19 @@ def test_only_tests_and_benchmarks_import_the_scaffolding():
     users = sorted(name for name, path in paths.items() if not name.startswith("dpq.testing")
                    and any(m.startswith("dpq.testing") for m in _imports(path, name, known)))
     assert "dpq.testing.simulated_link" in known and not users, users
+
+
+# what only fault injection (dpq/testing/faults.py) has any reason to name
+FAULT_WORDS = ("DPQ_TEST_FAULT", "inject_fault", "fault_point", "lane_fault", "dpq.faults")
+
+
+def test_fault_injection_is_only_scaffolding():
+    """No module of the runtime or the adapter injects faults, reads the fault switch or names
+    either: tests make lanes fail from outside (dpq.testing.faults replaces what a run looks up)."""
+    assert (DPQ / "testing" / "faults.py").is_file()
+    found = [f"{p.relative_to(DPQ.parent)}: {word}" for p in sorted(DPQ.rglob("*.py"))
+             if "testing" not in p.relative_to(DPQ).parts for word in FAULT_WORDS if word in p.read_text()]
+    assert not found, found
 
 
 def test_no_star_import():

@@ -234,12 +234,12 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
     auto-round), ``tune_world`` also enables dpq's tuner. Returns (state_dict, seam records)."""
     from auto_round import AutoRound
 
-    from dpq import session
     from dpq.autoround import integration, shard_seams
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
+    from dpq.testing.faults import inject_fault
 
     args = dict(nsamples=16, seqlen=64, batch_size=8, iters=0)
-    injected = [session.inject_fault(kind=kind, lane=lane) for kind, lane in (faults or {}).items()]
+    injected = [inject_fault(kind=kind, lane=lane) for kind, lane in (faults or {}).items()]
     args.update(kw)
     model = build_tiny_llama(TinyLlamaConfig())
     if tune_world is not None:

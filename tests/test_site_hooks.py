@@ -1,6 +1,6 @@
 """The suite's site hooks (tests/site_hooks): the switch for auto-round's CPU bf16 detection reaches
-auto-round in this process and in subprocesses, in both directions; a mutant set for a subprocess
-reaches dpq there."""
+auto-round in this process and in subprocesses, in both directions; a mutant or a fault set for a
+subprocess reaches dpq there."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tests.conftest import SITE_HOOKS, cpu_bf16_expected
 
 BF16 = "from auto_round.utils.device_manager import get_ar_device; print(get_ar_device('cpu').supports_bf16())"
 WEIGHT = "import dpq.tune_loop as t; print(t.TuneEngine._weight.__qualname__)"
+ENGINE = "import dpq.session as s, dpq.tune_loop as t; print(s.TuneEngine is t.TuneEngine)"
 
 
 def test_this_process_sees_the_sessions_setting():
@@ -32,9 +33,12 @@ def _probe(code: str, **env: str) -> str:
 
 def test_subprocesses_see_a_forced_value_both_ways_and_a_mutant():
     """A fresh interpreter, as the CLI and torchrun workers start: the forced value is what
-    auto-round's device manager reports; ``DPQ_TEST_MUTANT`` replaces the lane weight there."""
+    auto-round's device manager reports; ``DPQ_TEST_MUTANT`` replaces the lane weight there;
+    ``DPQ_TEST_FAULT`` for this process's rank (0 outside torchrun) makes the session build its
+    engine through the fault scaffolding, for another rank it leaves the session alone."""
     jobs = [(BF16, {SITE_HOOKS.ENV: "on"}), (BF16, {SITE_HOOKS.ENV: "off"}),
-            (WEIGHT, {SITE_HOOKS.MUTANT_ENV: "lane weight 1"}), (WEIGHT, {SITE_HOOKS.MUTANT_ENV: ""})]
+            (WEIGHT, {SITE_HOOKS.MUTANT_ENV: "lane weight 1"}), (WEIGHT, {SITE_HOOKS.MUTANT_ENV: ""}),
+            (ENGINE, {SITE_HOOKS.FAULT_ENV: "raise:0:1:0"}), (ENGINE, {SITE_HOOKS.FAULT_ENV: "raise:1:1:0"})]
     with ThreadPoolExecutor(2) as pool:
         out = list(pool.map(lambda job: _probe(job[0], **job[1]), jobs))
-    assert out == ["True", "False", "apply.<locals>.<lambda>", "TuneEngine._weight"]
+    assert out == ["True", "False", "apply.<locals>.<lambda>", "TuneEngine._weight", "False", "True"]

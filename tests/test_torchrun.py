@@ -12,7 +12,7 @@ shared by the assertions; two at a time (two cores).
 * world 1 through torchrun (one process: no group) equals ``off``;
 * only rank 0 writes (each rank of the 2x1 run is given its own --output_dir through a shell:
   rank 1's does not exist);
-* a killed rank (``DPQ_TEST_FAULT``, the session's fault entry point): the other rank exits
+* a killed rank (``DPQ_TEST_FAULT``, applied by tests/site_hooks): the other rank exits
   non-zero within the timeout, naming it, and no rank leaves a complete-looking output folder.
 """
 

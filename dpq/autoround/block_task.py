@@ -119,7 +119,7 @@ class AutoRoundBlock:
             name=name, block=self.block, start=self.start, finish=self.finish, serial=serial,
             lane_error=lambda err, plan: lane_error(name, plan.world, err, "while tuning", records=records),
             on_fallback=lambda err: logger.warning(refusals.lane_failed_rerun(name, repr(err))),
-            index=self.block_ctx.block_index, **task_plan_fields(self.q, self.block, self.fp_inputs),
+            **task_plan_fields(self.q, self.block, self.fp_inputs),
         )
 
     def start(self, plan: Plan):

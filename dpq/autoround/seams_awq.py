@@ -35,7 +35,6 @@ from .seams_common import (
     ParallelLaneError,
     PhaseRecord,
     hook_name,
-    lane_fault,
     log_once,
     mirror_refusals,
     plan_lanes,
@@ -165,7 +164,6 @@ def run_parent_samples(self, parent, kwargs_list, offload_to_cpu=False):
         return original(self, parent, kwargs_list, offload_to_cpu)
 
     def fwd(module, lane, start, stop):
-        lane_fault("awq_grid", lane.index)
         return [original(self, module, kwargs_list[j:j + 1], offload_to_cpu) for j in range(start, stop)]
 
     ctx.refs = shard_forward(ctx.replicas.modules, ctx.lanes, len(kwargs_list), fwd)

@@ -34,11 +34,11 @@ import torch
 
 from dpq import refusals
 from dpq.plan import PlanRequest
-from dpq.session import fault_point, lanes_for
+from dpq.session import lanes_for
 
 from . import patches
 
-__all__ = ["ParallelLaneError", "PhaseRecord", "SeamRun", "config", "lane_fault", "log_once", "phase_seconds",
+__all__ = ["ParallelLaneError", "PhaseRecord", "SeamRun", "config", "log_once", "phase_seconds",
            "plan_lanes", "records", "scratch", "world"]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
@@ -103,12 +103,6 @@ def scratch(frame=None) -> SeamRun:
 
 def world() -> int | str:
     return getattr(config(), "world", "off")
-
-
-def lane_fault(kind: str, lane_index: int) -> None:
-    """A seam's test fault point: the session's one entry point (``dpq.session.inject_fault``
-    with ``kind`` "collection" or "awq_grid" makes the pass fail on that lane, once)."""
-    fault_point(kind, lane_index)
 
 
 def records() -> list[PhaseRecord]:

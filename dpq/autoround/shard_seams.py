@@ -5,9 +5,8 @@ The seams themselves live by phase: :mod:`.seams_collection` (collection forward
 init-scale searches), :mod:`.seams_awq` (AWQ grid and clip searches), with what they share in
 :mod:`.seams_common`. They are installed, with every other replacement, by the patch table
 (:mod:`.patches`); ``install(config)`` here pushes ``config`` (``world``, ``devices``) on it
-without an ``enable()`` (the tuner then stays serial); tests inject lane failures through
-``dpq.session.inject_fault``. The phase
-benchmark is ``benchmarks/phases.py``.
+without an ``enable()`` (the tuner then stays serial). The phase benchmark is
+``benchmarks/phases.py``.
 """
 
 from __future__ import annotations

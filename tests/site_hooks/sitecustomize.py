@@ -1,7 +1,7 @@
 """Test scaffolding applied in the test process and in every Python subprocess the tests start
 (the CLI, torchrun workers, spawned processes): ``tests/conftest.py`` calls :func:`install` at
 session start and prepends this directory to ``PYTHONPATH``, so that Python runs this file as
-``sitecustomize`` when each subprocess starts. Two switches, both off unless set:
+``sitecustomize`` when each subprocess starts. Three switches, all off unless set:
 
 ``DPQ_TEST_CPU_BF16=on|off`` forces auto-round's CPU bf16 detection. auto-round turns bf16
 autocast (``amp``) on for a CPU only if CPUID reports AVX512-BF16
@@ -18,10 +18,16 @@ suite passes, so the suite runs under both:
 ``DPQ_TEST_MUTANT=<name>`` installs one of ``tests/mutants.py``'s bugs into dpq, for a test
 that shows a subprocess's run (the CLI's) failing its statistical check.
 
+``DPQ_TEST_FAULT=<exit|raise|hang>:<RANK>:<block>:<after>`` makes the process of that RANK (0
+outside torchrun) fail in block ``<block>``'s lane loss from its call ``<after> + 1`` on (exit as
+if killed, raise, or hang), for a test of torchrun's workers, which it cannot reach into: the
+fault is injected through ``dpq.testing.faults`` once ``dpq.session`` is imported.
+
 Each patch is applied as its module is imported (an import hook: nothing is imported here, so no
 auto-round object can read the detection before the patch); ``auto_round.utils.device`` is the
 same module in auto-round 0.16 and 0.17. The runtime (``dpq/``) knows nothing of this. Standard
-library only: subprocesses import it before anything else.
+library only at import (subprocesses import it before anything else); a patch imports what it
+applies when it runs.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ import sys
 
 ENV = "DPQ_TEST_CPU_BF16"
 MUTANT_ENV = "DPQ_TEST_MUTANT"
+FAULT_ENV = "DPQ_TEST_FAULT"
 _BF16_MODULE = "auto_round.utils.device"
 _MUTANT_MODULE = "dpq.tune_loop"
+_FAULT_MODULE = "dpq.session"
 _VALUES = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False, "": None, "auto": None}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,6 +67,13 @@ def _install_mutant(module) -> None:
     mutants.apply(setattr, os.environ[MUTANT_ENV])
 
 
+def _inject_fault(module) -> None:
+    # dpq.session is loaded (the module faults replace a name in): the scaffolding may import now
+    from dpq.testing.faults import inject_from_environment
+
+    inject_from_environment()
+
+
 def _patches() -> dict:
     """{module name: patch} for what the environment asks for."""
     out = {}
@@ -66,6 +81,8 @@ def _patches() -> dict:
         out[_BF16_MODULE] = _force_bf16
     if os.environ.get(MUTANT_ENV):
         out[_MUTANT_MODULE] = _install_mutant
+    if os.environ.get(FAULT_ENV):
+        out[_FAULT_MODULE] = _inject_fault
     return out
 
 
