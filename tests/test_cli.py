@@ -154,3 +154,42 @@ def test_parallel_overlap_reaches_enable(capsys, monkeypatch):
                            *flag)
         assert rc == 0, err
         assert seen.pop() is want
+
+
+# Spies on each hop from the command line to the engine, installed in the CLI's process before main():
+# each records the value it was handed as an argument (nothing reads a module global), and the list is
+# printed as one JSON line when the process exits.
+_HOP_SPIES = """
+import atexit, json, sys
+from dpq import session
+from dpq.autoround import integration
+hops = []
+atexit.register(lambda: print('HOPS ' + json.dumps(hops), file=sys.stderr))
+real_enable, real_run, real_engine = integration.enable, session.run, session.TuneEngine
+def enable(parallel_quantization='auto', devices=None, **kw):
+    hops.append(['enable', parallel_quantization, devices])
+    return real_enable(parallel_quantization, devices, **kw)
+def run(config, task, *, plan=None):
+    hops.append(['session.run', config.world, task.name, None if plan is None else plan.world])
+    return real_run(config, task, plan=plan)
+def engine(replicas, *a, **k):
+    hops.append(['TuneEngine', k['name'], len(replicas.lanes)])
+    return real_engine(replicas, *a, **k)
+integration.enable, session.run, session.TuneEngine = enable, run, engine
+"""
+
+
+def test_cli_world_reaches_the_engine_through_arguments(tmp_path):
+    """``--parallel_quantization 2`` from the command line to the engine, hop by hop, each hop seeing
+    it in its arguments: enable() gets 2, each block's session run gets a config of world 2 and a plan
+    of 2 lanes, and each block's engine is built on a replica set of 2 lanes."""
+    proc = _cli(tmp_path, "--iters", "2", "--batch_size", "4", "--parallel_quantization", "2",
+                "--parallel_devices", "cpu,cpu", prelude=_HOP_SPIES.lstrip())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hops = json.loads(next(line for line in proc.stderr.splitlines() if line.startswith("HOPS "))[5:])
+    from dpq.demo.embedded import DATA_DIR
+
+    layers = json.loads((Path(DATA_DIR) / "config.json").read_text())["num_hidden_layers"]
+    blocks = [f"model.layers.{i}" for i in range(layers)]
+    assert hops == [["enable", 2, "cpu,cpu"]] + [h for b in blocks for h in (["session.run", 2, b, 2],
+                                                                             ["TuneEngine", b, 2])], hops
