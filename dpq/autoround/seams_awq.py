@@ -16,12 +16,10 @@ several devices, a layer clipped twice) runs on home. Bitwise serial.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from auto_round.algorithms.transforms.awq.base import AWQTransform
-from auto_round.logger import logger
 from auto_round.utils.model import move_to_device
 
 from dpq import refusals
@@ -32,14 +30,12 @@ from dpq.shard import contiguous_ranges, copy_to_lane, map_over_lanes, shard_for
 from . import patches
 from .seams_common import (
     HOOK_DICTS,
-    ParallelLaneError,
-    PhaseRecord,
+    OnLaneFailure,
+    SeamRun,
     hook_name,
-    log_once,
     mirror_refusals,
-    plan_lanes,
-    scratch,
-    world,
+    run_phase,
+    seam_run,
 )
 
 __all__ = ["clip_block", "compute_best_clip", "compute_parent_loss", "grid_search_scales", "run_parent_samples"]
@@ -98,58 +94,56 @@ def grid_search_scales(self, mapping, x_mean):
     """AWQ's grid search with its sample replays sharded: auto-round's own loop (candidate scales,
     QDQ of the balance weights, comparison, choice) runs on home unchanged; only the replays of the
     cached parent calls (the reference pass and each grid point's loss) run lane by lane."""
+    seams = seam_run()
     original = patches.original(AWQTransform, "_grid_search_scales")
     kwargs_list = self._parent_args_cache.get(mapping.parent, [])
-    if world() in ("off", 1) or scratch().awq_grid is not None or len(kwargs_list) < 2:
+    if seams.world in ("off", 1) or seams.awq_grid is not None or len(kwargs_list) < 2:
         return original(self, mapping, x_mean)
-    t0 = time.perf_counter()
     block = _awq_block_name(self, mapping)
     reasons = _awq_grid_refusals(mapping, kwargs_list)
-    lanes = None if reasons else plan_lanes(len(kwargs_list), _awq_grid_price(mapping, kwargs_list), reasons)
     label = f"AWQ grid search of {mapping.smooth_name}"
-    if lanes is None:
-        out = original(self, mapping, x_mean)
-        if reasons:
-            scratch().records.append(PhaseRecord(block, "search", 1, time.perf_counter() - t0,
-                                                 f"{label} on home", list(reasons)))
-        return out
-    names = {id(m): n for n, m in mapping.parent.named_modules()}
-    tuned = [f"{names[id(bl)]}.weight".lstrip(".") for bl in mapping.balance_layers]
-    saved = [bl.weight.data for bl in mapping.balance_layers]  # the loop swaps .data; put these back on failure
-    ctx = None
-    try:
-        replicas = ReplicaSet(mapping.parent, lanes, tuned=tuned, share_frozen=True)
-        ctx = _AwqGrid(mapping.parent, kwargs_list, lanes, replicas,
-                       [(bl, [m.get_submodule(names[id(bl)]) for m in replicas.modules[1:]])
-                        for bl in mapping.balance_layers])
-        scratch().awq_grid = ctx
-        out = original(self, mapping, x_mean)
-    except Exception as err:
-        for bl, data in zip(mapping.balance_layers, saved, strict=True):
-            bl.weight.data = data
-        if world() != "auto":
-            raise ParallelLaneError(refusals.awq_lane_failed(label, block, len(lanes), repr(err))) from err
-        logger.warning(refusals.pass_lane_failed_rerun(f"the {label}", repr(err), "weights"))
-        scratch().awq_grid = None
-        out = original(self, mapping, x_mean)
-        scratch().records.append(PhaseRecord(block, "search", 1, time.perf_counter() - t0, f"{label} on home",
-                                             [refusals.lane_failure(repr(err))], fell_back=True))
-        return out
-    finally:
-        scratch().awq_grid = None
-        if ctx is not None:
-            ctx.replicas.close(collect=not all(lane.device.type == "cpu" for lane in lanes))  # R5
-    per_lane = ", ".join(f"lane {k}: {b - a}" for k, (a, b) in enumerate(contiguous_ranges(len(kwargs_list),
-                                                                                            len(lanes))))
-    scratch().records.append(PhaseRecord(block, "search", len(lanes), time.perf_counter() - t0,
-                                         f"{label}: {ctx.points} grid points, cached calls per lane ({per_lane})",
-                                         reasons))
-    log_once(("awq_grid", len(lanes)), f"dpq: AWQ grid-search replays of {block} sharded over {len(lanes)} lanes")
-    return out
+    points = [0]  # grid points evaluated by the sharded run
+
+    def sharded(lanes):
+        names = {id(m): n for n, m in mapping.parent.named_modules()}
+        tuned = [f"{names[id(bl)]}.weight".lstrip(".") for bl in mapping.balance_layers]
+        saved = [bl.weight.data for bl in mapping.balance_layers]  # the loop swaps .data; put these back on failure
+        ctx = None
+        try:
+            replicas = ReplicaSet(mapping.parent, lanes, tuned=tuned, share_frozen=True)
+            ctx = _AwqGrid(mapping.parent, kwargs_list, lanes, replicas,
+                           [(bl, [m.get_submodule(names[id(bl)]) for m in replicas.modules[1:]])
+                            for bl in mapping.balance_layers])
+            seams.awq_grid = ctx
+            out = original(self, mapping, x_mean)
+            points[0] = ctx.points
+            return out
+        except BaseException:
+            for bl, data in zip(mapping.balance_layers, saved, strict=True):
+                bl.weight.data = data
+            raise
+        finally:
+            seams.awq_grid = None
+            if ctx is not None:
+                ctx.replicas.close(collect=not all(lane.device.type == "cpu" for lane in lanes))  # R5
+
+    def detail(world: int) -> str:
+        per_lane = ", ".join(f"lane {k}: {b - a}" for k, (a, b) in enumerate(contiguous_ranges(len(kwargs_list),
+                                                                                                world)))
+        return f"{label}: {points[0]} grid points, cached calls per lane ({per_lane})"
+
+    return run_phase(seams, block, "search", serial=lambda: original(self, mapping, x_mean), sharded=sharded,
+                     reasons=reasons, units=len(kwargs_list),
+                     price=None if reasons else _awq_grid_price(mapping, kwargs_list),
+                     detail=detail, home=f"{label} on home",
+                     log=lambda w, _d, _r: (("awq_grid", w), f"dpq: AWQ grid-search replays of {block} sharded over "
+                                                            f"{w} lanes"),
+                     failure=OnLaneFailure(f"the {label}", "weights",
+                                           lambda n, err: refusals.awq_lane_failed(label, block, n, err)))
 
 
-def _awq_ctx_for(parent, kwargs_list):
-    ctx = scratch().awq_grid
+def _awq_ctx_for(seams: SeamRun, parent, kwargs_list):
+    ctx = seams.awq_grid
     if ctx is None or parent is not ctx.parent or kwargs_list is not ctx.kwargs_list:
         return None
     return ctx
@@ -159,7 +153,7 @@ def run_parent_samples(self, parent, kwargs_list, offload_to_cpu=False):
     """The reference replay, sharded: lane k runs auto-round's own replay on its mirror for its
     cached calls; the outputs stay on the lane (the losses are computed there)."""
     original = patches.original(AWQTransform, "_run_parent_samples")
-    ctx = _awq_ctx_for(parent, kwargs_list)
+    ctx = _awq_ctx_for(seam_run(), parent, kwargs_list)
     if ctx is None or ctx.refs is not None:
         return original(self, parent, kwargs_list, offload_to_cpu)
 
@@ -204,7 +198,7 @@ def compute_parent_loss(self, parent, kwargs_list, fp16_outputs):
     per-lane partial sums instead would reassociate the fp32 sum: equal to ~1 ulp, which can flip
     a near-tie between two grid points.)"""
     original = patches.original(AWQTransform, "_compute_parent_loss")
-    ctx = _awq_ctx_for(parent, kwargs_list)
+    ctx = _awq_ctx_for(seam_run(), parent, kwargs_list)
     if ctx is None or ctx.refs is None:
         return original(self, parent, kwargs_list, fp16_outputs)
     ctx.points += 1
@@ -259,10 +253,10 @@ def clip_block(self, block_prefix, block_mappings):
     layer it will search gets its ``_compute_best_clip`` run once on one lane (read-only: the layer's
     weight and the mapping's features, as serial would pass them); the result is kept home and
     ``_clip_block`` takes it instead of searching (same function, same inputs: bitwise)."""
+    seams = seam_run()
     original = patches.original(AWQTransform, "_clip_block")
-    if world() in ("off", 1):
+    if seams.world in ("off", 1):
         return original(self, block_prefix, block_mappings)
-    t0 = time.perf_counter()
     items = []
     for mapping in block_mappings:
         feat = self._clip_input_feat.get(mapping.smooth_name)
@@ -278,42 +272,43 @@ def clip_block(self, block_prefix, block_mappings):
     if any(bl.weight.device.type == "meta" for bl, _ in items):
         reasons.append(refusals.AWQ_BALANCE_ON_META)
     price = max((bl.weight.numel() * 4 for bl, _ in items), default=0) * 4
-    lanes = plan_lanes(len(items), price or None, reasons) if len(items) > 1 else None
-    if lanes is None:
-        if reasons:
-            scratch().records.append(PhaseRecord(block_prefix, "search", 1, 0.0, "AWQ clip searches on home", reasons))
-        return original(self, block_prefix, block_mappings)
     search = patches.original(AWQTransform, "_compute_best_clip")
     owners_seen: dict[int, int] = {}
 
-    def run(item, lane):
-        bl, feat = item
-        owners_seen[lane.index] = owners_seen.get(lane.index, 0) + 1
-        layer = bl if lane.device == bl.weight.device else copy_to_lane(bl, lanes[0], lane)
-        return search(self, layer, feat)
+    def sharded(lanes):
+        def run(item, lane):
+            bl, feat = item
+            owners_seen[lane.index] = owners_seen.get(lane.index, 0) + 1
+            layer = bl if lane.device == bl.weight.device else copy_to_lane(bl, lanes[0], lane)
+            return search(self, layer, feat)
 
-    def collect(item, result, lane):
-        bl, feat = item
-        if result is not None:
-            result = tuple(t.to(bl.weight.device) for t in result)
-        scratch().awq_clips[id(bl)] = (_awq_clip_key(bl, feat), result)
+        def collect(item, result, lane):
+            bl, feat = item
+            if result is not None:
+                result = tuple(t.to(bl.weight.device) for t in result)
+            seams.awq_clips[id(bl)] = (_awq_clip_key(bl, feat), result)
 
-    try:
-        map_over_lanes(items, lanes, run, cost=lambda it: float(it[0].weight.numel()), collect=collect)
-        return original(self, block_prefix, block_mappings)
-    finally:
-        scratch().awq_clips.clear()
-        per_lane = ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(len(lanes)))
-        scratch().records.append(PhaseRecord(block_prefix, "search", len(lanes), time.perf_counter() - t0,
-                                             f"{len(items)} AWQ clip searches ({per_lane})", reasons))
-        log_once(("awq_clip", len(lanes)), f"dpq: AWQ clip searches of {block_prefix} mapped over "
-                 f"{len(lanes)} lanes ({per_lane})")
+        try:
+            map_over_lanes(items, lanes, run, cost=lambda it: float(it[0].weight.numel()), collect=collect)
+            return original(self, block_prefix, block_mappings)
+        finally:
+            seams.awq_clips.clear()
+
+    def per_lane(world: int) -> str:
+        return ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(world))
+
+    return run_phase(seams, block_prefix, "search", serial=lambda: original(self, block_prefix, block_mappings),
+                     sharded=sharded, reasons=reasons, units=len(items), price=price or None,
+                     detail=lambda w: f"{len(items)} AWQ clip searches ({per_lane(w)})",
+                     home="AWQ clip searches on home", time_home=False,
+                     log=lambda w, _d, _r: (("awq_clip", w), f"dpq: AWQ clip searches of {block_prefix} mapped over "
+                                                            f"{w} lanes ({per_lane(w)})"))
 
 
 def compute_best_clip(self, layer, input_feat):
-    entry = scratch().awq_clips.pop(id(layer), _NO_CLIP)
+    seams = seam_run()
+    entry = seams.awq_clips.pop(id(layer), _NO_CLIP)
     if entry is not _NO_CLIP and entry[0] == _awq_clip_key(layer, input_feat):
-        scratch().awq_clip_hits += 1
+        seams.awq_clip_hits += 1
         return entry[1]
     return patches.original(AWQTransform, "_compute_best_clip")(self, layer, input_feat)
-

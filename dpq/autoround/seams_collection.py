@@ -24,28 +24,22 @@ from types import MappingProxyType
 import torch
 from auto_round.algorithms.composer import AlgorithmComposer
 from auto_round.algorithms.quantization.rtn.quantizer import RTNQuantizer
-from auto_round.logger import logger
 
 from dpq import refusals
-from dpq.distributed import ProcessLayout, peer_lost
-from dpq.plan import MARGIN, PlanRefused
+from dpq.plan import MARGIN
 from dpq.shard import sharded_collection
-from dpq.shard_processes import agree_lanes, gather_in_sample_order, global_ranges
-from dpq.streams import make_lanes
+from dpq.shard_processes import gather_in_sample_order, global_ranges
 
 from . import patches
 from .seams_common import (
     HOOK_DICTS,
-    ParallelLaneError,
-    PhaseRecord,
-    config,
+    OnLaneFailure,
+    SeamRun,
     hook_name,
-    log_once,
     mirror_refusals,
-    plan_lanes,
     pool_device_refusals,
-    scratch,
-    world,
+    run_phase,
+    seam_run,
 )
 from .seams_init_scale import precompute_init_scales
 
@@ -66,11 +60,11 @@ ORDERED_SINK_HOOKS: MappingProxyType[str, str] = MappingProxyType({
 
 
 
-def _block_refusals(block, inputs, runner) -> list[str]:
+def _block_refusals(seams: SeamRun, block, inputs) -> list[str]:
     """Why this block's passes must run on home alone (empty: they can be sharded)."""
     reasons = []
-    # several processes in the config: the caller's path over global lanes (ShardedRunner._across_processes)
-    if (getattr(config(), "processes", None) is None and torch.distributed.is_available()
+    # several processes in the config: the pass runs over global lanes (run_phase's processes)
+    if (seams.processes is None and torch.distributed.is_available()
             and torch.distributed.is_initialized()):
         reasons.append(refusals.PASS_DIST_ACTIVE)
     if not isinstance(inputs, list) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
@@ -108,24 +102,6 @@ def _collection_price(block, inputs, batch_size: int) -> int:
     return int((weights + act) * MARGIN)
 
 
-def _process_lanes(units: int, price: int, reasons: list[str]):
-    """This process's lanes for a pass over global lanes (None: it must run home alone, ``reasons``
-    extended). Its own plan (``plan_lanes``), or the home device alone where that plans one lane
-    (world 1: the processes are the lanes); an explicit world it cannot serve makes it run alone
-    (the block's tune agreement then refuses with every rank's reasons)."""
-    notes: list[str] = []  # plan_lanes' notes say why fewer lanes: the agreed count says it for every rank
-    try:
-        lanes = plan_lanes(units, price, notes)
-    except PlanRefused as err:
-        reasons.extend(err.reasons)
-        return None
-    if lanes is not None:
-        return lanes
-    from auto_round.utils.device_manager import device_manager
-
-    return make_lanes([device_manager.device])
-
-
 # -- AWQ's preprocessor-owned containers: snapshot / restore around a sharded pass -------------
 
 def _sink_snapshot(composer) -> list:
@@ -161,10 +137,11 @@ class ShardedRunner:
     cache keys, tensors indexed on the batch dim) is auto-round's own.
     """
 
-    def __init__(self, runner, composer, block_name: str) -> None:
+    def __init__(self, runner, composer, block_name: str, seams: SeamRun) -> None:
         self._runner = runner
         self._composer = composer
         self._block_name = block_name
+        self._seams = seams
         self.last_output_dict = None
 
     def __getattr__(self, name):
@@ -179,81 +156,45 @@ class ShardedRunner:
         return out
 
     def forward(self, block, inputs, input_others, indices=None, cache_device=None):
-        if indices is not None or torch.is_grad_enabled() or world() == "off":
+        seams = self._seams
+        if indices is not None or torch.is_grad_enabled() or seams.world == "off":
             return self._home(block, inputs, input_others, indices, cache_device)
-        t0 = time.perf_counter()
-        procs = getattr(config(), "processes", None)
-        if procs is not None:
-            return self._across_processes(procs, block, inputs, input_others, cache_device, t0)
-        if world() == 1:
-            out = self._home(block, inputs, input_others, indices, cache_device)
-            self._record(1, t0, "", ["world 1"])
-            return out
-        runner = self._runner
-        reasons = _block_refusals(block, inputs, runner)
-        spec, sinks, unknown = _classify_hooks(block)
-        if unknown:
-            reasons.append(refusals.unmergeable_hooks(sorted(set(unknown))))
-        bs = max(1, int(runner.batch_size))
-        n = len(inputs) if isinstance(inputs, list) else 0
-        lanes = None if reasons else plan_lanes(
-            math.ceil(n / bs), _collection_price(block, inputs, bs), reasons)
-        detail = ", ".join(sorted({f"{a}:{k}" for d in spec.values() for a, k in d.items()} | sinks)) or "no hooks"
-        if lanes is None:
-            out = self._home(block, inputs, input_others, indices, cache_device)
-            self._record(1, t0, detail, reasons)
-            return out
-        try:
-            out = self._sharded(block, inputs, input_others, cache_device, lanes, spec, bs)
-        except Exception as err:
-            if world() != "auto":
-                raise ParallelLaneError(refusals.collection_lane_failed(self._block_name, len(lanes), repr(err))
-                                        ) from err
-            logger.warning(refusals.pass_lane_failed_rerun(f"a collection pass of {self._block_name}", repr(err),
-                                                           "statistics"))
-            out = self._home(block, inputs, input_others, indices, cache_device)
-            self._record(1, t0, detail, [refusals.lane_failure(repr(err))], fell_back=True)
-            return out
-        self._record(len(lanes), t0, detail, reasons)
-        return out
+        name = self._block_name
 
-    def _across_processes(self, procs, block, inputs, input_others, cache_device, t0):
-        """Several processes: a pass without hooks (its result is the per-sample outputs) runs over
-        the global lanes, P processes x L agreed local lanes; a pass with hooks runs on every rank's
-        home alone, as does one that any rank must run alone (every rank's reasons recorded).
+        def serial():
+            return self._home(block, inputs, input_others, None, cache_device)
 
-        Invariant (no rank left waiting in a collective): every rank reaches this method for the
-        same passes (its entry conditions are the same on every rank), calls ``agree_lanes`` once,
-        and then either every rank runs home alone or every rank shards and gathers. A failure
-        anywhere in that exchange or the sharded forward is fatal on every rank (no serial rerun
-        across processes: the ranks could not agree on one), as for a block's tune."""
-        runner = self._runner
-        reasons = _block_refusals(block, inputs, runner)
+        def log(world, detail, reasons):
+            return (("collection", world, detail, tuple(reasons)),
+                    f"dpq: collection pass of {name} ({detail}) on {world} lane(s)"
+                    + "".join(f"\n  - {r}" for r in reasons))
+
+        procs = seams.processes
+        if procs is None and seams.world == 1:
+            return run_phase(seams, name, "collection", serial=serial, sharded=serial, reasons=["world 1"], home="",
+                             every_run=True, log=log)
+        reasons = _block_refusals(seams, block, inputs)
         spec, sinks, unknown = _classify_hooks(block)
-        if spec or sinks or unknown:
+        if procs is not None and (spec or sinks or unknown):
+            # several processes: a pass with hooks runs on every rank's home alone (the module docstring)
             reasons.append(refusals.PASS_HOOKS_PROCESSES)
+        elif unknown:
+            reasons.append(refusals.unmergeable_hooks(sorted(set(unknown))))
         detail = ", ".join(sorted({f"{a}:{k}" for d in spec.values() for a, k in d.items()} | sinks)) or "no hooks"
-        bs = max(1, int(runner.batch_size))
+        bs = max(1, int(self._runner.batch_size))
         units = math.ceil(len(inputs) / bs) if isinstance(inputs, list) else 0
-        try:
-            lanes = None if reasons else _process_lanes(units, _collection_price(block, inputs, bs), reasons)
-            agreed, alone = agree_lanes(procs, 0 if lanes is None else len(lanes), reasons)
-            if agreed:
-                # no more global lanes than batches (a lane without a batch would only build a mirror)
-                layout = ProcessLayout(procs.size, procs.rank, max(1, min(agreed, units // procs.size)))
-                out = self._sharded(block, inputs, input_others, cache_device, lanes[: layout.lanes], {}, bs,
-                                    layout=layout, procs=procs)
-        except BaseException as err:
-            failure = procs.stop(err, peer_lost(err))
-            if not isinstance(err, Exception):
-                raise  # an interrupt stays an interrupt; the peers were told
-            raise failure from err
-        if not agreed:
-            out = self._home(block, inputs, input_others, None, cache_device)
-            self._record(1, t0, detail, alone or reasons)
-            return out
-        self._record(layout.world, t0, f"{detail}; {layout.describe()}", [])
-        return out
+        price = None if reasons else _collection_price(block, inputs, bs)
+        if procs is not None:
+            def sharded(lanes, layout):
+                return self._sharded(block, inputs, input_others, cache_device, lanes, {}, bs, layout=layout,
+                                     procs=procs)
+        else:
+            def sharded(lanes):
+                return self._sharded(block, inputs, input_others, cache_device, lanes, spec, bs)
+        return run_phase(seams, name, "collection", serial=serial, sharded=sharded, reasons=reasons, units=units,
+                         price=price, detail=detail, home=detail, every_run=True, log=log, processes=procs,
+                         failure=OnLaneFailure(f"a collection pass of {name}", "statistics",
+                                               lambda n, err: refusals.collection_lane_failed(name, n, err)))
 
     def _sharded(self, block, inputs, input_others, cache_device, lanes, spec, bs, *, layout=None, procs=None):
         """``layout``/``procs`` (several processes): this process's lanes forward its slice of the
@@ -299,18 +240,12 @@ class ShardedRunner:
         self.last_output_dict = merged
         return outputs
 
-    def _record(self, world, t0, detail, reasons, fell_back=False):
-        scratch().records.append(PhaseRecord(self._block_name, "collection", world, time.perf_counter() - t0,
-                                             detail, list(reasons), fell_back))
-        log_once(("collection", world, detail, tuple(reasons)),
-                 f"dpq: collection pass of {self._block_name} ({detail}) on {world} lane(s)"
-                 + "".join(f"\n  - {r}" for r in reasons))
-
 
 def compress_block(self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None,
                     reference_output=None, **kwargs):
+    seams = seam_run()
     original = patches.original(AlgorithmComposer, "compress_block")
-    if world() == "off":
+    if seams.world == "off":
         return original(self, block, fp_inputs, input_others, block_ctx, q_inputs, input_ids, reference_output,
                         **kwargs)
     real = self.block_forward
@@ -322,17 +257,16 @@ def compress_block(self, block, fp_inputs, input_others, block_ctx, q_inputs=Non
 
     def timed_quantize_block(*a, **k):
         t0 = time.perf_counter()
-        seams = scratch()
         seams.block_name = name
         try:
-            precompute_init_scales(q, block, name)
+            precompute_init_scales(seams, q, block, name)
             return bound(*a, **k)
         finally:
             seams.init_scales.clear()
             seams.block_name = ""
-            seams.records.append(PhaseRecord(name, phase, 0, time.perf_counter() - t0, type(q).__name__))
+            seams.record(name, phase, 0, time.perf_counter() - t0, type(q).__name__)
 
-    self.block_forward = ShardedRunner(real, self, name)
+    self.block_forward = ShardedRunner(real, self, name, seams)
     if not shadowed:
         q.quantize_block = timed_quantize_block
     try:

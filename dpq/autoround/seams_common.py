@@ -1,11 +1,14 @@
-"""What the per-phase seams share: the installed config, the run's scratch, the per-pass lane plan.
+"""What the per-phase seams share: the seams' run state, the per-pass lane plan, the one phase runner.
 
 The seams (``seams_collection``, ``seams_rtn``, ``seams_init_scale``, ``seams_awq``) run
 auto-round's no-grad phases over lanes with :mod:`dpq.shard`; every one is bitwise serial.
-Each replacement reads the installed config (``world``, ``devices``) from the patch table's
-top frame (:func:`dpq.autoround.patches.current`) and keeps its per-run scratch (phase
-records, precomputed search results, the AWQ grid in progress) in that frame; with
-``world == 'off'`` every replacement passes straight through to auto-round's own function.
+Each patched function reads its :class:`SeamRun` once, at its entry (:func:`seam_run`: the patch
+table's top frame, :func:`dpq.autoround.patches.frame`), and passes it down: the installed config
+(``world``, ``devices``, ``processes``) and the per-run scratch (phase records, precomputed search
+results, the AWQ grid in progress) kept in that frame. With ``world == 'off'`` every replacement
+passes straight through to auto-round's own function. Every phase runs through :func:`run_phase`:
+the lane plan, the serial and the sharded path, the answer to a lane failure, the record and the
+log line are its alone.
 
 Hooks whose statistics merge (anything else makes the pass run on home alone):
 
@@ -19,7 +22,7 @@ hook (auto-round 0.16.1 / 0.17)                                 merge
 ==============================================================  =======================================
 
 Several processes (torchrun, the config's ``processes``): a collection pass without hooks runs
-over the global lanes (``ShardedRunner._across_processes``, :mod:`dpq.shard_processes`); a pass
+over the global lanes (``run_phase(processes=...)``, :mod:`dpq.shard_processes`); a pass
 with any of the hooks above runs on each rank's home alone (``refusals.PASS_HOOKS_PROCESSES``:
 these merges follow lane order inside one process and have no canonical order across processes
 yet), and AWQ's grid replays too (``refusals.PASS_DIST_ACTIVE``). Per-item searches (RTN,
@@ -28,20 +31,27 @@ init-scale) use this process's own lanes only; every rank searches every item.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from dpq import refusals
-from dpq.plan import PlanRequest
+from dpq.distributed import ProcessLayout, ProcessSet, peer_lost
+from dpq.plan import PlanRefused, PlanRequest
 from dpq.session import lanes_for
+from dpq.shard_processes import agree_lanes
+from dpq.streams import make_lanes
 
 from . import patches
 
-__all__ = ["ParallelLaneError", "PhaseRecord", "SeamRun", "config", "log_once", "phase_seconds",
-           "plan_lanes", "records", "scratch", "world"]
+__all__ = ["OnLaneFailure", "ParallelLaneError", "PhaseRecord", "SeamRun", "phase_seconds",
+           "plan_lanes", "records", "reported", "run_phase", "seam_run"]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+T = TypeVar("T")
 
 
 class ParallelLaneError(RuntimeError):
@@ -72,8 +82,10 @@ class PhaseRecord:
 
 @dataclass
 class SeamRun:
-    """The seams' scratch for one install (one frame of the patch table)."""
+    """The seams' run state for one install (one frame of the patch table): its config and the
+    scratch the seams keep for the run. A patched function reads it once (:func:`seam_run`)."""
 
+    config: object = None  # the frame's config (``world``, ``devices``, ``processes``); None: nothing installed
     records: list[PhaseRecord] = field(default_factory=list)
     logged: set = field(default_factory=set)
     init_scales: dict = field(default_factory=dict)  # id(home layer) -> (key, init_scale) precomputed on lanes
@@ -84,38 +96,64 @@ class SeamRun:
     awq_clips: dict = field(default_factory=dict)  # id(home layer) -> (key, clip range) precomputed on lanes
     awq_clip_hits: int = 0
 
+    @property
+    def world(self) -> int | str:
+        return getattr(self.config, "world", "off")
 
-_IDLE = SeamRun()  # what scratch() gives when nothing is installed (never read back)
+    @property
+    def devices(self):
+        return getattr(self.config, "devices", None)
+
+    @property
+    def processes(self) -> ProcessSet | None:
+        return getattr(self.config, "processes", None)
+
+    def record(self, block: str, phase: str, world: int, seconds: float, detail: str = "",
+               reasons: Sequence[str] = (), *, fell_back: bool = False, nested: bool = False) -> None:
+        """Append one :class:`PhaseRecord` (the only place one is made)."""
+        self.records.append(PhaseRecord(block, phase, world, seconds, detail, list(reasons), fell_back, nested))
+
+    def log_once(self, key: Hashable, message: str) -> None:
+        if key not in self.logged:
+            self.logged.add(key)
+            from auto_round.logger import logger
+
+            logger.info(message)
 
 
-def config():
-    """The installed config (``world``, ``devices``), or None."""
-    return patches.current()
+def _of(frame: patches.Frame) -> SeamRun:
+    run = frame.scratch.get("seams")
+    if run is None:
+        run = frame.scratch["seams"] = SeamRun(frame.config)
+    return run
 
 
-def scratch(frame=None) -> SeamRun:
-    """The seams' scratch in ``frame`` (default: the top frame; after the run, the last one)."""
+def seam_run() -> SeamRun:
+    """The seams' run of the patch table's top frame, read once at a patched function's entry;
+    with nothing installed (a replacement left under someone else's patch) a fresh idle one
+    (world 'off': everything passes through)."""
+    frame = patches.frame()
+    return SeamRun() if frame is None else _of(frame)
+
+
+def reported(frame: patches.Frame | None = None) -> SeamRun:
+    """The seams' run whose records are read: ``frame``'s, else the top frame's, else (after the
+    outermost uninstall) the last run's; an empty one when nothing ever ran."""
     frame = frame or patches.frame() or patches.last()
-    if frame is None:
-        return _IDLE
-    return frame.scratch.setdefault("seams", SeamRun())
+    return SeamRun() if frame is None else _of(frame)
 
 
-def world() -> int | str:
-    return getattr(config(), "world", "off")
+def records(frame: patches.Frame | None = None) -> list[PhaseRecord]:
+    return list(reported(frame).records)
 
 
-def records() -> list[PhaseRecord]:
-    return list(scratch().records)
-
-
-def phase_seconds(frame=None) -> dict[str, float]:
+def phase_seconds(frame: patches.Frame | None = None) -> dict[str, float]:
     """Seconds per phase summed over every block recorded in the run.
 
     "tune" is the block quantizer's ``quantize_block`` of a tuning algorithm minus the searches
     timed inside it (SignRoundV2 init-scale searches, counted as "search"); at ``iters=0`` the
     whole ``quantize_block`` is "search"."""
-    recs = scratch(frame).records
+    recs = reported(frame).records
     out = {"collection": 0.0, "search": 0.0, "tune": 0.0}
     tuned_blocks = {r.block for r in recs if r.phase == "tune" and not r.nested}
     for r in recs:
@@ -127,42 +165,142 @@ def phase_seconds(frame=None) -> dict[str, float]:
     return out
 
 
-def log_once(key, message: str) -> None:
-    r = scratch()
-    if key not in r.logged:
-        r.logged.add(key)
-        from auto_round.logger import logger
-
-        logger.info(message)
-
-
-def lane_devices():
-    devices = getattr(config(), "devices", None)
-    if devices is not None:
-        return devices
+def lane_devices(seams: SeamRun):
+    if seams.devices is not None:
+        return seams.devices
     from auto_round.utils.device_manager import device_manager
 
     dl = [d for d in (device_manager.device_list or []) if d is not None]
     return [str(d) for d in dl] if len(dl) > 1 else None
 
 
-def plan_lanes(units: int, price: int | None, reasons: list[str]):
+def plan_lanes(seams: SeamRun, units: int, price: int | None, reasons: list[str]):
     """Lanes for a pass of ``units`` indivisible pieces (batches, layers), or None for home alone.
 
     The same plan the tuner gets (``dpq.session.lanes_for``: world, devices, memory), with the world
     capped at ``units`` (a pass cannot use more lanes than it has pieces). An explicit world
     that cannot be served raises :class:`dpq.plan.PlanRefused` here, before the block's work.
     """
-    w = world()
+    w = seams.world
     if w == "off" or w == 1 or units < 2 or reasons:
         return None
     from auto_round.utils.device_manager import device_manager
 
     capped = min(w, units) if isinstance(w, int) else w
-    plan, lanes = lanes_for(PlanRequest(world=capped, devices=lane_devices(), samples_per_iter=units,
+    plan, lanes = lanes_for(PlanRequest(world=capped, devices=lane_devices(seams), samples_per_iter=units,
                                         home=torch.device(device_manager.device), mirror_bytes=price))
     reasons.extend(plan.reasons)
     return lanes
+
+
+def _process_lanes(seams: SeamRun, units: int, price: int | None, reasons: list[str]):
+    """This process's lanes for a pass over global lanes (None: it must run home alone, ``reasons``
+    extended). Its own plan (``plan_lanes``), or the home device alone where that plans one lane
+    (world 1: the processes are the lanes); an explicit world it cannot serve makes it run alone
+    (the block's tune agreement then refuses with every rank's reasons)."""
+    notes: list[str] = []  # plan_lanes' notes say why fewer lanes: the agreed count says it for every rank
+    try:
+        lanes = plan_lanes(seams, units, price, notes)
+    except PlanRefused as err:
+        reasons.extend(err.reasons)
+        return None
+    if lanes is not None:
+        return lanes
+    from auto_round.utils.device_manager import device_manager
+
+    return make_lanes([device_manager.device])
+
+
+@dataclass(frozen=True)
+class OnLaneFailure:
+    """A phase that answers a lane failure (its ``sharded`` run has put home back before it raises):
+    under ``auto`` a warning (``what`` failed, ``restored`` was put back) and the serial rerun,
+    under an explicit world :class:`ParallelLaneError` with ``refused(lanes, repr(err))``."""
+
+    what: str
+    restored: str
+    refused: Callable[[int, str], str]
+
+
+def run_phase(seams: SeamRun, block: str, phase: str, *, serial: Callable[[], T], sharded: Callable[..., T],
+              reasons: list[str], units: int = 0, price: int | None = None,
+              detail: str | Callable[[int], str] = "", home: str | None = None, every_run: bool = False,
+              time_home: bool = True, log: Callable[[int, str, list[str]], tuple[Hashable, str]] | None = None,
+              failure: OnLaneFailure | None = None, processes: ProcessSet | None = None,
+              nested: bool = False) -> T:
+    """One no-grad phase of ``block``: planned, run sharded or serially, recorded, logged once.
+
+    ``reasons`` (why home alone; empty: plan lanes for ``units`` pieces at ``price`` bytes, the
+    plan's notes appended) decide the path: ``serial()`` on home, or ``sharded(lanes)``, whose
+    record carries ``detail`` (a callable gets the lane count after the run) and whose log line
+    is ``log(world, detail, reasons)`` -> (key, message), said once per key. A home-alone run is
+    recorded with the detail ``home`` (None: never) when refused; with ``every_run`` always, and
+    logged too (collection: every pass says where it ran). ``time_home`` False: that record is
+    written before ``serial()`` with no seconds of its own (its run is timed by an enclosing one).
+
+    A lane failure: with ``failure``, as :class:`OnLaneFailure` says (the rerun recorded with the
+    lane failure as its reason, ``fell_back``); without, it propagates as raised. ``processes``
+    (several processes): the pass runs over the global lanes, ``sharded(lanes, layout)`` with the
+    lane count every rank agreed (0 anywhere: every rank runs it home alone, every rank's reasons
+    recorded); every rank reaches this for the same passes and calls ``agree_lanes`` once, and a
+    failure anywhere in the agreement or the sharded run is fatal on every rank (``ProcessSet.stop``:
+    no serial rerun across processes, the ranks could not agree on one).
+    """
+    t0 = time.perf_counter()
+
+    def report(world: int, text: str, why: list[str], *, fell_back: bool = False, logged: bool = True) -> None:
+        seams.record(block, phase, world, time.perf_counter() - t0, text, why, fell_back=fell_back, nested=nested)
+        if logged and log is not None:
+            seams.log_once(*log(world, text, why))
+
+    def home_alone(why: list[str]) -> T:
+        recorded = home is not None and (every_run or bool(why))
+        if recorded and not time_home:
+            seams.record(block, phase, 1, 0.0, home, why, nested=nested)
+        out = serial()
+        if recorded and time_home:
+            report(1, home, why, logged=every_run)
+        return out
+
+    if processes is not None:
+        try:
+            lanes = None if reasons else _process_lanes(seams, units, price, reasons)
+            agreed, alone = agree_lanes(processes, 0 if lanes is None else len(lanes), reasons)
+            if agreed:
+                # no more global lanes than pieces (a lane without a piece would only build a mirror)
+                layout = ProcessLayout(processes.size, processes.rank, max(1, min(agreed, units // processes.size)))
+                out = sharded(lanes[: layout.lanes], layout)
+        except BaseException as err:
+            stopped = processes.stop(err, peer_lost(err))
+            if not isinstance(err, Exception):
+                raise  # an interrupt stays an interrupt; the peers were told
+            raise stopped from err
+        if not agreed:
+            return home_alone(alone or reasons)
+        report(layout.world, f"{_text(detail, layout.world)}; {layout.describe()}", [])
+        return out
+    lanes = plan_lanes(seams, units, price, reasons)
+    if lanes is None:
+        return home_alone(reasons)
+    try:
+        out = sharded(lanes)
+    except Exception as err:
+        if failure is None:
+            raise
+        if seams.world != "auto":
+            raise ParallelLaneError(failure.refused(len(lanes), repr(err))) from err
+        from auto_round.logger import logger
+
+        logger.warning(refusals.pass_lane_failed_rerun(failure.what, repr(err), failure.restored))
+        out = serial()
+        report(1, home or "", [refusals.lane_failure(repr(err))], fell_back=True, logged=every_run)
+        return out
+    report(len(lanes), _text(detail, len(lanes)), reasons)
+    return out
+
+
+def _text(detail: str | Callable[[int], str], world: int) -> str:
+    return detail if isinstance(detail, str) else detail(world)
 
 
 def mirror_refusals(module: torch.nn.Module, label: str) -> list[str]:

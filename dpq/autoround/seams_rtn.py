@@ -8,8 +8,7 @@ Bitwise serial. Stacked expert-batch searches (MoE) stay on home.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from auto_round.algorithms.quantization.base import BaseQuantizer
@@ -21,7 +20,7 @@ from dpq import refusals
 from dpq.shard import bring_home, copy_to_lane, map_over_lanes
 
 from . import patches
-from .seams_common import PhaseRecord, log_once, plan_lanes, scratch, world
+from .seams_common import SeamRun, run_phase, seam_run
 
 __all__ = ["opt_rtn_quantize_targets", "rtn_quantize_block"]
 
@@ -48,7 +47,8 @@ def _scratch_root(name: str, module: torch.nn.Module) -> torch.nn.Module:
     return root
 
 
-def _search_lanes(q, targets: Sequence[torch.nn.Module], reasons: list[str]):
+def _search_refusals(q, targets: Sequence[torch.nn.Module]) -> list[str]:
+    reasons = []
     if type(q)._quantize_layer_via_rtn is not BaseQuantizer._quantize_layer_via_rtn:
         reasons.append(refusals.rtn_override(type(q).__name__, "_quantize_layer_via_rtn"))
     if type(q).quantize_layer_outside_block is not BaseQuantizer.quantize_layer_outside_block:
@@ -57,23 +57,16 @@ def _search_lanes(q, targets: Sequence[torch.nn.Module], reasons: list[str]):
         reasons.append(refusals.RTN_NO_GLOBAL_NAME)
     if any(p.device.type == "meta" for m in targets for p in m.parameters()):
         reasons.append(refusals.RTN_ON_META)
-    price = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in targets), default=0) * 4
-    return plan_lanes(len(targets), price or None, reasons)
+    return reasons
 
 
-def _map_rtn(q, targets: list, disable_opt_rtn, block_name: str) -> bool:
-    """Run each target's RTN / optimized-RTN search on one lane; False when it must run serially."""
-    t0 = time.perf_counter()
-    reasons: list[str] = []
-    lanes = _search_lanes(q, targets, reasons) if len(targets) > 1 else None
-    if lanes is None:
-        if reasons:
-            scratch().records.append(PhaseRecord(block_name, "search", 1, 0.0, "home alone", reasons, nested=True))
-        return False
+def _map_rtn(q, targets: list, disable_opt_rtn, lanes, owners_seen: dict[int, int]) -> None:
+    """Run each target's RTN / optimized-RTN search on one lane (``owners_seen``: items per lane index)."""
     home_device = torch.device(device_manager.device)
     via_rtn = BaseQuantizer._quantize_layer_via_rtn
 
     def run(layer, lane):
+        owners_seen[lane.index] = owners_seen.get(lane.index, 0) + 1
         if lane.index == 0:  # home: in place, exactly the serial call
             via_rtn(q, layer, disable_opt_rtn=disable_opt_rtn)
             return None
@@ -101,19 +94,29 @@ def _map_rtn(q, targets: list, disable_opt_rtn, block_name: str) -> bool:
     def cost(layer):
         return float(sum(p.numel() for p in layer.parameters()))
 
+    map_over_lanes(targets, lanes, run, cost=cost, collect=collect)
+
+
+def _rtn_phase(seams: SeamRun, q, targets: list, disable_opt_rtn, block_name: str, serial: Callable, done):
+    """The targets' searches as one phase: mapped over lanes (returning ``done``, the serial call's
+    result once every target is installed), else ``serial()`` on home. A lane failure propagates:
+    home's lane works in place, so a rerun would not start from serial's state."""
+    reasons = _search_refusals(q, targets) if len(targets) > 1 else []
+    price = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in targets), default=0) * 4
     owners_seen: dict[int, int] = {}
 
-    def counting_run(layer, lane):
-        owners_seen[lane.index] = owners_seen.get(lane.index, 0) + 1
-        return run(layer, lane)
+    def sharded(lanes):
+        _map_rtn(q, targets, disable_opt_rtn, lanes, owners_seen)
+        return done
 
-    map_over_lanes(targets, lanes, counting_run, cost=cost, collect=collect)
-    per_lane = ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(len(lanes)))
-    log_once(("search", len(lanes)), f"dpq: per-layer weight searches of {block_name} mapped over "
-             f"{len(lanes)} lanes ({per_lane})")
-    scratch().records.append(PhaseRecord(block_name, "search", len(lanes), time.perf_counter() - t0,
-                                         f"{len(targets)} layers ({per_lane})", reasons, nested=True))
-    return True
+    def per_lane(world: int) -> str:
+        return ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(world))
+
+    return run_phase(seams, block_name, "search", serial=serial, sharded=sharded, reasons=reasons,
+                     units=len(targets), price=price or None, detail=lambda w: f"{len(targets)} layers ({per_lane(w)})",
+                     home="home alone", time_home=False, nested=True,
+                     log=lambda w, _d, _r: (("search", w), f"dpq: per-layer weight searches of {block_name} mapped "
+                                                          f"over {w} lanes ({per_lane(w)})"))
 
 
 def _block_name_of(targets) -> str:
@@ -124,26 +127,29 @@ def _block_name_of(targets) -> str:
 @torch.no_grad()
 def rtn_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids=None,
                         **kwargs):
+    seams = seam_run()
     original = patches.original(RTNQuantizer, "quantize_block")
-    if world() in ("off", 1):
+
+    def serial():
         return original(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
+
+    if seams.world in ("off", 1):
+        return serial()
     targets = [m for _, m in block.named_modules() if check_to_quantized(m)]
     name = getattr(block_ctx, "block_name", "") or _block_name_of(targets)
-    if not _map_rtn(self, targets, True, name):
-        return original(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
-    return {}
+    return _rtn_phase(seams, self, targets, True, name, serial, {})
 
 
 def opt_rtn_quantize_targets(self, targets: list) -> None:
+    seams = seam_run()
     original = patches.original(OptimizedRTNQuantizer, "_quantize_targets")
-    if world() in ("off", 1) or not targets:
+    if seams.world in ("off", 1) or not targets:
         return original(self, targets)
     singles = list(targets)
     if self._expert_search_active():
         batches, singles = self._split_expert_batches(targets)
         if batches:  # stacked expert searches: one call per group, on home
             original(self, [m for b in batches for m in b])
-    if singles and not _map_rtn(self, singles, None, _block_name_of(singles)):
-        original(self, singles)
+    if singles:
+        _rtn_phase(seams, self, singles, None, _block_name_of(singles), lambda: original(self, singles), None)
     return None
-

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import patches
 from .seams_collection import ShardedRunner
-from .seams_common import PhaseRecord, SeamRun, phase_seconds, records, scratch
+from .seams_common import PhaseRecord, SeamRun, phase_seconds, records, reported
 
 __all__ = ["PhaseRecord", "SeamRun", "ShardedRunner", "install", "installed", "last_run", "phase_seconds", "records",
            "reset", "uninstall"]
@@ -34,10 +34,10 @@ def installed() -> bool:
 
 
 def last_run() -> SeamRun:
-    """The seams' scratch of the innermost install, or after the run, the last one (counters, records)."""
-    return scratch()
+    """The seams' run of the innermost install, or after the run, the last one (counters, records)."""
+    return reported()
 
 
 def reset() -> None:
     """Forget the phase records (e.g. between two measured runs)."""
-    scratch().records.clear()
+    reported().records.clear()
