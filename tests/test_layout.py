@@ -131,6 +131,41 @@ def test_no_star_import():
     assert not found, found
 
 
+# The patch table's own state: what the installs replaced and the stack of frames the runs live in.
+PATCH_TABLE_STATE = {"_stack", "_last", "_saved", "_replaced", "_ours", "_chained"}
+_MUTABLE_CALLS = {"list", "dict", "set", "bytearray", "defaultdict", "OrderedDict", "Counter", "deque"}
+
+
+def _module_state(tree: ast.Module, classes: set[str]) -> list[tuple[int, str]]:
+    """Module-level names bound to a mutable value (a list/dict/set display or comprehension, a call
+    of a mutable builtin or of a class defined in the package), and names a function rebinds with ``global``."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            v = node.value
+            call = ast.unparse(v.func).rsplit(".", 1)[-1] if isinstance(v, ast.Call) else None
+            if isinstance(v, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)) \
+                    or call in _MUTABLE_CALLS or call in classes:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found += [(node.lineno, ast.unparse(t)) for t in targets if ast.unparse(t) != "__all__"]
+    found += [(n.lineno, name) for n in ast.walk(tree) if isinstance(n, ast.Global) for name in n.names]
+    return found
+
+
+def test_the_adapter_keeps_no_module_state_but_the_patch_table():
+    """A run's state lives in its frame of the patch table (dpq.autoround.run.Run), passed down from
+    there; module-level values in dpq/autoround/ are constants (tuples, frozensets, read-only mappings)."""
+    paths = sorted((DPQ / "autoround").glob("*.py"))
+    trees = {p: ast.parse(p.read_text()) for p in paths}
+    classes = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    found = [f"{p.name}:{line} {name}" for p, t in trees.items() for line, name in _module_state(t, classes)
+             if not (p.name == "patches.py" and name in PATCH_TABLE_STATE)]
+    assert not found, found
+    # the check sees what it is for: a list, a dict display, a package class instance, a global rebinding
+    probe = ast.parse("a = []\nb: dict = {}\nc = Run()\nd = ()\ndef f():\n    global d\n")
+    assert [name for _, name in _module_state(probe, {"Run"})] == ["a", "b", "c", "d"]
+
+
 @pytest.mark.parametrize("spec", ["cuda:256", "256", "cuda:128,cuda:0", [300]])
 def test_device_index_above_127_is_refused(spec):
     """torch keeps a device index in 8 bits: 'cuda:256' would silently be cuda:0."""
