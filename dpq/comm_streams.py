@@ -68,10 +68,12 @@ class CommStreams(CommunicatorWrapper):
     are the lanes the replicas and gradient buckets live on, in the same order. The collectives
     themselves are ``inner``'s; the joins around them are this class's."""
 
+    SUFFIX = "+comm-streams"  # its name: the inner communicator's and this
+
     def __init__(self, inner, compute: Sequence[Lane]) -> None:
         if len(inner.lanes) != len(compute):
             raise ValueError(f"dpq: {len(inner.lanes)} communication lanes for {len(compute)} lanes")
-        super().__init__(inner, f"{inner.name}+comm-streams")
+        super().__init__(inner, inner.name + self.SUFFIX)
         self.compute = list(compute)
 
     def begin_bucket(self, marks=None) -> None:

@@ -7,7 +7,9 @@ back to serial when none beyond home can, and says why. An explicit world refuse
 block starts. The plan also names the communicator for the chosen lanes
 (``dpq.communicators.choose_communicator``) and the exchange policy (the sign path when the task
 says its optimizer is pure SignSGD, full sums otherwise), each with its reason; the session
-(``dpq.session``) makes them.
+(``dpq.session``) makes them. A plan is frozen: what a block's run did with it (the lanes after
+the agreement across processes or 'auto''s choice, the communicator as built) is the session's
+:class:`dpq.session.LaneRun`.
 
 Every reason's text (what is wrong and the fix) is in :mod:`dpq.refusals`; this module decides
 which ones apply.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,9 +28,9 @@ from dpq import refusals
 from dpq.communicators import COMMUNICATORS, choose_communicator
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
-__all__ = ["BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments", "device_spec_errors",
-           "lane_device_errors", "parse_device_spec", "price_home", "price_mirror", "price_runtime", "resolve",
-           "validate_world"]
+__all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments",
+           "device_spec_errors", "lane_device_errors", "parse_device_spec", "price_home", "price_mirror",
+           "price_runtime", "resolve", "validate_world"]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -42,6 +44,7 @@ MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autogra
 # like bf16 (4 bytes: one fp32 copy of each input and output) put the measured total above the price,
 # margin included, from seqlen 256 on: a lane the plan passed could run out of memory.
 ACTIVATION_BYTES = {4: 6, 2: 4}
+ONE_LANE_EXCHANGE = "one lane: nothing to exchange"  # the communicator reason of a single lane
 
 
 class PlanRefused(ValueError):
@@ -69,22 +72,27 @@ class PlanRequest:
     overlap: bool = False  # the exchange on a communication stream per lane (its allocator pool)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """The lanes (``world`` devices; ``reasons``: why 'auto' kept fewer, or why serial), the
-    communicator and the exchange policy, each with its reason."""
+    """The lanes this process's block would run on (``devices``, lane 0 home; ``reasons``: why
+    'auto' kept fewer, or why serial), the communicator and the exchange policy, each with its
+    reason. As :func:`resolve` made it: never changed afterwards (build another with
+    ``dataclasses.replace``); what a run did with it is the session's ``dpq.session.LaneRun``."""
 
-    world: int
     devices: list[torch.device]
     reasons: list[str] = field(default_factory=list)  # why 'auto' kept fewer lanes, or why serial
     notes: list[str] = field(default_factory=list)  # said, but no reason to refuse (e.g. devices left unused)
     communicator: str = "local"  # a name in dpq.communicators.COMMUNICATORS ("": chosen on the lanes)
-    communicator_reason: str = "one lane: nothing to exchange"
+    communicator_reason: str = ONE_LANE_EXCHANGE
     exchange: str = "full"  # "sign": sign of the summed gradient; "full": full fp32 sums
     exchange_reason: str = ""
-    step: str = ""  # which optimizer step the lanes run, and why (set by the session's engine)
     lane_bytes: list[int] = field(default_factory=list)  # the price each lane was checked with (a prefix when
     # 'auto' stopped at a lane that does not fit); empty when nothing was priced
+
+    @property
+    def local_lanes(self) -> int:
+        """This process's lanes (across processes the world is the processes times the agreed count)."""
+        return len(self.devices)
 
 
 def _exchange(pure_sign: bool) -> tuple[str, str]:
@@ -94,18 +102,19 @@ def _exchange(pure_sign: bool) -> tuple[str, str]:
 
 
 def _finish(plan: Plan, request: PlanRequest) -> Plan:
-    """The plan's communicator and exchange policy for its lanes."""
+    """``plan`` with the communicator and the exchange policy for its lanes."""
     try:
-        plan.communicator, plan.communicator_reason = choose_communicator(plan.devices)
+        communicator, reason = choose_communicator(plan.devices)
     except ValueError as err:  # lanes no communicator can join (e.g. hpu with other devices)
         raise PlanRefused([str(err).removeprefix("dpq: ")]) from None
     except Exception as err:  # a device query failed: the session chooses on the lanes it makes
-        plan.communicator, plan.communicator_reason = "", f"chosen on the lanes (the device query failed: {err!r})"
-    kind = COMMUNICATORS.get(plan.communicator)
+        communicator, reason = "", f"chosen on the lanes (the device query failed: {err!r})"
+    kind = COMMUNICATORS.get(communicator)
     if kind is not None and not kind.canonical_order:  # contract 3: the plan says when the bits depend on it
-        plan.communicator_reason += f"; {kind.order_note}"
-    plan.exchange, plan.exchange_reason = _exchange(request.pure_sign)
-    return plan
+        reason += f"; {kind.order_note}"
+    exchange, exchange_reason = _exchange(request.pure_sign)
+    return replace(plan, communicator=communicator, communicator_reason=reason, exchange=exchange,
+                   exchange_reason=exchange_reason)
 
 
 def validate_world(world: object) -> int | str:
@@ -487,7 +496,7 @@ def resolve(request: PlanRequest) -> Plan:
     world = validate_world(request.world)
     home = _home(request)
     if world == "off":
-        return _finish(Plan(1, [home], [refusals.PARALLEL_OFF]), request)
+        return _finish(Plan([home], [refusals.PARALLEL_OFF]), request)
     reasons = list(request.extra_reasons)
     notes: list[str] = []
     if home.type not in SUPPORTED_HOME_TYPES:
@@ -523,13 +532,13 @@ def resolve(request: PlanRequest) -> Plan:
     if world != "auto":
         if reasons:
             raise PlanRefused(reasons)
-        return _finish(Plan(n, devices[:n], notes=notes, lane_bytes=lane_bytes), request)
+        return _finish(Plan(devices[:n], notes=notes, lane_bytes=lane_bytes), request)
     # auto: keep the lanes before the first one that does not fit; serial when a feature forbids it
     if mem:
         n = min(n, mem[0][0])
     if request.extra_reasons or home.type not in SUPPORTED_HOME_TYPES or n <= 1 or not lane0_ok:
-        return _finish(Plan(1, [home], reasons or [refusals.ONE_LANE], notes), request)
-    return _finish(Plan(n, devices[:n], reasons, notes, lane_bytes=lane_bytes[:n]), request)
+        return _finish(Plan([home], reasons or [refusals.ONE_LANE], notes), request)
+    return _finish(Plan(devices[:n], reasons, notes, lane_bytes=lane_bytes[:n]), request)
 
 
 def check_arguments(world: object, devices=None) -> list[str]:

@@ -3,14 +3,17 @@
 ::
 
     run(config, task)
-      plan     plan_for: dpq.plan.resolve -> Plan(world, lanes, communicator, exchange, reasons)
+      plan     plan_for: dpq.plan.resolve -> Plan(lanes, communicator, exchange, reasons), frozen
+      ran      LaneRun: what the block's lanes run, read by the task and the records (the plan stays
+               as resolved): the lanes as agreed across processes, then as 'auto' kept them; the
+               communicator as built; the optimizer step
       serial   the plan says one lane and the tuner has its own serial run: that runs, untouched
-      start    task.start(plan): the adapter readies the block (wraps it) -> TuneSpec
-      lanes    make_lanes(plan.devices); the plan's communicator and exchange policy
+      start    task.start(ran): the adapter readies the block (wraps it) -> TuneSpec
+      lanes    make_lanes(ran.devices); the plan's communicator and exchange policy
       replicas ReplicaSet(block, lanes, spec.tuned)
       engine   TuneEngine; run_loop (dpq.tune_loop)
       teardown replicas.close() (joins the lanes, drops the mirrors)
-      finish   task.finish(outcome, plan): the adapter puts the best values home (unwraps)
+      finish   task.finish(outcome, ran): the adapter puts the best values home (unwraps)
 
 The failure policy, in this one place: any failure after the plan (start, lanes, loop,
 finish) puts the home block back exactly as it was when ``run`` was called
@@ -38,7 +41,7 @@ import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,13 +52,13 @@ from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_los
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.nccl_lifecycle import NcclInitFailed
-from dpq.plan import BlockPrice, Plan, PlanRefused, PlanRequest, resolve, validate_world
+from dpq.plan import ONE_LANE_EXCHANGE, BlockPrice, Plan, PlanRefused, PlanRequest, resolve, validate_world
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
 
-__all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "SessionConfig", "agree_plan", "lanes_for", "plan_for",
-           "release_run", "run"]
+__all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "LaneRun", "SessionConfig", "agree_plan", "lanes_for",
+           "plan_for", "release_run", "run"]
 
 
 DEFAULT_TIMEOUT_S = 600.0  # auto-round-dp's --parallel_timeout default
@@ -64,6 +67,7 @@ DEFAULT_TIMEOUT_S = 600.0  # auto-round-dp's --parallel_timeout default
 # communicator", https://pytorch.org/docs/stable/torch_nccl_environment_variables.html), ends the
 # process before any rank could be named; dpq's watchdog fires at this fraction of it first.
 PG_WATCHDOG_LEAD = 0.9
+OVERLAP_NOTE = "; on a second stream per lane (overlap)"  # the communicator reason's, with CommStreams
 
 
 @dataclass
@@ -100,24 +104,85 @@ class SessionConfig:
         return self.timeout * PG_WATCHDOG_LEAD if several else self.timeout
 
 
+@dataclass(frozen=True)
+class LaneRun:
+    """What one block's lanes run, beside the :class:`dpq.plan.Plan` they came from (``plan``, as
+    resolved). ``devices``: this process's lanes (the plan's, as many as the processes agreed on,
+    then as many as 'auto''s cost model kept; lane 0 home); ``layout``: the agreed layout across
+    processes (None: this process alone). ``in_process``/``in_process_reason``: the communicator
+    among this process's lanes as built, and why (the plan's choice, or the one made on the lanes);
+    ``across``: the process-group communicator's name across processes ("" in one process);
+    ``overlap``: the exchange on a second stream per lane (:mod:`dpq.comm_streams`). ``notes``: what
+    the run said beyond the plan's notes (the agreement, 'auto''s choice); ``step``: the optimizer
+    step the lanes run, and why (the engine's). Built anew at each of these points
+    (``dataclasses.replace``), never changed."""
+
+    plan: Plan
+    devices: list[torch.device]
+    layout: ProcessLayout | None = None
+    in_process: str = "local"
+    in_process_reason: str = ONE_LANE_EXCHANGE
+    across: str = ""
+    overlap: bool = False
+    notes: list[str] = field(default_factory=list)
+    step: str = ""
+
+    @classmethod
+    def planned(cls, plan: Plan, layout: ProcessLayout | None = None, notes: Sequence[str] = ()) -> LaneRun:
+        """The plan's lanes (as many as ``layout`` agreed on) and its communicator choice."""
+        devices = list(plan.devices[: layout.lanes] if layout is not None else plan.devices)
+        return cls(plan, devices, layout, plan.communicator, plan.communicator_reason, notes=list(notes))
+
+    @property
+    def local_lanes(self) -> int:
+        """This process's lanes."""
+        return len(self.devices)
+
+    @property
+    def world(self) -> int:
+        """The lanes over every process: the agreed layout's world, else this process's lanes."""
+        return self.layout.world if self.layout is not None else self.local_lanes
+
+    @property
+    def communicator(self) -> str:
+        """The exchange's communicator by name: the process group's across processes, else the
+        in-process one; ``+comm-streams`` with overlap (:class:`dpq.comm_streams.CommStreams`)."""
+        name = self.across or self.in_process
+        return name + CommStreams.SUFFIX if self.overlap else name
+
+    @property
+    def communicator_reason(self) -> str:
+        reason = self.in_process_reason
+        if self.across:
+            reason = (f"{self.layout.processes} processes: {self.in_process} inside each, {self.across} across "
+                      f"them ({reason})")
+        return reason + OVERLAP_NOTE if self.overlap else reason
+
+    @property
+    def said(self) -> list[str]:
+        """The plan's reasons and notes, then the run's notes."""
+        return [*self.plan.reasons, *self.plan.notes, *self.notes]
+
+
 @dataclass
 class BlockTask:
     """One block as the adapter describes it.
 
-    ``start(plan)`` readies the block for tuning (e.g. wraps it) and returns the
+    ``start(ran)`` readies the block for tuning (e.g. wraps it) and returns the
     :class:`dpq.tune_loop.TuneSpec`, or None when there is nothing to tune; ``finish(outcome,
-    plan)`` puts the tuned values home (``outcome`` None when nothing was tuned) and returns the
-    adapter's result. ``serial()``: the tuner's own serial run of the block (run when the plan
-    says serial, and as ``auto``'s fallback); None: the session's engine runs even at world 1.
-    ``lane_error(err, plan)``: the error an explicit world raises when the run fails.
+    ran)`` puts the tuned values home (``outcome`` None when nothing was tuned) and returns the
+    adapter's result (``ran``: :class:`LaneRun`, the lanes as they ran). ``serial()``: the tuner's
+    own serial run of the block (run when the plan says serial, and as ``auto``'s fallback); None:
+    the session's engine runs even at world 1. ``lane_error(err, ran)``: the error an explicit world
+    raises when the run fails (``ran``: the lanes as planned and agreed).
     ``samples_per_iter``, ``price`` (the block's lane prices, :class:`dpq.plan.BlockPrice`) or
     ``mirror_bytes`` (a flat one per mirror), ``extra_reasons`` (tuner features the lanes cannot
     split) and ``pure_sign`` (the update needs only sign(sum of grads)) go to the plan."""
 
     name: str
     block: torch.nn.Module
-    start: Callable[[Plan], TuneSpec | None]
-    finish: Callable[[LoopOutcome | None, Plan], object]
+    start: Callable[[LaneRun], TuneSpec | None]
+    finish: Callable[[LoopOutcome | None, LaneRun], object]
     samples_per_iter: int
     home: torch.device | str | None = None
     pure_sign: bool = False
@@ -125,25 +190,34 @@ class BlockTask:
     price: BlockPrice | None = None
     extra_reasons: Sequence[str] = ()
     serial: Callable[[], object] | None = None
-    lane_error: Callable[[BaseException, Plan], BaseException] | None = None
+    lane_error: Callable[[BaseException, LaneRun], BaseException] | None = None
     on_fallback: Callable[[BaseException], None] | None = None  # e.g. log a warning before the rerun
 
 
 @dataclass
 class BlockRun:
-    """What ``run`` did: the plan, the adapter's result, the loop's outcome (None when the tuner's
-    serial run ran or nothing was tuned), and whether a lane failure made ``auto`` fall back."""
+    """What ``run`` did: the lanes (``ran``; its plan as resolved), the adapter's result, the loop's
+    outcome (None when the tuner's serial run ran or nothing was tuned), and whether a lane failure
+    made ``auto`` fall back."""
 
-    plan: Plan
+    ran: LaneRun
     result: object
     outcome: LoopOutcome | None
     seconds: float
     serial: bool = False
     fell_back: bool = False
     failure: str = ""  # repr of the lane failure when fell_back
-    layout: ProcessLayout | None = None  # several processes: the agreed layout (``layout.describe()``)
     # torch.compile during the lanes' forwards and backwards, per local lane (dpq.compiles); None: serial
     compiles: CompileWatch | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return self.ran.plan
+
+    @property
+    def layout(self) -> ProcessLayout | None:
+        """Several processes: the agreed layout (``layout.describe()``)."""
+        return self.ran.layout
 
 
 def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
@@ -159,28 +233,28 @@ def lanes_for(request: PlanRequest) -> tuple[Plan, list[Lane] | None]:
     """A no-grad pass's plan and lanes (None: home alone). The sharded passes' entry point: the
     same plan as the tuner's; their teardown is ``dpq.shard``'s (``ReplicaSet.close``)."""
     plan = resolve(request)
-    return plan, (make_lanes(plan.devices) if plan.world >= 2 else None)
+    return plan, (make_lanes(plan.devices) if plan.local_lanes >= 2 else None)
 
 
 def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> BlockRun:
     """Run one block (see the module docstring). ``plan``: one already resolved by the caller."""
     t0 = time.perf_counter()
     procs = config.processes if config.processes is not None and config.processes.size > 1 else None
-    layout = None
     if procs is not None:  # PlanRefused on every rank, or a lost rank's RankFailure: nothing started
-        plan, layout = _agreed_plan(config, task, procs, plan)
-        if layout is None:
+        ran = _agreed_plan(config, task, procs, plan)
+        if ran.layout is None:
             procs = None  # serial on every rank: each runs the block alone, the same way
     else:
-        plan = plan if plan is not None else plan_for(config, task)  # PlanRefused: nothing started
-    if layout is None and plan.world == 1 and task.serial is not None and (config.world != 1 or plan.reasons):
-        return BlockRun(plan, task.serial(), None, time.perf_counter() - t0, serial=True)
+        ran = LaneRun.planned(plan if plan is not None else plan_for(config, task))  # PlanRefused: nothing started
+    if (ran.layout is None and ran.local_lanes == 1 and task.serial is not None
+            and (config.world != 1 or ran.plan.reasons)):
+        return BlockRun(ran, task.serial(), None, time.perf_counter() - t0, serial=True)
     rng = (random.getstate(), torch.get_rng_state())
     snapshot = BlockSnapshot(task.block)
-    watch = CompileWatch(plan.world)
+    watch = CompileWatch(ran.local_lanes)
     try:
         with watch:
-            outcome, result = _run_lanes(config, plan, task, procs, watch)
+            outcome, result, done = _run_lanes(config, ran, task, procs, watch)
     except BaseException as err:
         if getattr(err, "stuck", False):
             # dpq.tune_loop.LanesHung: work queued on the lanes' devices never ends, so any wait on them
@@ -191,7 +265,7 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
         # read before the traceback is released; a watchdog expiry across processes waited for a peer
         lost = procs is not None and (peer_lost(err) or getattr(err, "peer_lost", False))
         release_run(err, task.name if task.name.startswith("dpq") else f"dpq ({task.name})")
-        release_cached_memory(plan.devices)  # what only the failed run's frames held is free now
+        release_cached_memory(ran.devices)  # what only the failed run's frames held is free now
         if procs is not None:  # fatal on every rank: ranks could not agree on a serial rerun
             del rng
             _stop_every_rank(procs, err, lost)
@@ -206,12 +280,12 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
             raise  # an interrupt: the block is back, nothing reruns
         if fall_back:
             result = task.serial()
-            return BlockRun(plan, result, None, time.perf_counter() - t0, serial=True, fell_back=True,
+            return BlockRun(ran, result, None, time.perf_counter() - t0, serial=True, fell_back=True,
                             failure=repr(err))
-        if task.lane_error is not None:
-            raise task.lane_error(err, plan) from err
+        if task.lane_error is not None:  # (an explicit world: 'auto' alone changes the lanes in the run)
+            raise task.lane_error(err, ran) from err
         raise
-    return BlockRun(plan, result, outcome, time.perf_counter() - t0, layout=layout, compiles=watch)
+    return BlockRun(done, result, outcome, time.perf_counter() - t0, compiles=watch)
 
 
 def _stop_every_rank(procs: ProcessSet, err: BaseException, lost: bool) -> None:
@@ -223,25 +297,25 @@ def _stop_every_rank(procs: ProcessSet, err: BaseException, lost: bool) -> None:
     raise failure from err
 
 
-def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet,
-                 plan: Plan | None) -> tuple[Plan, ProcessLayout | None]:
+def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet, plan: Plan | None) -> LaneRun:
     """The task's plan (``plan``, or planned here) agreed with every other rank's (:func:`agree_plan`)."""
     return agree_plan(config, procs, task.samples_per_iter, bool(task.extra_reasons),
                       lambda: plan if plan is not None else plan_for(config, task))
 
 
 def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, cannot_split: bool,
-               make_plan: Callable[[], Plan]) -> tuple[Plan, ProcessLayout | None]:
+               make_plan: Callable[[], Plan]) -> LaneRun:
     """This rank's plan (``make_plan()``; :class:`dpq.plan.PlanRefused` counts as this rank's
     refusal) agreed with every other rank's (dpq.distributed.agree): the same local lane count
     everywhere, or the same refusal everywhere (raised on every rank), or serial everywhere
-    (layout None; ``cannot_split``: the tuner has features the lanes cannot split). An adapter
-    calls it before a block's work to refuse an explicit world there; the session, to run it."""
+    (``layout`` None; ``cannot_split``: the tuner has features the lanes cannot split). Returns the
+    plan's lanes as agreed, with the agreement's notes. An adapter calls it before a block's work to
+    refuse an explicit world there; the session, to run it."""
     plan = None
     try:
         try:
             plan = make_plan()
-            mine = RankPlan(config.world, plan.world, list(plan.reasons),
+            mine = RankPlan(config.world, plan.local_lanes, list(plan.reasons),
                             serial=config.world == "off" or cannot_split, host=socket.gethostname(),
                             # not one physical device across processes: cpu (the host's), hpu (the bridge
                             # gives each process the Gaudi of its LOCAL_RANK, which it sees as hpu:0)
@@ -255,34 +329,33 @@ def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, 
         raise
     except BaseException as err:  # a rank lost while agreeing
         _stop_every_rank(procs, err, peer_lost(err))
-    plan.notes += notes
-    if layout is not None:
-        plan.world, plan.devices = layout.lanes, plan.devices[: layout.lanes]
-    return plan, layout
+    return LaneRun.planned(plan, layout, notes)
 
 
-def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: ProcessSet | None,
-               watch: CompileWatch) -> tuple[LoopOutcome | None, object]:
-    """Everything between the plan and the result. Its frame and those below hold the run
-    (mirrors, wrappers, optimizers): on failure ``run`` clears them from the traceback."""
-    spec = task.start(plan)
+def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: ProcessSet | None,
+               watch: CompileWatch) -> tuple[LoopOutcome | None, object, LaneRun]:
+    """Everything between the plan and the result, and the lanes as they ran. Its frame and those
+    below hold the run (mirrors, wrappers, optimizers): on failure ``run`` clears them from the traceback."""
+    spec = task.start(ran)
     if spec is None:
-        return None, task.finish(None, plan)
-    lanes = make_lanes(plan.devices)
-    comm = _exchange_communicator(config, plan, lanes, procs)
+        return None, task.finish(None, ran), ran
+    lanes = make_lanes(ran.devices)
+    comm, ran = _exchange_communicator(config, ran, lanes, procs)
     # Across processes the cost model is not run: each rank would choose alone (every agreed lane runs).
-    auto = config.auto_world if config.world == "auto" and plan.world > 1 and procs is None else None
+    auto = config.auto_world if config.world == "auto" and ran.local_lanes > 1 and procs is None else None
     if auto is not None:
-        keep = _choose_world(auto, comm, plan, task, spec)
-        if keep < plan.world:  # the first `keep` fitting lanes; the others are not used
-            plan.world, plan.devices, lanes = keep, plan.devices[:keep], lanes[:keep]
+        keep, note = _choose_world(auto, comm, ran, task, spec)
+        ran = replace(ran, notes=[*ran.notes, note])
+        if keep < ran.local_lanes:  # the first `keep` fitting lanes; the others are not used
+            lanes = lanes[:keep]
             del watch.lanes[keep:]
+            ran = replace(ran, devices=ran.devices[:keep])
             if keep == 1:
-                plan.communicator, plan.communicator_reason = "local", "one lane: nothing to exchange"
+                ran = replace(ran, in_process="local", in_process_reason=ONE_LANE_EXCHANGE)
             comm.close()
-            comm = _exchange_communicator(config, plan, lanes)
+            comm, ran = _exchange_communicator(config, ran, lanes)
     # overlap None: the exchange's own default (on for CPU lanes, off on accelerators)
-    exchange = (SignExchange if plan.exchange == "sign" else FullSumExchange)(comm, overlap=config.overlap)
+    exchange = (SignExchange if ran.plan.exchange == "sign" else FullSumExchange)(comm, overlap=config.overlap)
     t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
     engine, stuck = None, False
@@ -293,11 +366,11 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: Proces
             sample_numel=spec.sample_numel, debug_identical=config.debug_identical,
             one_op_sign_step=spec.one_op_sign_step, timeout_s=config.watchdog_s(), name=task.name,
         )
-        plan.step = engine.step_note
+        ran = replace(ran, step=engine.step_note)
         outcome = run_loop(engine, spec)
         if auto is not None:
             on_devices = lanes[0].accelerator  # on CPU the forward's host time is the compute itself
-            auto.measured(task.name, time.perf_counter() - t_loop, iters=spec.iters, world=plan.world,
+            auto.measured(task.name, time.perf_counter() - t_loop, iters=spec.iters, world=ran.world,
                           issue_s=outcome.issue_s if on_devices else None)
     except BaseException as err:
         stuck = getattr(err, "stuck", False)  # the watchdog could not end the lanes' work: no wait on them
@@ -313,46 +386,43 @@ def _run_lanes(config: SessionConfig, plan: Plan, task: BlockTask, procs: Proces
         if engine is not None:
             engine.close()
         replicas.close(release_cache=not stuck)  # emptying the cache frees device memory: a device sync
-    return outcome, task.finish(outcome, plan)
+    return outcome, task.finish(outcome, ran), ran
 
 
-def _exchange_communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
-    """The run's communicator; with overlap asked for (``config.overlap``) on lanes that have
-    streams: over a second stream per lane, so the exchange runs beside the backward
-    (dpq.comm_streams), in one process and across processes alike (the process-group communicator
-    over the communication lanes: its legs inside the process and its transfers across)."""
-    if not (config.overlap is True and any(lane.stream is not None for lane in lanes)):
-        return _communicator(config, plan, lanes, procs)
-    plan.communicator = plan.communicator.removesuffix("+comm-streams")  # 'auto' kept fewer lanes: again
-    comm = CommStreams(_communicator(config, plan, comm_lanes(lanes), procs), lanes)
-    note = "; on a second stream per lane (overlap)"
-    plan.communicator = comm.name
-    plan.communicator_reason = plan.communicator_reason.removesuffix(note) + note
-    return comm
+def _exchange_communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],
+                           procs: ProcessSet | None = None) -> tuple[object, LaneRun]:
+    """The run's communicator, and ``ran`` with it as built; with overlap asked for
+    (``config.overlap``) on lanes that have streams: over a second stream per lane, so the exchange
+    runs beside the backward (dpq.comm_streams), in one process and across processes alike (the
+    process-group communicator over the communication lanes: its legs inside the process and its
+    transfers across)."""
+    overlap = config.overlap is True and any(lane.stream is not None for lane in lanes)
+    comm, ran = _communicator(config, ran, comm_lanes(lanes) if overlap else lanes, procs)
+    return (CommStreams(comm, lanes) if overlap else comm), replace(ran, overlap=overlap)
 
 
-def _communicator(config: SessionConfig, plan: Plan, lanes: list[Lane], procs: ProcessSet | None = None):
-    if plan.communicator and not plan.communicator.startswith("pg-"):
+def _communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],
+                  procs: ProcessSet | None = None) -> tuple[object, LaneRun]:
+    """The communicator over ``lanes`` (``ran``'s in-process choice, or one chosen on the lanes when it
+    has none or it cannot start), and ``ran`` with it as built."""
+    if ran.in_process:
         try:
-            comm = make_communicator(plan.communicator, lanes)
+            comm, reason = make_communicator(ran.in_process, lanes), ran.in_process_reason
         except NcclInitFailed:  # remembered for the run (dpq.nccl_lifecycle): the choice now takes copies
-            comm, plan.communicator_reason = select_communicator(lanes)
-            plan.communicator = comm.name
+            comm, reason = select_communicator(lanes)
     else:
-        comm, plan.communicator_reason = select_communicator(lanes)
-        plan.communicator = comm.name
+        comm, reason = select_communicator(lanes)
+    ran = replace(ran, in_process=comm.name, in_process_reason=reason, across="")
     if procs is not None:  # the in-process legs as planned; torch.distributed across processes
         comm = ProcessGroupCommunicator(lanes, group=procs.group, inner=comm)
-        plan.communicator_reason = (f"{procs.size} processes: {comm.inner.name} inside each, {comm.name} across "
-                                    f"them ({plan.communicator_reason})")
-        plan.communicator = comm.name
+        ran = replace(ran, across=comm.name)
     wrap = getattr(config.auto_world, "wrap", None) if config.world == "auto" else None
-    return wrap(comm) if wrap is not None else comm
+    return (wrap(comm) if wrap is not None else comm), ran
 
 
-def _choose_world(auto, comm, plan: Plan, task: BlockTask, spec: TuneSpec) -> int:
+def _choose_world(auto, comm, ran: LaneRun, task: BlockTask, spec: TuneSpec) -> tuple[int, str]:
     """'auto': the world by predicted block time over the fitting lanes (dpq.cost_model), with
-    the link probed on these lanes; the choice and its prediction go to the plan's notes and the log."""
+    the link probed on these lanes, and the note saying the choice and its prediction (the run's notes)."""
     params = dict(task.block.named_parameters(remove_duplicate=False))
     tuned = [params[n] for n in spec.tuned if n in params]
     elems = sum(p.numel() for p in tuned)
@@ -362,10 +432,9 @@ def _choose_world(auto, comm, plan: Plan, task: BlockTask, spec: TuneSpec) -> in
     hidden = weights[0].shape[-1] if weights else 1
     tokens = sum(spec.sample_numel(i) for i in range(min(spec.batch_size, spec.nsamples))) / max(1, hidden)
     compute_s, where = auto.estimate_compute(flops=6.0 * tokens * sum(p.numel() for p in weights),
-                                             device_type=plan.devices[0].type)
+                                             device_type=ran.devices[0].type)
     choice = auto.choose(comm, iters=spec.iters, compute_s=compute_s, tuned_elems=elems, label=task.name)
-    plan.notes.append(f"auto: {choice.reason}; {where}")
-    return choice.world
+    return choice.world, f"auto: {choice.reason}; {where}"
 
 
 # -- putting the block back, letting the failed run go ------------------------------------------

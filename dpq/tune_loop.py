@@ -63,6 +63,7 @@ from typing import Literal, Protocol
 import torch
 
 from dpq import refusals
+from dpq.comm_base import Communicator
 from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
 from dpq.sign_step import foreach_sign_step, step_choice
@@ -97,6 +98,8 @@ class LanesHung(RuntimeError):
 
 
 class Exchange(Protocol):
+    comm: Communicator  # over this process's lanes; its world spans every process (dpq.process_group)
+
     def exchange(self, buckets: GradBuckets) -> None: ...
 
 
@@ -153,11 +156,11 @@ class TuneEngine:
             self.optimizers.append(opt)
             self.schedulers.append(sched)
         self.last = IterationStats()
-        # Global lanes: the exchange's communicator spans every process (dpq.process_group), so
-        # its world is P x L and this process's lanes start at global lane `lane_offset`.
-        comm = getattr(exchange, "comm", None)
-        self.world = comm.world if comm is not None else replicas.world
-        self.lane_offset = comm.lane_offset if comm is not None else 0
+        # The world is the global lanes: the exchange's communicator spans every process
+        # (dpq.process_group), so its world is P x L and this process's L lanes (``replicas.world``)
+        # start at global lane `lane_offset`.
+        self.world = exchange.comm.world
+        self.lane_offset = exchange.comm.lane_offset
         if not 0 <= self.lane_offset <= self.world - replicas.world:
             raise ValueError(f"dpq: local lanes {self.lane_offset}..{self.lane_offset + replicas.world - 1} are not "
                              f"lanes of world {self.world}")

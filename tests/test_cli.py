@@ -170,7 +170,7 @@ def enable(parallel_quantization='auto', devices=None, **kw):
     hops.append(['enable', parallel_quantization, devices])
     return real_enable(parallel_quantization, devices, **kw)
 def run(config, task, *, plan=None):
-    hops.append(['session.run', config.world, task.name, None if plan is None else plan.world])
+    hops.append(['session.run', config.world, task.name, None if plan is None else plan.local_lanes])
     return real_run(config, task, plan=plan)
 def engine(replicas, *a, **k):
     hops.append(['TuneEngine', k['name'], len(replicas.lanes)])

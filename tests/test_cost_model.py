@@ -188,3 +188,34 @@ def test_auto_uses_the_measured_issue_cost_and_stops_where_the_thread_binds():
         assert given.issue() == 0.0  # a given issue cost is kept
     finally:
         link.close()
+
+
+def test_auto_keeping_fewer_lanes_leaves_the_plan_as_resolved(tiny_block, monkeypatch):
+    """The plan from resolve() is frozen: the lanes 'auto' kept, the communicator built for them, the
+    choice's note and the step are the run's (dpq.session.LaneRun), and the result reports those."""
+    import dataclasses
+
+    import torch
+
+    from dpq import session
+    from dpq.plan import ONE_LANE_EXCHANGE
+
+    runs, real_run = [], session.run
+
+    def run(*a, **kw):
+        runs.append(real_run(*a, **kw))
+        return runs[-1]
+
+    monkeypatch.setattr(session, "run", run)
+    res, _ = _auto_tune(tiny_block, bandwidth_GBps=2e-4, compute_s=1e-3)  # world 1 is fastest
+    [done] = runs
+    plan, ran = done.plan, done.ran
+    assert plan.devices == [torch.device("cpu")] * 4 and plan.local_lanes == 4
+    assert ran.devices == [torch.device("cpu")] and ran.local_lanes == ran.world == res.world == 1
+    assert plan.communicator_reason != ONE_LANE_EXCHANGE
+    assert (ran.communicator, ran.communicator_reason) == (res.communicator, res.communicator_reason) \
+        == ("local", ONE_LANE_EXCHANGE)
+    assert not any(n.startswith("auto: ") for n in plan.notes) and ran.notes[-1].startswith("auto: predicted")
+    assert ran.said == res.plan_reasons and ran.step == res.step != ""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.devices = ran.devices

@@ -118,7 +118,8 @@ def tune(case: str, world: int, processes: ProcessSet | None = None) -> dict:
     done = run(SessionConfig(world=world, devices=["cpu"] * world, processes=processes), make_task(case))
     out = done.outcome
     return {"losses": out.losses, "best_iter": out.best_iter, "values": done.result,
-            "layout": done.layout.describe() if done.layout else None, "communicator": done.plan.communicator}
+            "layout": done.layout.describe() if done.layout else None, "communicator": done.ran.communicator,
+            "communicator_reason": done.ran.communicator_reason}
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +259,8 @@ def test_layouts_bitwise_equal(spawned, reference, layout):
             group_rank = rank if processes == 4 else rank % 2
             assert got[layout][case]["layout"] == ProcessLayout(processes, group_rank, lanes).describe()
             assert got[layout][case]["communicator"] == "pg-gloo"
+            said = got[layout][case]["communicator_reason"]
+            assert said.startswith(f"{processes} processes: local inside each, pg-gloo across them ("), said
             _assert_same_run(got[layout][case], reference[case])
         assert got["buckets"] == {3}  # several buckets exchanged across processes (from hooks: the sign case)
 
@@ -390,7 +393,7 @@ def test_agreement_counts_only_physical_accelerators(monkeypatch, device, shared
         return None, []
 
     monkeypatch.setattr(session, "agree", agree)
-    monkeypatch.setattr(session, "plan_for", lambda config, task: Plan(1, [torch.device(device)]))
+    monkeypatch.setattr(session, "plan_for", lambda config, task: Plan([torch.device(device)]))
     task = SimpleNamespace(extra_reasons=[], samples_per_iter=8)
     session._agreed_plan(SessionConfig(world=1, devices=[device]), task, procs=None, plan=None)
     assert told[0].devices == ([device] if shared else [])

@@ -273,7 +273,7 @@ def test_refusal_mirror_does_not_fit(monkeypatch):
     reasons = _refusal(world=2, devices="cpu,cpu", home="cpu", mirror_bytes=2**30)
     assert any("a mirror needs ~1.00 GiB" in r and "Fix:" in r for r in reasons)
     plan = resolve(PlanRequest(world="auto", devices="cpu,cpu", home="cpu", mirror_bytes=2**30))
-    assert plan.world == 1 and any("mirror needs" in r for r in plan.reasons)
+    assert plan.local_lanes == 1 and any("mirror needs" in r for r in plan.reasons)
 
 
 def test_refusal_hpu_multi_lane(monkeypatch):
@@ -319,7 +319,7 @@ def test_feature_refusals(recorded_blocks, monkeypatch, patch, expect):
     with pytest.raises(PlanRefused, match=expect):
         resolve(PlanRequest(world=2, devices="cpu,cpu", home="cpu", extra_reasons=reasons))
     auto = resolve(PlanRequest(world="auto", devices="cpu,cpu", home="cpu", extra_reasons=reasons))
-    assert auto.world == 1 and any(expect in r for r in auto.reasons)
+    assert auto.local_lanes == 1 and any(expect in r for r in auto.reasons)
 
 
 def test_explicit_world_refuses_before_any_work():
@@ -568,7 +568,7 @@ def test_refusal_unsupported_home_device_type():
     reasons = _refusal(world=2, devices="cpu,cpu", home="mps")
     assert any("home device type 'mps' is not supported" in r for r in reasons)
     auto = resolve(PlanRequest(world="auto", devices="cpu,cpu", home="mps"))
-    assert auto.world == 1 and any("'mps' is not supported" in r for r in auto.reasons)
+    assert auto.local_lanes == 1 and any("'mps' is not supported" in r for r in auto.reasons)
 
 
 # -- issue 7: auto's dropped lanes in the records; enable()/disable() nest --

@@ -134,7 +134,7 @@ def test_auto_queries_no_device_it_drops(monkeypatch):
     queried = []
     _four_fake_gpus(monkeypatch, lambda k: 10 if k == 2 else 1000, total=1000, queried=queried)  # cuda:2 nearly full
     plan = resolve(PlanRequest(world="auto", devices="cuda:0,cuda:1,cuda:2,cuda:3", home="cuda:0", mirror_bytes=100))
-    assert plan.world == 2 and queried == [1, 2]
+    assert plan.local_lanes == 2 and queried == [1, 2]
     queried.clear()
     with pytest.raises(PlanRefused, match="lane 2 on cuda:2"):
         resolve(PlanRequest(world=4, devices="cuda:0,cuda:1,cuda:2,cuda:3", home="cuda:0", mirror_bytes=100))
@@ -197,7 +197,7 @@ def test_the_plan_prices_what_every_lane_allocates(monkeypatch, compute):
     with _branch(record_block(), compute) as rec:
         model = run_adapter(rec, world, iters=3)
     plan = seen["plan"]
-    assert model.violations == [] and plan.world == world and len(plan.lane_bytes) == world
+    assert model.violations == [] and plan.local_lanes == world and len(plan.lane_bytes) == world
     for k in range(world):
         place = k + 1
         grown = seen["peak"].get(place, 0) - seen["start"].get(place, 0)
@@ -308,4 +308,4 @@ def test_home_is_checked_and_accelerator_lanes_carry_the_runtimes_allocations(mo
     with pytest.raises(PlanRefused, match=r"lane 0 on cuda:0: home \(lane 0\) needs"):
         resolve(PlanRequest(world=4, devices=devices, home="cuda:0", price=price))
     auto = resolve(PlanRequest(world="auto", devices=devices, home="cuda:0", price=price))
-    assert auto.world == 1 and any("home (lane 0) needs" in r for r in auto.reasons)
+    assert auto.local_lanes == 1 and any("home (lane 0) needs" in r for r in auto.reasons)

@@ -418,7 +418,7 @@ def test_an_init_failure_is_remembered_for_the_run(fake):
     """ncclCommInitAll costs seconds: a failed one is not retried by every block. The session's block
     goes on with device copies at once."""
     from dpq.plan import Plan
-    from dpq.session import SessionConfig, _communicator
+    from dpq.session import LaneRun, SessionConfig, _communicator
 
     fake.fail[("initAll", None)] = 2  # ncclSystemError
     with pytest.raises(NcclInitFailed, match="NCCL_ERROR 2"):
@@ -428,9 +428,11 @@ def test_an_init_failure_is_remembered_for_the_run(fake):
         assert nxt.name == "p2p" and "failed earlier in this run" in reason
     with pytest.raises(NcclInitFailed, match="not retried"):
         select_communicator(cuda_lanes(0, 1), prefer="cupy-nccl")
-    plan = Plan(2, [torch.device("cuda", 0), torch.device("cuda", 1)], communicator="cupy-nccl")
-    comm = _communicator(SessionConfig(), plan, cuda_lanes(0, 1, block=3))  # the plan's choice made earlier
-    assert comm.name == plan.communicator == "p2p" and "failed earlier" in plan.communicator_reason
+    plan = Plan([torch.device("cuda", 0), torch.device("cuda", 1)], communicator="cupy-nccl")
+    # the plan's choice, made earlier
+    comm, ran = _communicator(SessionConfig(), LaneRun.planned(plan), cuda_lanes(0, 1, block=3))
+    assert comm.name == ran.communicator == "p2p" and "failed earlier" in ran.communicator_reason
+    assert plan.communicator == "cupy-nccl"  # the plan stays as resolved; the run says what it built
     assert [c for c in fake.calls if c[0] == "initAll"] == [("initAll", [0, 1])]  # tried once
     close_communicators()  # a new run tries again
     fake.fail.clear()

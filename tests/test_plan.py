@@ -35,16 +35,16 @@ def test_lane0_must_be_the_blocks_device(monkeypatch):
     reasons = refusal(world=2, devices="cuda:1,cuda:0", home="cuda:0")
     assert has(reasons, "lane 0 is cuda:1, but the block is on cuda:0", "list cuda:0 first"), reasons
     auto = resolve(PlanRequest(world="auto", devices="cuda:1,cuda:0", home="cuda:0"))
-    assert auto.world == 1 and has(auto.reasons, "lane 0 is cuda:1"), auto
-    assert resolve(PlanRequest(world=2, devices="cuda:0,cuda:1", home="cuda")).world == 2
+    assert auto.local_lanes == 1 and has(auto.reasons, "lane 0 is cuda:1"), auto
+    assert resolve(PlanRequest(world=2, devices="cuda:0,cuda:1", home="cuda")).local_lanes == 2
 
 
 def test_cpu_with_an_index_is_refused_not_taken_for_another_device():
     """'cpu:7,cpu' used to pass the plan and fail after wrapping with a wrong fix."""
     assert has(refusal(world=2, devices="cpu:7,cpu", home="cpu"), "cpu:7: the CPU is one device", "write cpu")
     auto = resolve(PlanRequest(world="auto", devices="cpu:7,cpu", home="cpu"))
-    assert auto.world == 1 and has(auto.reasons, "cpu:7: the CPU is one device")
-    assert resolve(PlanRequest(world=2, devices="cpu:0,cpu", home="cpu")).world == 2  # cpu:0 is cpu
+    assert auto.local_lanes == 1 and has(auto.reasons, "cpu:7: the CPU is one device")
+    assert resolve(PlanRequest(world=2, devices="cpu:0,cpu", home="cpu")).local_lanes == 2  # cpu:0 is cpu
 
 
 @pytest.mark.parametrize("spec,needle", [
@@ -57,7 +57,7 @@ def test_cpu_with_an_index_is_refused_not_taken_for_another_device():
 def test_malformed_device_list_is_a_reason_not_a_crash(spec, needle):
     """Under auto it used to raise torch's RuntimeError (or int()'s ValueError) from inside the plan."""
     auto = resolve(PlanRequest(world="auto", devices=spec, home="cpu"))  # keeps the entries that are devices
-    assert auto.world == (2 if spec == "cpu,,cpu" else 1) and has(auto.reasons, needle), auto
+    assert auto.local_lanes == (2 if spec == "cpu,,cpu" else 1) and has(auto.reasons, needle), auto
     assert has(refusal(world=2, devices=spec, home="cpu"), needle)
     assert has(check_arguments("auto", spec), needle)
 
@@ -74,18 +74,18 @@ def test_bare_indices_without_an_accelerator_are_said(monkeypatch):
     reasons = refusal(world=2, devices="0,0", home="cpu")
     assert len(reasons) == 1 and has(reasons, "'0' names accelerator 0", "write cpu"), reasons
     auto = resolve(PlanRequest(world="auto", devices="0,0", home="cpu"))
-    assert auto.world == 1 and has(auto.reasons, "names accelerator 0")
+    assert auto.local_lanes == 1 and has(auto.reasons, "names accelerator 0")
 
 
 def test_unused_devices_are_noted():
     """'--parallel_quantization 2' with three devices silently ignored the third."""
     plan = resolve(PlanRequest(world=2, devices="cpu,cpu,cpu", home="cpu"))
-    assert plan.world == 2 and has(plan.notes, "first 2 of the 3 lane devices", "--parallel_quantization 3")
+    assert plan.local_lanes == 2 and has(plan.notes, "first 2 of the 3 lane devices", "--parallel_quantization 3")
 
 
 def test_auto_says_why_each_lane_was_dropped():
     plan = resolve(PlanRequest(world="auto", devices=f"cpu,{NO_SUCH_GPU},cpu,cpu", samples_per_iter=2, home="cpu"))
-    assert plan.world == 2 and has(plan.reasons, f"{NO_SUCH_GPU} does not exist", "3 lanes but only 2 samples")
+    assert plan.local_lanes == 2 and has(plan.reasons, f"{NO_SUCH_GPU} does not exist", "3 lanes but only 2 samples")
 
 
 def test_devices_with_parallel_quantization_off_are_an_error():
@@ -114,3 +114,13 @@ def test_exchange_price_covers_a_weight_larger_than_the_bucket_cap():
     small: dict = {}
     price_mirror(block, [], 8, bucket_cap_elems=2**22, detail=small)  # a cap above everything: all tuned values
     assert small["exchange"] == 3 * (4096 + 512 + (4096 + 512) // 8) * 4
+
+
+def test_a_plan_is_frozen():
+    """What a run does with its plan is the session's (dpq.session.LaneRun), never written back."""
+    import dataclasses
+
+    plan = resolve(PlanRequest(world=2, devices="cpu,cpu", home="cpu"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.communicator = "pg-gloo"
+    assert dataclasses.replace(plan, notes=["x"]).notes == ["x"] and plan.notes == []

@@ -259,10 +259,10 @@ def test_a_non_canonical_communicator_says_so_in_the_plan(monkeypatch):
     from dpq.nccl_comm import TorchNcclCommunicator
 
     monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("torch-nccl", "two GPUs"))
-    plan = plan_mod._finish(plan_mod.Plan(2, [torch.device("cpu")] * 2), plan_mod.PlanRequest())
+    plan = plan_mod._finish(plan_mod.Plan([torch.device("cpu")] * 2), plan_mod.PlanRequest())
     assert plan.communicator_reason == f"two GPUs; {TorchNcclCommunicator.order_note}"
     monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("local", "same device"))
-    assert plan_mod._finish(plan_mod.Plan(2, [torch.device("cpu")] * 2), plan_mod.PlanRequest()).communicator_reason \
+    assert plan_mod._finish(plan_mod.Plan([torch.device("cpu")] * 2), plan_mod.PlanRequest()).communicator_reason \
         == "same device"
 
 

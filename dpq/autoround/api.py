@@ -19,7 +19,7 @@ from auto_round.wrapper import unwrapper_block, wrapper_block
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
 from dpq.mirror import tensors_in
-from dpq.plan import Plan, PlanRefused
+from dpq.plan import PlanRefused
 
 from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
 
@@ -402,7 +402,7 @@ class _Task:
                                  samples_per_iter=per_iter, home=self.home,
                                  pure_sign=is_pure_sign(s.optimizer_cls, s.momentum))
 
-    def start(self, plan: Plan):
+    def start(self, ran: session.LaneRun):
         """The work before the loop. Its frame and everything below it hold the run (wrappers,
         the pool's closures): on failure the session clears them from the traceback."""
         s = self.settings
@@ -423,7 +423,7 @@ class _Task:
         if self.progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=s.iters, desc=f"dpq tune (world {plan.world})", leave=False)
+            bar = tqdm(total=s.iters, desc=f"dpq tune (world {ran.world})", leave=False)
         self._bar = bar
         spec = signround_spec(self.block, BlockData(self.inputs, self.others, list(outputs), self.valid_token_mask),
                               s, runner, lambda m: (lr, minmax_lr),
@@ -433,7 +433,7 @@ class _Task:
         self.snapshot = spec.best_params  # finish() waits for its copies (it holds nothing of the run)
         return spec
 
-    def finish(self, outcome, plan: Plan) -> ParallelTuneResult:
+    def finish(self, outcome, ran: session.LaneRun) -> ParallelTuneResult:
         self.close_bar()
         self.snapshot.wait()  # the snapshot's copies to the host (dpq.autoround.tune.BestSnapshot)
         with torch.no_grad():
@@ -444,14 +444,14 @@ class _Task:
             best_iter=outcome.best_iter,
             best_loss=outcome.best_loss,
             seconds=outcome.seconds,
-            world=plan.world,
-            devices=[str(d) for d in plan.devices],
-            communicator=plan.communicator,
-            communicator_reason=plan.communicator_reason,
+            world=ran.world,
+            devices=[str(d) for d in ran.devices],
+            communicator=ran.communicator,
+            communicator_reason=ran.communicator_reason,
             wire_bytes=outcome.wire_bytes,
-            step=plan.step,
+            step=ran.step,
             issue_s=outcome.issue_s,
-            plan_reasons=plan.reasons + plan.notes,
+            plan_reasons=ran.said,
             indices=outcome.indices,
         )
 

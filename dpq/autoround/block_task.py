@@ -21,7 +21,7 @@ from auto_round.utils.device_manager import device_manager
 from auto_round.wrapper import unwrapper_block
 
 from dpq import refusals, session
-from dpq.plan import BlockPrice, Plan
+from dpq.plan import BlockPrice
 
 from .compat import prepare_block_for_tuning
 from .run import run_processes
@@ -57,12 +57,6 @@ def _unclaimed_group() -> bool:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return False
     return run_processes() is None
-
-
-def _global_world(plan: Plan) -> int:
-    """The lanes over every process (the plan's are this process's)."""
-    procs = run_processes()
-    return plan.world * (procs.size if procs is not None else 1)
 
 
 def loss_scale(q: SignRoundQuantizer) -> float | None:
@@ -117,12 +111,12 @@ class AutoRoundBlock:
         name = self.block_ctx.block_name
         return session.BlockTask(
             name=name, block=self.block, start=self.start, finish=self.finish, serial=serial,
-            lane_error=lambda err, plan: lane_error(name, plan.world, err, "while tuning", records=records),
+            lane_error=lambda err, ran: lane_error(name, ran.world, err, "while tuning", records=records),
             on_fallback=lambda err: logger.warning(refusals.lane_failed_rerun(name, repr(err))),
             **task_plan_fields(self.q, self.block, self.fp_inputs),
         )
 
-    def start(self, plan: Plan):
+    def start(self, ran: session.LaneRun):
         q, block, device = self.q, self.block, device_manager.device
         valid_token_mask = None
         if self.input_ids is not None:
@@ -156,7 +150,7 @@ class AutoRoundBlock:
             q._maybe_log_low_bit_lr(bits)
             return (q.lr if lr is None else lr), (q.minmax_lr if mm is None else mm)
 
-        self.progress = _Progress(self.block_ctx.block_name, q.iters, _global_world(plan))
+        self.progress = _Progress(self.block_ctx.block_name, q.iters, ran.world)
         spec = signround_spec(
             block, BlockData(active_inputs, self.input_others, self.fp_outputs, valid_token_mask), settings,
             q.block_forward, lr_of,
@@ -166,7 +160,7 @@ class AutoRoundBlock:
         self.snapshot = spec.best_params  # finish() waits for its copies (it holds nothing of the run)
         return spec
 
-    def finish(self, outcome, plan: Plan) -> dict:
+    def finish(self, outcome, ran: session.LaneRun) -> dict:
         self.close()
         q, block = self.q, self.block
         if outcome is None:  # nothing to tune in this block
@@ -184,7 +178,7 @@ class AutoRoundBlock:
         logger.infoclean(
             f"quantized {len(quantized)}/{len(quantized) + len(unquantized)} layers in the block, loss iter 0: "
             f"{outcome.init_loss:.3e} -> iter {outcome.best_iter}: {outcome.best_loss:.3e} "
-            f"[dpq world {_global_world(plan)}, {plan.communicator}]"
+            f"[dpq world {ran.world}, {ran.communicator}]"
         )
         return outcome.best_params
 

@@ -15,8 +15,9 @@ world raises :class:`ParallelLaneError`. Blocks already quantized are untouched 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
@@ -204,23 +205,24 @@ def _lane_devices(cfg: Run):
     return None
 
 
-def _session_config(cfg: Run, plan: Plan | None) -> session.SessionConfig:
-    """``plan`` None: several processes (the session plans and agrees; it runs no cost model there)."""
+def _session_config(cfg: Run, auto_world: AutoWorld | None) -> session.SessionConfig:
+    """``auto_world``: this block's cost model (:func:`_auto_world_for`; None across processes: the
+    session plans and agrees there and runs no cost model)."""
     return session.SessionConfig(world=cfg.world, devices=_lane_devices(cfg), debug_identical=cfg.debug_identical,
-                                 auto_world=None if plan is None else _auto_world_for(cfg, plan),
-                                 processes=cfg.processes, overlap=cfg.overlap, timeout=cfg.timeout)
+                                 auto_world=auto_world, processes=cfg.processes, overlap=cfg.overlap,
+                                 timeout=cfg.timeout)
 
 
-def _auto_world_for(cfg: Run, plan: Plan) -> AutoWorld | None:
-    """The run's cost model for this block's lanes. The default one models one device per lane
-    (compute divided by W): for lanes sharing a device it has no basis, so every fitting lane runs
-    (as without it), and the plan notes why."""
-    if cfg.auto_world is None or plan.world < 2:
-        return None
+def _auto_world_for(cfg: Run, plan: Plan) -> tuple[AutoWorld | None, Plan]:
+    """The run's cost model for this block's lanes, and the plan to run. The default one models one
+    device per lane (compute divided by W): for lanes sharing a device it has no basis, so every
+    fitting lane runs (as without it), and the plan to run notes why."""
+    if cfg.auto_world is None or plan.local_lanes < 2:
+        return None, plan
     if not cfg.auto_given and len(set(plan.devices)) < len(plan.devices):
-        plan.notes.append(refusals.auto_shared_device(len(plan.devices), sorted({str(d) for d in plan.devices})))
-        return None
-    return cfg.auto_world
+        note = refusals.auto_shared_device(len(plan.devices), sorted({str(d) for d in plan.devices}))
+        return None, dataclasses.replace(plan, notes=[*plan.notes, note])
+    return cfg.auto_world, plan
 
 
 def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
@@ -230,23 +232,25 @@ def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
 
 def _plan_for(cfg: Run, q, block, fp_inputs, block_ctx) -> Plan:
     plan = resolve(_tuner_request(cfg, q, block, fp_inputs))
-    _log_plan(cfg, plan, block, block_ctx)
+    _log_plan(cfg, plan.devices, [*plan.reasons, *plan.notes], block, block_ctx)
     return plan
 
 
-def _log_plan(cfg: Run, plan: Plan, block, block_ctx, layout=None) -> None:
-    """The plan, once per block shape (several processes: on rank 0, with the agreed layout)."""
+def _log_plan(cfg: Run, devices: Sequence[torch.device], reasons: Sequence[str], block, block_ctx,
+              layout=None) -> None:
+    """The plan (its lanes ``devices`` and its ``reasons`` and notes), once per block shape (several
+    processes: on rank 0, with the agreed layout)."""
     if cfg.processes is not None and cfg.processes.rank != 0:
         return
     key = (type(block).__name__, tuple(p.shape for p in block.parameters()))
     if key not in cfg.shapes_logged:
         cfg.shapes_logged.add(key)
-        lanes = ", ".join(map(str, plan.devices))
-        where = f"{layout.describe()}, each process's lanes" if layout is not None else f"world {plan.world}"
+        lanes = ", ".join(map(str, devices))
+        where = f"{layout.describe()}, each process's lanes" if layout is not None else f"world {len(devices)}"
         said = layout.describe() if layout is not None else None
         logger.info(f"dpq plan for {block_ctx.block_name} ({type(block).__name__}): {where} on [{lanes}]"
-                    + "".join(f"\n  - {r}" for r in plan.reasons + plan.notes if r != said))
-    if plan.world > 1 and plan.devices[0].type == "cpu" and not cfg.cpu_logged:
+                    + "".join(f"\n  - {r}" for r in reasons if r != said))
+    if len(devices) > 1 and devices[0].type == "cpu" and not cfg.cpu_logged:
         cfg.cpu_logged = True
         logger.info("dpq: CPU lanes share the CPU: no speedup, but the parallel path and its parity run here")
 
@@ -268,21 +272,18 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
     run = _parallel_block(cfg, self, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
                           input_ids, serial)
     name, algorithm = block_ctx.block_name, type(self).__name__
-    plan = run.plan
+    ran = run.ran
     if cfg.processes is not None:
-        _log_plan(cfg, plan, block, block_ctx, run.layout)
+        _log_plan(cfg, ran.devices, ran.said, block, block_ctx, ran.layout)
     if run.fell_back:
         cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=[refusals.lane_failure(run.failure)],
                                        fell_back=True, algorithm=algorithm))
     elif run.serial:
-        cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=plan.reasons + plan.notes,
-                                       algorithm=algorithm))
+        cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=ran.said, algorithm=algorithm))
     elif run.outcome is not None:
         out = run.outcome
-        world = run.layout.world if run.layout is not None else plan.world  # the global world
-        cfg.records.append(BlockRecord(name, world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
-                                       plan.communicator, [*plan.reasons, *plan.notes, plan.communicator_reason,
-                                                           f"step: {plan.step}"],
+        cfg.records.append(BlockRecord(name, ran.world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
+                                       ran.communicator, [*ran.said, ran.communicator_reason, f"step: {ran.step}"],
                                        algorithm=algorithm, losses=out.losses, best_iter=out.best_iter,
                                        issue_s=out.issue_s,
                                        **_compile_fields(run.compiles), **_prediction(cfg, chosen)))
@@ -312,7 +313,10 @@ def _parallel_block(cfg: Run, q, plan, block, fp_inputs, input_others, fp_output
     engine end to end), else the lanes; on a lane failure the session restores the block, then
     reruns ``serial`` (auto) or raises :func:`lane_error` (explicit world)."""
     task = AutoRoundBlock(q, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids)
+    auto_world = None
+    if plan is not None:
+        auto_world, plan = _auto_world_for(cfg, plan)
     try:
-        return session.run(_session_config(cfg, plan), task.describe(serial, cfg.records), plan=plan)
+        return session.run(_session_config(cfg, auto_world), task.describe(serial, cfg.records), plan=plan)
     finally:
         task.close()
