@@ -94,6 +94,11 @@ class Plan:
         """This process's lanes (across processes the world is the processes times the agreed count)."""
         return len(self.devices)
 
+    @property
+    def said(self) -> list[str]:
+        """Its reasons, then its notes (what the block's log and record say)."""
+        return [*self.reasons, *self.notes]
+
 
 def _exchange(pure_sign: bool) -> tuple[str, str]:
     if pure_sign:

@@ -161,7 +161,7 @@ class LaneRun:
     @property
     def said(self) -> list[str]:
         """The plan's reasons and notes, then the run's notes."""
-        return [*self.plan.reasons, *self.plan.notes, *self.notes]
+        return [*self.plan.said, *self.notes]
 
 
 @dataclass

@@ -232,7 +232,7 @@ def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
 
 def _plan_for(cfg: Run, q, block, fp_inputs, block_ctx) -> Plan:
     plan = resolve(_tuner_request(cfg, q, block, fp_inputs))
-    _log_plan(cfg, plan.devices, [*plan.reasons, *plan.notes], block, block_ctx)
+    _log_plan(cfg, plan.devices, plan.said, block, block_ctx)
     return plan
 
 
