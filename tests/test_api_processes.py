@@ -11,13 +11,13 @@ one-process run's."""
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.processes import worker_context
 from tests.test_torchrun import same_bits
 
 ITERS, NSAMPLES, BATCH, SEQLEN = 4, 8, 4, 32  # as tests/test_torchrun.py: every block keeps a tuned iteration
@@ -67,7 +67,7 @@ def runs(tmp_path_factory) -> dict:
 
     tmp = tmp_path_factory.mktemp("api_processes")
     calib = calibration_jsonl(tmp / "calib.jsonl", 16, SEQLEN)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     procs = [ctx.Process(target=_worker, args=(r, str(tmp / "store"), str(calib), str(tmp))) for r in range(2)]
     t0 = time.monotonic()
     for p in procs:

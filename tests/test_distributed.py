@@ -12,7 +12,6 @@ indices, raises or is killed stops every rank with an error naming it."""
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import random
 import signal
@@ -31,6 +30,7 @@ from dpq.plan import PlanRefused
 from dpq.session import BlockTask, SessionConfig, run
 from dpq.streams import make_lanes
 from dpq.tune_loop import TuneSpec
+from tests.processes import worker_context
 
 NSAMPLES, ITERS = 12, 4
 TIMEOUT_S = 120  # whole spawn (a bound, not the expected time); a process group collective times out after 20 s
@@ -212,7 +212,7 @@ def _failing_run(rank: int, procs: ProcessSet, result: dict) -> None:
 
 
 def _spawn(tmp_path) -> tuple[list[int | None], list[dict], float]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     store = str(tmp_path / "store")
     procs = [ctx.Process(target=_worker, args=(r, store, str(tmp_path))) for r in range(4)]
     t0 = time.monotonic()

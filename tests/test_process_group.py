@@ -24,6 +24,7 @@ from dpq.comm_base import ring_wire_bytes
 from dpq.communicators import select_communicator
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import make_lanes
+from tests.processes import worker_context
 
 N_RS = 5  # reduce_scatter chunk per lane
 N_AR = 37  # all_reduce length: divisible by none of 2, 3, 4
@@ -165,7 +166,9 @@ def expected_p2p_bytes(processes: int, lanes: int, rank: int) -> int:
 
 
 def test_layouts_give_the_same_bits(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=4, join=True)
+    worker_context()  # the server preloads what the workers import
+    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=4, join=True,
+                       start_method="forkserver")
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     layouts = {"4x1": 4, "2x2": 4, "3x1": 3, "2x1": 2}
     for world in (2, 3, 4):

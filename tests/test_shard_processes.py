@@ -10,7 +10,6 @@ process, and between the two ranks (same machine, same thread count)."""
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import time
 
 import pytest
@@ -21,6 +20,7 @@ from dpq.distributed import ProcessLayout, ProcessSet
 from dpq.shard import shard_forward
 from dpq.shard_processes import agree_lanes, gather_in_sample_order, global_ranges
 from dpq.streams import make_lanes
+from tests.processes import worker_context
 
 CASES = [(11, 3, torch.float32), (7, 2, torch.bfloat16), (5, 4, torch.float32)]  # (samples, batch, dtype)
 TIMEOUT_S = 60  # whole spawn (a bound, not the expected time)
@@ -85,7 +85,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shard_processes")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     ps = [ctx.Process(target=_worker, args=(r, str(tmp / "store"), str(tmp))) for r in range(2)]
     deadline = time.monotonic() + TIMEOUT_S
     for p in ps:

@@ -13,12 +13,12 @@ compute, so any lane waiting for another shows as lost overlap. The host cost pe
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.processes import worker_context
 from tests.timeline_model import BLOCKS, GPUS, simulate
 from tests.timeline_scenarios import record_block, recorded_class, run_adapter, run_api
 
@@ -180,7 +180,7 @@ def test_timeline_torchrun_2x1(tmp_path):
     losses and each rank's checksum of the drawn indices come back in one copy of the gathered table),
     also with --parallel_overlap, whose exchange runs on the communication streams, issued by the
     calling thread."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
