@@ -7,6 +7,7 @@ import copy
 import gc
 import random
 import re
+import time
 import weakref
 
 import pytest
@@ -519,6 +520,7 @@ def test_two_threads_tune_as_they_would_one_after_the_other(tiny_block):
         t.start()
     while any(t.is_alive() for t in threads):
         random.random()  # a third party drawing from the global generator meanwhile
+        time.sleep(0.001)  # between draws: a spinning loop holds the GIL the two tuning threads need
     for t in threads:
         t.join()
     for seed in (1, 2):
