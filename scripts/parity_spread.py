@@ -12,8 +12,9 @@ Settings (each exactly as its test runs it):
 - ``model``: tests/test_integration.py's model-level test (``enable()`` + AutoRound on the tiny
   Llama, 20 iterations, 16 x 64, batch 8) with KL on its held-out samples;
 - ``algs``: tests/test_integration.py's ALGORITHMS at 6 iterations;
-- ``cli``: the ``auto-round-dp`` CLI on the embedded model (50 iterations), KL on held-out text;
-  ``--compile``: with auto-round's torch.compile on (tests/test_compile_cli.py), else off.
+- ``cli``: the ``auto-round-dp`` CLI on the embedded model (tests/test_integration.py's
+  CLI_ITERS iterations), KL on held-out text; ``--compile``: with auto-round's torch.compile on
+  (tests/test_compile_cli.py, its ITERS), else off.
 
 Blocks and seeds are pairs; ``--mutant`` runs the parallel side with a tests/mutants.py bug. Prints
 one JSON line per run, then per (config, quantity): serial's pooled relative spread (stdev of
@@ -83,7 +84,7 @@ def run_integration(config, iters, alg, seeds, worlds, mutant, kl, serial=True):
                        **parity_stats.loss_stats(r.losses), **extra}
 
 
-def run_cli(seeds, worlds, mutant, torch_compile=False):
+def run_cli(seeds, worlds, mutant, torch_compile=False, iters=None):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -103,7 +104,7 @@ def run_cli(seeds, worlds, mutant, torch_compile=False):
                     runs[out] += ["--parallel_devices", ",".join(["cpu"] * world)]
                     if mutant:
                         envs[out] = {tests.conftest.SITE_HOOKS.MUTANT_ENV: mutant}
-        done = ti._cli_many(Path(tmp), runs, envs, torch_compile=torch_compile)
+        done = ti._cli_many(Path(tmp), runs, envs, torch_compile=torch_compile, iters=iters)
         for out, r in done.items():
             world, seed = (int(x) for x in out[1:].split("s"))
             q = AutoModelForCausalLM.from_pretrained(r["dir"], device_map="cpu", local_files_only=True).eval()
@@ -147,6 +148,8 @@ def main() -> None:
     p.add_argument("--no-serial", action="store_true",
                    help="model/algs: only the parallel runs (their serial rows from an earlier run's log)")
     p.add_argument("--compile", action="store_true", help="cli: auto-round's torch.compile on (its default)")
+    p.add_argument("--iters", type=int, help="cli: iterations (default: the test's, tests/test_integration.py "
+                                             "CLI_ITERS; tests/test_compile_cli.py ITERS with --compile)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     a, _, b = args.seeds.partition("-")
@@ -157,7 +160,10 @@ def main() -> None:
     elif args.setting == "model":
         gen = run_integration("model", 20, {}, seeds, worlds, args.mutant, kl=True)
     elif args.setting == "cli":
-        gen = run_cli(seeds, worlds, args.mutant, torch_compile=args.compile)
+        iters = args.iters
+        if iters is None and args.compile:
+            from tests.test_compile_cli import ITERS as iters
+        gen = run_cli(seeds, worlds, args.mutant, torch_compile=args.compile, iters=iters)
     else:
         from tests.test_integration import ALGORITHMS
 

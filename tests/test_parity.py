@@ -101,7 +101,7 @@ def longer_blocks():
 # relative difference d = (P - S) / S of two quantities of each run: its best loss (what auto-round
 # keeps) and the mean of its per-iteration losses (the whole trajectory; far less noisy); the mean
 # over n pairs is held to K * sqrt(2) * SPREAD / sqrt(n), K = Phi^-1(1 - 1e-3 / (2 * 2)) = 3.48 for
-# the 2 statistics: a correct build fails a test with probability <= 1e-3 (it was K = 3: 5.4e-3).
+# the 2 statistics: a correct build fails a test with probability <= 1e-3.
 # SPREAD: serial's own seed-to-seed spread, committed (measured: scripts/parity_spread.py engine,
 # seeds 0..7, python `random` and torch seeded with the seed before auto-round's own
 # quantize_block, each block of `longer_blocks`: 2 blocks, 30 iters, 32 samples x 64 tokens,
