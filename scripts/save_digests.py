@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,12 @@ from pathlib import Path
 
 RUNS = {"off": (None, "off"), "1": (None, "1"), "2": (None, "2"), "auto": (None, "auto"),
         "torchrun-2x1": (2, "1")}
+
+
+# One intra-op thread in every run, as torchrun gives each of its processes: under bf16 autocast a
+# CPU kernel can round differently with another thread count, and world 2 in one process is then
+# not bitwise world 2 as 2 processes (tests/test_torchrun.py runs the same way).
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 def digest(folder: Path) -> str:
@@ -58,7 +65,7 @@ def main() -> int:
                    "--lr", "0.02", "--seed", "42", "--output_dir", str(out), "--parallel_quantization", world]
             if nproc is None and world in ("2", "auto"):
                 cmd += ["--parallel_devices", "cpu,cpu"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
             if proc.returncode != 0:
                 print(f"{name}: exit {proc.returncode}\n{proc.stderr[-2000:]}", file=sys.stderr)
                 return 1
