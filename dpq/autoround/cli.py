@@ -273,8 +273,8 @@ def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe:
 
 def _freeze_imported_heap() -> None:
     """auto-round's ``clear_memory`` runs ``gc.collect()`` several times per block, and with
-    auto-round and transformers imported each full collection walks ~400k objects (0.23 s on a
-    2-core CPU, 2026-12-02): seconds per block of host time, which lanes do not shrink. What is
+    auto-round and transformers imported each full collection walks ~400k objects (~0.2 s on a
+    2-core CPU): seconds per block of host time, which lanes do not shrink. What is
     imported by now lives as long as the process, so it is frozen (``gc.freeze``: later
     collections skip it); garbage made later is collected as before. Only as the command: a
     library caller's heap is theirs."""
