@@ -26,7 +26,7 @@ from auto_round.utils.device_manager import device_manager
 
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
-from dpq.distributed import ProcessSet
+from dpq.distributed import ProcessSet, Topology
 from dpq.nccl_lifecycle import close_communicators
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
 from dpq.streams import release_run_streams
@@ -232,22 +232,22 @@ def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
 
 def _plan_for(cfg: Run, q, block, fp_inputs, block_ctx) -> Plan:
     plan = resolve(_tuner_request(cfg, q, block, fp_inputs))
-    _log_plan(cfg, plan.devices, plan.said, block, block_ctx)
+    _log_plan(cfg, plan.devices, Topology.alone(plan.local_lanes), plan.said, block, block_ctx)
     return plan
 
 
-def _log_plan(cfg: Run, devices: Sequence[torch.device], reasons: Sequence[str], block, block_ctx,
-              layout=None) -> None:
-    """The plan (its lanes ``devices`` and its ``reasons`` and notes), once per block shape (several
-    processes: on rank 0, with the agreed layout)."""
+def _log_plan(cfg: Run, devices: Sequence[torch.device], topology: Topology, reasons: Sequence[str], block,
+              block_ctx) -> None:
+    """The plan (its lanes ``devices`` over ``topology``, its ``reasons`` and notes), once per block
+    shape (several processes: on rank 0, with the agreed topology)."""
     if cfg.processes is not None and cfg.processes.rank != 0:
         return
     key = (type(block).__name__, tuple(p.shape for p in block.parameters()))
     if key not in cfg.shapes_logged:
         cfg.shapes_logged.add(key)
         lanes = ", ".join(map(str, devices))
-        where = f"{layout.describe()}, each process's lanes" if layout is not None else f"world {len(devices)}"
-        said = layout.describe() if layout is not None else None
+        where = f"{topology.describe()}, each process's lanes" if topology.several else f"world {topology.world}"
+        said = topology.describe() if topology.several else None
         logger.info(f"dpq plan for {block_ctx.block_name} ({type(block).__name__}): {where} on [{lanes}]"
                     + "".join(f"\n  - {r}" for r in reasons if r != said))
     if len(devices) > 1 and devices[0].type == "cpu" and not cfg.cpu_logged:
@@ -274,7 +274,7 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
     name, algorithm = block_ctx.block_name, type(self).__name__
     ran = run.ran
     if cfg.processes is not None:
-        _log_plan(cfg, ran.devices, ran.said, block, block_ctx, ran.layout)
+        _log_plan(cfg, ran.devices, ran.topology, ran.said, block, block_ctx)
     if run.fell_back:
         cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=[refusals.lane_failure(run.failure)],
                                        fell_back=True, algorithm=algorithm))

@@ -185,8 +185,8 @@ class ShardedRunner:
         units = math.ceil(len(inputs) / bs) if isinstance(inputs, list) else 0
         price = None if reasons else _collection_price(block, inputs, bs)
         if procs is not None:
-            def sharded(lanes, layout):
-                return self._sharded(block, inputs, input_others, cache_device, lanes, {}, bs, layout=layout,
+            def sharded(lanes, topology):
+                return self._sharded(block, inputs, input_others, cache_device, lanes, {}, bs, topology=topology,
                                      procs=procs)
         else:
             def sharded(lanes):
@@ -196,15 +196,15 @@ class ShardedRunner:
                          failure=OnLaneFailure(f"a collection pass of {name}", "statistics",
                                                lambda n, err: refusals.collection_lane_failed(name, n, err)))
 
-    def _sharded(self, block, inputs, input_others, cache_device, lanes, spec, bs, *, layout=None, procs=None):
-        """``layout``/``procs`` (several processes): this process's lanes forward its slice of the
+    def _sharded(self, block, inputs, input_others, cache_device, lanes, spec, bs, *, topology=None, procs=None):
+        """``topology``/``procs`` (several processes): this process's lanes forward its slice of the
         global ranges, and every rank's outputs are gathered in sample order."""
         runner = self._runner
         out_device = cache_device if cache_device is not None else runner.cache_device
         low_mem = bool(getattr(getattr(self._composer.block_quantizer, "compress_context", None),
                                "low_gpu_mem_usage", False))
         lane_dicts: list[dict | None] = []
-        ranges = None if layout is None else global_ranges(len(inputs), layout, bs)
+        ranges = None if topology is None else global_ranges(len(inputs), topology, bs)
 
         def forward_fn(module, lane, start, stop):
             r = copy.copy(runner)

@@ -39,7 +39,7 @@ from typing import TypeVar
 import torch
 
 from dpq import refusals
-from dpq.distributed import ProcessLayout, ProcessSet, peer_lost
+from dpq.distributed import ProcessSet, Topology, peer_lost
 from dpq.plan import PlanRefused, PlanRequest
 from dpq.session import lanes_for
 from dpq.shard_processes import agree_lanes
@@ -240,7 +240,7 @@ def run_phase(seams: SeamRun, block: str, phase: str, *, serial: Callable[[], T]
 
     A lane failure: with ``failure``, as :class:`OnLaneFailure` says (the rerun recorded with the
     lane failure as its reason, ``fell_back``); without, it propagates as raised. ``processes``
-    (several processes): the pass runs over the global lanes, ``sharded(lanes, layout)`` with the
+    (several processes): the pass runs over the global lanes, ``sharded(lanes, topology)`` with the
     lane count every rank agreed (0 anywhere: every rank runs it home alone, every rank's reasons
     recorded); every rank reaches this for the same passes and calls ``agree_lanes`` once, and a
     failure anywhere in the agreement or the sharded run is fatal on every rank (``ProcessSet.stop``:
@@ -268,8 +268,8 @@ def run_phase(seams: SeamRun, block: str, phase: str, *, serial: Callable[[], T]
             agreed, alone = agree_lanes(processes, 0 if lanes is None else len(lanes), reasons)
             if agreed:
                 # no more global lanes than pieces (a lane without a piece would only build a mirror)
-                layout = ProcessLayout(processes.size, processes.rank, max(1, min(agreed, units // processes.size)))
-                out = sharded(lanes[: layout.lanes], layout)
+                topology = Topology(processes.size, processes.rank, max(1, min(agreed, units // processes.size)))
+                out = sharded(lanes[: topology.lanes], topology)
         except BaseException as err:
             stopped = processes.stop(err, peer_lost(err))
             if not isinstance(err, Exception):
@@ -277,7 +277,7 @@ def run_phase(seams: SeamRun, block: str, phase: str, *, serial: Callable[[], T]
             raise stopped from err
         if not agreed:
             return home_alone(alone or reasons)
-        report(layout.world, f"{_text(detail, layout.world)}; {layout.describe()}", [])
+        report(topology.world, f"{_text(detail, topology.world)}; {topology.describe()}", [])
         return out
     lanes = plan_lanes(seams, units, price, reasons)
     if lanes is None:
