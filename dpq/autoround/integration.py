@@ -104,7 +104,7 @@ def disable() -> None:
     if cfg is None:
         return
     while patches.uninstall().config is not cfg:
-        pass  # a seams-only install above this enable() ends with it
+        pass  # a seams-only run installed above this enable() ends with it
     if current_run() is None:
         _release_run_resources()
 
@@ -196,19 +196,10 @@ def _preflight(cfg: Run, q, block, inputs) -> None:
                            bool(request.extra_reasons), lambda: resolve(request))
 
 
-def _lane_devices(cfg: Run):
-    if cfg.devices is not None:
-        return cfg.devices
-    dl = [d for d in (device_manager.device_list or []) if d is not None]
-    if len(dl) > 1:
-        return [str(d) for d in dl]
-    return None
-
-
 def _session_config(cfg: Run, auto_world: AutoWorld | None) -> session.SessionConfig:
     """``auto_world``: this block's cost model (:func:`_auto_world_for`; None across processes: the
     session plans and agrees there and runs no cost model)."""
-    return session.SessionConfig(world=cfg.world, devices=_lane_devices(cfg), debug_identical=cfg.debug_identical,
+    return session.SessionConfig(world=cfg.world, devices=cfg.lane_devices(), debug_identical=cfg.debug_identical,
                                  auto_world=auto_world, processes=cfg.processes, overlap=cfg.overlap,
                                  timeout=cfg.timeout)
 
@@ -226,7 +217,7 @@ def _auto_world_for(cfg: Run, plan: Plan) -> tuple[AutoWorld | None, Plan]:
 
 
 def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
-    return PlanRequest(world=cfg.world, devices=_lane_devices(cfg), overlap=cfg.overlap is True,
+    return PlanRequest(world=cfg.world, devices=cfg.lane_devices(), overlap=cfg.overlap is True,
                        **task_plan_fields(q, block, fp_inputs))
 
 
