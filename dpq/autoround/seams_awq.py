@@ -32,6 +32,7 @@ from .run import Run
 from .seams_common import (
     HOOK_DICTS,
     OnLaneFailure,
+    PhaseSpec,
     hook_name,
     mirror_refusals,
     run_phase,
@@ -132,14 +133,14 @@ def grid_search_scales(self, mapping, x_mean):
                                                                                                 world)))
         return f"{label}: {points[0]} grid points, cached calls per lane ({per_lane})"
 
-    return run_phase(run, block, "search", serial=lambda: original(self, mapping, x_mean), sharded=sharded,
-                     reasons=reasons, units=len(kwargs_list),
-                     price=None if reasons else _awq_grid_price(mapping, kwargs_list),
-                     detail=detail, home=f"{label} on home",
-                     log=lambda w, _d, _r: (("awq_grid", w), f"dpq: AWQ grid-search replays of {block} sharded over "
-                                                            f"{w} lanes"),
-                     failure=OnLaneFailure(f"the {label}", "weights",
-                                           lambda n, err: refusals.awq_lane_failed(label, block, n, err)))
+    phase = PhaseSpec("search", serial=lambda: original(self, mapping, x_mean), sharded=sharded,
+                      units=len(kwargs_list), price=None if reasons else _awq_grid_price(mapping, kwargs_list),
+                      detail=detail, home=f"{label} on home",
+                      log=lambda w, _d, _r: (("awq_grid", w), f"dpq: AWQ grid-search replays of {block} sharded over "
+                                                             f"{w} lanes"),
+                      failure=OnLaneFailure(f"the {label}", "weights",
+                                            lambda n, err: refusals.awq_lane_failed(label, block, n, err)))
+    return run_phase(run, block, phase, reasons=reasons)
 
 
 def _awq_ctx_for(run: Run, parent, kwargs_list):
@@ -297,12 +298,13 @@ def clip_block(self, block_prefix, block_mappings):
     def per_lane(world: int) -> str:
         return ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(world))
 
-    return run_phase(run, block_prefix, "search", serial=lambda: original(self, block_prefix, block_mappings),
-                     sharded=sharded, reasons=reasons, units=len(items), price=price or None,
-                     detail=lambda w: f"{len(items)} AWQ clip searches ({per_lane(w)})",
-                     home="AWQ clip searches on home", time_home=False,
-                     log=lambda w, _d, _r: (("awq_clip", w), f"dpq: AWQ clip searches of {block_prefix} mapped over "
-                                                            f"{w} lanes ({per_lane(w)})"))
+    phase = PhaseSpec("search", serial=lambda: original(self, block_prefix, block_mappings), sharded=sharded,
+                      units=len(items), price=price or None,
+                      detail=lambda w: f"{len(items)} AWQ clip searches ({per_lane(w)})",
+                      home="AWQ clip searches on home", time_home=False,
+                      log=lambda w, _d, _r: (("awq_clip", w), f"dpq: AWQ clip searches of {block_prefix} mapped over "
+                                                             f"{w} lanes ({per_lane(w)})"))
+    return run_phase(run, block_prefix, phase, reasons=reasons)
 
 
 def compute_best_clip(self, layer, input_feat):

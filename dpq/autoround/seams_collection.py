@@ -35,6 +35,7 @@ from .run import Run
 from .seams_common import (
     HOOK_DICTS,
     OnLaneFailure,
+    PhaseSpec,
     hook_name,
     mirror_refusals,
     pool_device_refusals,
@@ -171,8 +172,8 @@ class ShardedRunner:
 
         procs = run.processes
         if procs is None and run.world == 1:
-            return run_phase(run, name, "collection", serial=serial, sharded=serial, reasons=["world 1"], home="",
-                             every_run=True, log=log)
+            return run_phase(run, name, PhaseSpec("collection", serial=serial, sharded=serial, home="", every_run=True,
+                                                  log=log), reasons=["world 1"])
         reasons = _block_refusals(run, block, inputs)
         spec, sinks, unknown = _classify_hooks(block)
         if procs is not None and (spec or sinks or unknown):
@@ -191,10 +192,11 @@ class ShardedRunner:
         else:
             def sharded(lanes):
                 return self._sharded(block, inputs, input_others, cache_device, lanes, spec, bs)
-        return run_phase(run, name, "collection", serial=serial, sharded=sharded, reasons=reasons, units=units,
-                         price=price, detail=detail, home=detail, every_run=True, log=log, processes=procs,
-                         failure=OnLaneFailure(f"a collection pass of {name}", "statistics",
-                                               lambda n, err: refusals.collection_lane_failed(name, n, err)))
+        phase = PhaseSpec("collection", serial=serial, sharded=sharded, units=units, price=price, detail=detail,
+                          home=detail, every_run=True, log=log,
+                          failure=OnLaneFailure(f"a collection pass of {name}", "statistics",
+                                                lambda n, err: refusals.collection_lane_failed(name, n, err)))
+        return run_phase(run, name, phase, reasons=reasons, processes=procs)
 
     def _sharded(self, block, inputs, input_others, cache_device, lanes, spec, bs, *, topology=None, procs=None):
         """``topology``/``procs`` (several processes): this process's lanes forward its slice of the

@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -48,8 +48,8 @@ from dpq.streams import make_lanes
 from . import patches
 from .run import PhaseRecord, Run
 
-__all__ = ["OnLaneFailure", "ParallelLaneError", "phase_seconds", "plan_lanes", "records", "reported", "run_phase",
-           "seam_run"]
+__all__ = ["OnLaneFailure", "ParallelLaneError", "PhaseSpec", "phase_seconds", "plan_lanes", "records", "reported",
+           "run_phase", "seam_run"]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 T = TypeVar("T")
@@ -152,37 +152,65 @@ class OnLaneFailure:
     refused: Callable[[int, str], str]
 
 
-def run_phase(run: Run, block: str, phase: str, *, serial: Callable[[], T], sharded: Callable[..., T],
-              reasons: list[str], units: int = 0, price: int | None = None,
-              detail: str | Callable[[int], str] = "", home: str | None = None, every_run: bool = False,
-              time_home: bool = True, log: Callable[[int, str, list[str]], tuple[Hashable, str]] | None = None,
-              failure: OnLaneFailure | None = None, processes: ProcessSet | None = None,
-              nested: bool = False) -> T:
-    """One no-grad phase of ``block``: planned, run sharded or serially, recorded, logged once.
+@dataclass(frozen=True)
+class PhaseSpec(Generic[T]):
+    """What one no-grad phase is, as a seam describes it to :func:`run_phase`.
 
-    ``reasons`` (why home alone; empty: plan lanes for ``units`` pieces at ``price`` bytes, the
-    plan's notes appended) decide the path: ``serial()`` on home, or ``sharded(lanes)``, whose
-    record carries ``detail`` (a callable gets the lane count after the run) and whose log line
-    is ``log(world, detail, reasons)`` -> (key, message), said once per key. A home-alone run is
-    recorded with the detail ``home`` (None: never) when refused; with ``every_run`` always, and
-    logged too (collection: every pass says where it ran). ``time_home`` False: that record is
-    written before ``serial()`` with no seconds of its own (its run is timed by an enclosing one).
+    ``phase``: its record's phase ("collection", "search"); ``serial()``: the phase on home, as
+    auto-round runs it; ``sharded(lanes)`` (several processes: ``sharded(lanes, topology)``): the
+    phase over lanes. ``units``: its indivisible pieces (the lanes planned are capped at them),
+    ``price``: a lane's bytes. ``detail``: the sharded run's record text (a callable gets the lane
+    count after the run); ``log(world, detail, reasons)`` -> (key, message): its log line, said
+    once per key. ``home``: the record text of a home-alone run (None: none recorded), recorded
+    when refused, or with ``every_run`` always (and logged: collection passes say where they ran);
+    ``time_home`` False: that record has no seconds of its own (its run is timed by an enclosing
+    one). ``failure``: how a lane failure is answered (None: it propagates). ``nested``: every
+    record of it is a detail inside another record's time."""
 
-    A lane failure: with ``failure``, as :class:`OnLaneFailure` says (the rerun recorded with the
-    lane failure as its reason, ``fell_back``); without, it propagates as raised. ``processes``
-    (several processes): the pass runs over the global lanes, ``sharded(lanes, topology)`` with the
-    lane count every rank agreed (0 anywhere: every rank runs it home alone, every rank's reasons
-    recorded); every rank reaches this for the same passes and calls ``agree_lanes`` once, and a
-    failure anywhere in the agreement or the sharded run is fatal on every rank (``ProcessSet.stop``:
-    no serial rerun across processes, the ranks could not agree on one).
+    phase: str
+    serial: Callable[[], T]
+    sharded: Callable[..., T]
+    units: int = 0
+    price: int | None = None
+    detail: str | Callable[[int], str] = ""
+    home: str | None = None
+    every_run: bool = False
+    time_home: bool = True
+    log: Callable[[int, str, list[str]], tuple[Hashable, str]] | None = None
+    failure: OnLaneFailure | None = None
+    nested: bool = False
+
+    def detail_for(self, world: int) -> str:
+        return self.detail if isinstance(self.detail, str) else self.detail(world)
+
+
+def run_phase(run: Run, block: str, spec: PhaseSpec[T], *, reasons: list[str],
+              processes: ProcessSet | None = None) -> T:
+    """One no-grad phase of ``block`` (``spec``: :class:`PhaseSpec`): planned, run sharded or
+    serially, recorded, logged once.
+
+    ``reasons`` (why home alone; empty: plan lanes for ``spec.units`` pieces at ``spec.price``
+    bytes, the plan's notes appended) decide the path: ``spec.serial()`` on home, or
+    ``spec.sharded(lanes)``, recorded with ``spec.detail`` and logged with ``spec.log``. A
+    home-alone run is recorded with ``spec.home`` when refused, or with ``spec.every_run`` always
+    (and then logged too); with ``spec.time_home`` False that record is written before
+    ``serial()`` with no seconds of its own.
+
+    A lane failure: with ``spec.failure``, as :class:`OnLaneFailure` says (the rerun recorded with
+    the lane failure as its reason, ``fell_back``); without, it propagates as raised. ``processes``
+    (several processes): the pass runs over the global lanes, ``spec.sharded(lanes, topology)``
+    with the lane count every rank agreed (0 anywhere: every rank runs it home alone, every rank's
+    reasons recorded); every rank reaches this for the same passes and calls ``agree_lanes`` once,
+    and a failure anywhere in the agreement or the sharded run is fatal on every rank
+    (``ProcessSet.stop``: no serial rerun across processes, the ranks could not agree on one).
     """
     t0 = time.perf_counter()
 
     def report(world: int, text: str, why: list[str], *, fell_back: bool = False, logged: bool = True) -> None:
-        run.record_phase(block, phase, world, time.perf_counter() - t0, text, why, fell_back=fell_back,
-                         nested=nested)
-        if logged and log is not None:
-            key, message = log(world, text, why)
+        run.record_phase(block, spec.phase, world, time.perf_counter() - t0, text, why, fell_back=fell_back,
+                         nested=spec.nested)
+        if logged and spec.log is not None:
+            key, message = spec.log(world, text, why)
             if key not in run.seams.logged:
                 run.seams.logged.add(key)
                 from auto_round.logger import logger
@@ -190,22 +218,23 @@ def run_phase(run: Run, block: str, phase: str, *, serial: Callable[[], T], shar
                 logger.info(message)
 
     def home_alone(why: list[str]) -> T:
-        recorded = home is not None and (every_run or bool(why))
-        if recorded and not time_home:
-            run.record_phase(block, phase, 1, 0.0, home, why, nested=nested)
-        out = serial()
-        if recorded and time_home:
-            report(1, home, why, logged=every_run)
+        recorded = spec.home is not None and (spec.every_run or bool(why))
+        if recorded and not spec.time_home:
+            run.record_phase(block, spec.phase, 1, 0.0, spec.home, why, nested=spec.nested)
+        out = spec.serial()
+        if recorded and spec.time_home:
+            report(1, spec.home, why, logged=spec.every_run)
         return out
 
     if processes is not None:
         try:
-            lanes = None if reasons else _process_lanes(run, units, price, reasons)
+            lanes = None if reasons else _process_lanes(run, spec.units, spec.price, reasons)
             agreed, alone = agree_lanes(processes, 0 if lanes is None else len(lanes), reasons)
             if agreed:
                 # no more global lanes than pieces (a lane without a piece would only build a mirror)
-                topology = Topology(processes.size, processes.rank, max(1, min(agreed, units // processes.size)))
-                out = sharded(lanes[: topology.lanes], topology)
+                topology = Topology(processes.size, processes.rank,
+                                    max(1, min(agreed, spec.units // processes.size)))
+                out = spec.sharded(lanes[: topology.lanes], topology)
         except BaseException as err:
             stopped = processes.stop(err, peer_lost(err))
             if not isinstance(err, Exception):
@@ -213,14 +242,15 @@ def run_phase(run: Run, block: str, phase: str, *, serial: Callable[[], T], shar
             raise stopped from err
         if not agreed:
             return home_alone(alone or reasons)
-        report(topology.world, f"{_text(detail, topology.world)}; {topology.describe()}", [])
+        report(topology.world, f"{spec.detail_for(topology.world)}; {topology.describe()}", [])
         return out
-    lanes = plan_lanes(run, units, price, reasons)
+    lanes = plan_lanes(run, spec.units, spec.price, reasons)
     if lanes is None:
         return home_alone(reasons)
     try:
-        out = sharded(lanes)
+        out = spec.sharded(lanes)
     except Exception as err:
+        failure = spec.failure
         if failure is None:
             raise
         if run.world != "auto":
@@ -228,15 +258,11 @@ def run_phase(run: Run, block: str, phase: str, *, serial: Callable[[], T], shar
         from auto_round.logger import logger
 
         logger.warning(refusals.pass_lane_failed_rerun(failure.what, repr(err), failure.restored))
-        out = serial()
-        report(1, home or "", [refusals.lane_failure(repr(err))], fell_back=True, logged=every_run)
+        out = spec.serial()
+        report(1, spec.home or "", [refusals.lane_failure(repr(err))], fell_back=True, logged=spec.every_run)
         return out
-    report(len(lanes), _text(detail, len(lanes)), reasons)
+    report(len(lanes), spec.detail_for(len(lanes)), reasons)
     return out
-
-
-def _text(detail: str | Callable[[int], str], world: int) -> str:
-    return detail if isinstance(detail, str) else detail(world)
 
 
 def mirror_refusals(module: torch.nn.Module, label: str) -> list[str]:

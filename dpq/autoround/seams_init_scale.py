@@ -21,7 +21,7 @@ from dpq.shard import copy_to_lane, map_over_lanes
 
 from . import patches
 from .run import Run
-from .seams_common import run_phase, seam_run
+from .seams_common import PhaseSpec, run_phase, seam_run
 
 __all__ = ["precompute_init_scales", "prepare_init_scale_weight", "search_optimized_init_scale"]
 
@@ -70,10 +70,11 @@ def precompute_init_scales(run: Run, q, block, block_name: str) -> None:
 
         map_over_lanes(targets, lanes, search_on, cost=lambda m: float(m.weight.numel()), collect=collect)
 
-    run_phase(run, block_name, "search", serial=lambda: None, sharded=sharded, reasons=[], units=len(targets),
-              price=price, detail=f"{len(targets)} SignRoundV2 init-scale searches", nested=True,
-              log=lambda w, _d, _r: (("init_scale", w), f"dpq: SignRoundV2 init-scale searches of {block_name} "
-                                                       f"mapped over {w} lanes"))
+    phase = PhaseSpec("search", serial=lambda: None, sharded=sharded, units=len(targets), price=price,
+                      detail=f"{len(targets)} SignRoundV2 init-scale searches", nested=True,
+                      log=lambda w, _d, _r: (("init_scale", w), f"dpq: SignRoundV2 init-scale searches of {block_name} "
+                                                               f"mapped over {w} lanes"))
+    run_phase(run, block_name, phase, reasons=[])
 
 
 def prepare_init_scale_weight(self):

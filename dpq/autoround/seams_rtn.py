@@ -21,7 +21,7 @@ from dpq.shard import bring_home, copy_to_lane, map_over_lanes
 
 from . import patches
 from .run import Run
-from .seams_common import run_phase, seam_run
+from .seams_common import PhaseSpec, run_phase, seam_run
 
 __all__ = ["opt_rtn_quantize_targets", "rtn_quantize_block"]
 
@@ -113,11 +113,12 @@ def _rtn_phase(run: Run, q, targets: list, disable_opt_rtn, block_name: str, ser
     def per_lane(world: int) -> str:
         return ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(world))
 
-    return run_phase(run, block_name, "search", serial=serial, sharded=sharded, reasons=reasons,
-                     units=len(targets), price=price or None, detail=lambda w: f"{len(targets)} layers ({per_lane(w)})",
-                     home="home alone", time_home=False, nested=True,
-                     log=lambda w, _d, _r: (("search", w), f"dpq: per-layer weight searches of {block_name} mapped "
-                                                          f"over {w} lanes ({per_lane(w)})"))
+    phase = PhaseSpec("search", serial=serial, sharded=sharded, units=len(targets), price=price or None,
+                      detail=lambda w: f"{len(targets)} layers ({per_lane(w)})", home="home alone", time_home=False,
+                      nested=True,
+                      log=lambda w, _d, _r: (("search", w), f"dpq: per-layer weight searches of {block_name} mapped "
+                                                           f"over {w} lanes ({per_lane(w)})"))
+    return run_phase(run, block_name, phase, reasons=reasons)
 
 
 def _block_name_of(targets) -> str:
