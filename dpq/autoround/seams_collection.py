@@ -64,7 +64,7 @@ ORDERED_SINK_HOOKS: MappingProxyType[str, str] = MappingProxyType({
 def _block_refusals(run: Run, block, inputs) -> list[str]:
     """Why this block's passes must run on home alone (empty: they can be sharded)."""
     reasons = []
-    # several processes in the config: the pass runs over global lanes (run_phase's processes)
+    # several processes in the run: the pass runs over global lanes (run_phase's processes)
     if (run.processes is None and torch.distributed.is_available()
             and torch.distributed.is_initialized()):
         reasons.append(refusals.PASS_DIST_ACTIVE)
