@@ -110,8 +110,8 @@ class LaneRun:
     resolved). ``devices``: this process's lanes (the plan's, as many as the processes agreed on,
     then as many as 'auto''s cost model kept; lane 0 home); ``topology``: the processes x these
     lanes (:meth:`dpq.distributed.Topology.alone` in one process, or where every rank runs the
-    block alone), its ``lanes`` always ``len(devices)``. ``in_process``/``in_process_reason``: the communicator
-    among this process's lanes as built, and why (the plan's choice, or the one made on the lanes);
+    block alone), its ``lanes`` always ``len(devices)``. ``in_process``/``in_process_reason``: the
+    communicator among this process's lanes as built, and why (the plan's choice, or the one made on the lanes);
     ``across``: the process-group communicator's name across processes ("" in one process);
     ``overlap``: the exchange on a second stream per lane (:mod:`dpq.comm_streams`). ``notes``: what
     the run said beyond the plan's notes (the agreement, 'auto''s choice); ``step``: the optimizer
@@ -258,8 +258,7 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
             procs = None  # serial on every rank: each runs the block alone, the same way
     else:
         ran = LaneRun.planned(plan if plan is not None else plan_for(config, task))  # PlanRefused: nothing started
-    if (ran.world == 1 and task.serial is not None
-            and (config.world != 1 or ran.plan.reasons)):
+    if ran.world == 1 and task.serial is not None and (config.world != 1 or ran.plan.reasons):
         return BlockRun(ran, task.serial(), None, time.perf_counter() - t0, serial=True)
     rng = (random.getstate(), torch.get_rng_state())
     snapshot = BlockSnapshot(task.block)
@@ -321,9 +320,8 @@ def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, 
     refusal) agreed with every other rank's (dpq.distributed.agree): the same local lane count
     everywhere, or the same refusal everywhere (raised on every rank), or serial everywhere
     (each rank alone: ``topology.several`` False; ``cannot_split``: the tuner has features the lanes
-    cannot split). Returns the
-    plan's lanes as agreed, with the agreement's notes. An adapter calls it before a block's work to
-    refuse an explicit world there; the session, to run it."""
+    cannot split). Returns the plan's lanes as agreed, with the agreement's notes. An adapter calls
+    it before a block's work to refuse an explicit world there; the session, to run it."""
     plan = None
     try:
         try:
