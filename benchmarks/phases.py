@@ -16,18 +16,17 @@ def measure_phases(world, devices=None, *, iters: int = 0, nsamples: int = 16, s
                    batch_size: int = 8, tune_parallel: bool = True, **ar_kwargs) -> dict:
     """Quantize the embedded tiny Llama once and return the seconds per phase (collection / search /
     tune), the block records and the wall time. ``world='off'`` measures serial auto-round."""
-    from types import SimpleNamespace
-
     from auto_round import AutoRound
 
     from dpq.autoround import integration, shard_seams
+    from dpq.autoround.run import Run
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
 
     model = build_tiny_llama(TinyLlamaConfig())
     if tune_parallel:
         integration.enable(world, devices)
     else:
-        shard_seams.install(SimpleNamespace(world=world, devices=devices))  # the seams alone; tuning serial
+        shard_seams.install(Run(world=world, devices=devices, seams_only=True))  # the seams alone; tuning serial
     t0 = time.perf_counter()
     try:
         AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(nsamples, seqlen),

@@ -7,7 +7,7 @@ nothing of the tuner:
 
 * :class:`ProcessSet`: the group a run spans, given to the session explicitly
   (``SessionConfig.processes``; :meth:`ProcessSet.detect` reads an initialised group).
-* :class:`ProcessLayout`: the agreed layout (processes, rank, local lanes, world, lane offset).
+* :class:`Topology`: P processes x L local lanes (rank, world, lane offset); in one process P = 1.
 * :func:`agree_job`: every rank's whole job (model and data by content, every setting) compared
   before any work; a mismatch stops every rank, naming each differing setting and rank.
 * :func:`agree`: every rank's plan exchanged; a refusal anywhere stops every rank before any
@@ -31,8 +31,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["JobMismatch", "ProcessLayout", "ProcessSet", "RankFailure", "agree", "agree_job",
-           "peer_lost"]
+__all__ = ["JobMismatch", "ProcessSet", "RankFailure", "Topology", "agree", "agree_job", "peer_lost"]
 
 
 HEARTBEAT_S = 1.0  # rank 0's heartbeat period during a step the others wait for (ProcessSet.beat)
@@ -50,15 +49,29 @@ class RankFailure(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ProcessLayout:
-    """P processes x L local lanes, and where this process's lanes sit in global lane order."""
+class Topology:
+    """P processes x L local lanes, and where this process's lanes sit in global lane order.
+
+    ``world``: the global lanes (every process's); ``lanes``: this process's. In one process
+    (:meth:`alone`) P = 1, rank 0, and the world is this process's lanes."""
 
     processes: int
     rank: int
     lanes: int
 
+    @classmethod
+    def alone(cls, lanes: int) -> Topology:
+        """This process's ``lanes``, no other process (P = 1)."""
+        return cls(1, 0, lanes)
+
+    @property
+    def several(self) -> bool:
+        """The lanes span several processes."""
+        return self.processes > 1
+
     @property
     def world(self) -> int:
+        """The global lanes: the processes times each one's lanes."""
         return self.processes * self.lanes
 
     @property
@@ -350,10 +363,12 @@ class RankPlan:
     devices: list[str] = field(default_factory=list)  # its accelerator lanes' devices (one process each)
 
 
-def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[ProcessLayout | None, list[str]]:
+def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Topology, list[str]]:
     """Every rank's plan, exchanged; the same answer on every rank.
 
-    Returns (layout, notes), layout None when the block runs serially on every rank. Raises
+    Returns (topology, notes): the agreed topology (``procs.size`` processes x the same local lane
+    count), or, when the block runs serially on every rank, each rank alone with its own plan's
+    lanes (:meth:`Topology.alone`: one process, ``several`` False). Raises
     :class:`dpq.plan.PlanRefused` on every rank, listing every rank's reasons (each prefixed
     with its rank), when any rank refused, the ranks asked for different worlds, or the
     processes outnumber the samples of an iteration. Every rank runs the same local lane count:
@@ -387,7 +402,7 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Pro
     if any(q.serial for q in plans):
         serial = [r for r, q in enumerate(plans) if q.serial]
         why = plans[serial[0]].reasons[0] if plans[serial[0]].reasons else "its plan is serial"
-        return None, [refusals.serial_every_rank([procs.name(r) for r in serial], why)]
+        return Topology.alone(mine.lanes), [refusals.serial_every_rank([procs.name(r) for r in serial], why)]
     notes = []
     if lanes != max(q.lanes for q in plans):
         fewest = [procs.name(r) for r, q in enumerate(plans) if q.lanes == lanes]
@@ -395,6 +410,6 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Pro
     if p * lanes > samples_per_iter:
         lanes = samples_per_iter // p
         notes.append(refusals.auto_lanes_for_samples(lanes, samples_per_iter))
-    layout = ProcessLayout(p, procs.rank, lanes)
-    notes.append(layout.describe())
-    return layout, notes
+    topology = Topology(p, procs.rank, lanes)
+    notes.append(topology.describe())
+    return topology, notes

@@ -5,8 +5,8 @@
     run(config, task)
       plan     plan_for: dpq.plan.resolve -> Plan(lanes, communicator, exchange, reasons), frozen
       ran      LaneRun: what the block's lanes run, read by the task and the records (the plan stays
-               as resolved): the lanes as agreed across processes, then as 'auto' kept them; the
-               communicator as built; the optimizer step
+               as resolved): the lanes and their Topology (P = 1 in one process) as agreed across
+               processes, then as 'auto' kept them; the communicator as built; the optimizer step
       serial   the plan says one lane and the tuner has its own serial run: that runs, untouched
       start    task.start(ran): the adapter readies the block (wraps it) -> TuneSpec
       lanes    make_lanes(ran.devices); the plan's communicator and exchange policy
@@ -48,7 +48,7 @@ import torch
 from dpq.comm_streams import CommStreams, comm_lanes
 from dpq.communicators import make_communicator, select_communicator
 from dpq.compiles import CompileWatch
-from dpq.distributed import ProcessLayout, ProcessSet, RankPlan, agree, peer_lost
+from dpq.distributed import ProcessSet, RankPlan, Topology, agree, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.nccl_lifecycle import NcclInitFailed
@@ -108,9 +108,10 @@ class SessionConfig:
 class LaneRun:
     """What one block's lanes run, beside the :class:`dpq.plan.Plan` they came from (``plan``, as
     resolved). ``devices``: this process's lanes (the plan's, as many as the processes agreed on,
-    then as many as 'auto''s cost model kept; lane 0 home); ``layout``: the agreed layout across
-    processes (None: this process alone). ``in_process``/``in_process_reason``: the communicator
-    among this process's lanes as built, and why (the plan's choice, or the one made on the lanes);
+    then as many as 'auto''s cost model kept; lane 0 home); ``topology``: the processes x these
+    lanes (:meth:`dpq.distributed.Topology.alone` in one process, or where every rank runs the
+    block alone), its ``lanes`` always ``len(devices)``. ``in_process``/``in_process_reason``: the
+    communicator among this process's lanes as built, and why (the plan's choice, or the one made on the lanes);
     ``across``: the process-group communicator's name across processes ("" in one process);
     ``overlap``: the exchange on a second stream per lane (:mod:`dpq.comm_streams`). ``notes``: what
     the run said beyond the plan's notes (the agreement, 'auto''s choice); ``step``: the optimizer
@@ -119,7 +120,7 @@ class LaneRun:
 
     plan: Plan
     devices: list[torch.device]
-    layout: ProcessLayout | None = None
+    topology: Topology
     in_process: str = "local"
     in_process_reason: str = ONE_LANE_EXCHANGE
     across: str = ""
@@ -127,11 +128,22 @@ class LaneRun:
     notes: list[str] = field(default_factory=list)
     step: str = ""
 
+    def __post_init__(self) -> None:
+        if self.topology.lanes != len(self.devices):
+            raise ValueError(f"dpq: a topology of {self.topology.lanes} local lanes for {len(self.devices)} devices")
+
     @classmethod
-    def planned(cls, plan: Plan, layout: ProcessLayout | None = None, notes: Sequence[str] = ()) -> LaneRun:
-        """The plan's lanes (as many as ``layout`` agreed on) and its communicator choice."""
-        devices = list(plan.devices[: layout.lanes] if layout is not None else plan.devices)
-        return cls(plan, devices, layout, plan.communicator, plan.communicator_reason, notes=list(notes))
+    def planned(cls, plan: Plan, topology: Topology | None = None, notes: Sequence[str] = ()) -> LaneRun:
+        """The plan's lanes (as many as ``topology`` agreed on; None: this process alone, every
+        lane of the plan) and its communicator choice."""
+        topology = topology if topology is not None else Topology.alone(plan.local_lanes)
+        return cls(plan, list(plan.devices[: topology.lanes]), topology, plan.communicator,
+                   plan.communicator_reason, notes=list(notes))
+
+    def first_lanes(self, lanes: int) -> LaneRun:
+        """The first ``lanes`` of this process's lanes, the topology's local lanes with them (what
+        'auto''s cost model kept)."""
+        return replace(self, devices=self.devices[:lanes], topology=replace(self.topology, lanes=lanes))
 
     @property
     def local_lanes(self) -> int:
@@ -140,8 +152,8 @@ class LaneRun:
 
     @property
     def world(self) -> int:
-        """The lanes over every process: the agreed layout's world, else this process's lanes."""
-        return self.layout.world if self.layout is not None else self.local_lanes
+        """The lanes over every process (``topology.world``)."""
+        return self.topology.world
 
     @property
     def communicator(self) -> str:
@@ -154,7 +166,7 @@ class LaneRun:
     def communicator_reason(self) -> str:
         reason = self.in_process_reason
         if self.across:
-            reason = (f"{self.layout.processes} processes: {self.in_process} inside each, {self.across} across "
+            reason = (f"{self.topology.processes} processes: {self.in_process} inside each, {self.across} across "
                       f"them ({reason})")
         return reason + OVERLAP_NOTE if self.overlap else reason
 
@@ -215,9 +227,9 @@ class BlockRun:
         return self.ran.plan
 
     @property
-    def layout(self) -> ProcessLayout | None:
-        """Several processes: the agreed layout (``layout.describe()``)."""
-        return self.ran.layout
+    def topology(self) -> Topology:
+        """The processes x lanes the block ran on (``topology.describe()`` across processes)."""
+        return self.ran.topology
 
 
 def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
@@ -242,12 +254,11 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
     procs = config.processes if config.processes is not None and config.processes.size > 1 else None
     if procs is not None:  # PlanRefused on every rank, or a lost rank's RankFailure: nothing started
         ran = _agreed_plan(config, task, procs, plan)
-        if ran.layout is None:
+        if not ran.topology.several:
             procs = None  # serial on every rank: each runs the block alone, the same way
     else:
         ran = LaneRun.planned(plan if plan is not None else plan_for(config, task))  # PlanRefused: nothing started
-    if (ran.layout is None and ran.local_lanes == 1 and task.serial is not None
-            and (config.world != 1 or ran.plan.reasons)):
+    if ran.world == 1 and task.serial is not None and (config.world != 1 or ran.plan.reasons):
         return BlockRun(ran, task.serial(), None, time.perf_counter() - t0, serial=True)
     rng = (random.getstate(), torch.get_rng_state())
     snapshot = BlockSnapshot(task.block)
@@ -308,9 +319,9 @@ def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, 
     """This rank's plan (``make_plan()``; :class:`dpq.plan.PlanRefused` counts as this rank's
     refusal) agreed with every other rank's (dpq.distributed.agree): the same local lane count
     everywhere, or the same refusal everywhere (raised on every rank), or serial everywhere
-    (``layout`` None; ``cannot_split``: the tuner has features the lanes cannot split). Returns the
-    plan's lanes as agreed, with the agreement's notes. An adapter calls it before a block's work to
-    refuse an explicit world there; the session, to run it."""
+    (each rank alone: ``topology.several`` False; ``cannot_split``: the tuner has features the lanes
+    cannot split). Returns the plan's lanes as agreed, with the agreement's notes. An adapter calls
+    it before a block's work to refuse an explicit world there; the session, to run it."""
     plan = None
     try:
         try:
@@ -324,12 +335,12 @@ def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, 
             mine = RankPlan(config.world, 0, err.reasons, refused=True)
         except Exception as err:  # a rank that cannot plan refuses, so every rank hears why
             mine = RankPlan(config.world, 0, [f"planning failed: {err!r}"], refused=True)
-        layout, notes = agree(procs, mine, samples_per_iter)
+        topology, notes = agree(procs, mine, samples_per_iter)
     except PlanRefused:
         raise
     except BaseException as err:  # a rank lost while agreeing
         _stop_every_rank(procs, err, peer_lost(err))
-    return LaneRun.planned(plan, layout, notes)
+    return LaneRun.planned(plan, topology, notes)
 
 
 def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: ProcessSet | None,
@@ -349,7 +360,7 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
         if keep < ran.local_lanes:  # the first `keep` fitting lanes; the others are not used
             lanes = lanes[:keep]
             del watch.lanes[keep:]
-            ran = replace(ran, devices=ran.devices[:keep])
+            ran = ran.first_lanes(keep)
             if keep == 1:
                 ran = replace(ran, in_process="local", in_process_reason=ONE_LANE_EXCHANGE)
             comm.close()

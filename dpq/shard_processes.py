@@ -6,7 +6,7 @@ DESIGN.md contract 7: P processes x L local lanes, global lane ``g = rank * L + 
 every sample's result (the next block's inputs), so :func:`gather_in_sample_order` exchanges
 them (``all_gather_object``: pickled CPU copies, exact bytes) and returns them in sample order.
 Every batch is one the serial pass would have formed, so the result is bitwise serial's on
-every rank, whatever the layout (same thread count per process).
+every rank, whatever the topology (same thread count per process).
 
 Only forwards whose result is the per-sample outputs go here. Passes with hook statistics
 (sums/maxima merged across lanes) and per-item searches run on each rank's home alone under
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dpq.distributed import ProcessLayout, ProcessSet
+from dpq.distributed import ProcessSet, Topology
 from dpq.shard import _move
 from dpq.split import contiguous_ranges
 
@@ -44,10 +44,10 @@ def agree_lanes(procs: ProcessSet, local: int, reasons: Sequence[str]) -> tuple[
     return min(n for n, _ in plans), []
 
 
-def global_ranges(n_samples: int, layout: ProcessLayout, align: int = 1) -> list[tuple[int, int]]:
-    """This process's lanes' ``[start, stop)``: its slice of the ``layout.world`` global ranges."""
-    every = contiguous_ranges(n_samples, layout.world, align)
-    return every[layout.lane_offset : layout.lane_offset + layout.lanes]
+def global_ranges(n_samples: int, topology: Topology, align: int = 1) -> list[tuple[int, int]]:
+    """This process's lanes' ``[start, stop)``: its slice of the ``topology.world`` global ranges."""
+    every = contiguous_ranges(n_samples, topology.world, align)
+    return every[topology.lane_offset : topology.lane_offset + topology.lanes]
 
 
 def gather_in_sample_order(procs: ProcessSet, outputs: list[Any], extra: dict[str, list] | None,

@@ -11,6 +11,7 @@ indices, raises or is killed stops every rank with an error naming it."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import random
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dpq import refusals, tune_loop
-from dpq.distributed import ProcessLayout, ProcessSet, RankFailure
+from dpq.distributed import ProcessSet, RankFailure, Topology
 from dpq.exchange import GradBuckets
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.plan import PlanRefused
@@ -118,7 +119,7 @@ def tune(case: str, world: int, processes: ProcessSet | None = None) -> dict:
     done = run(SessionConfig(world=world, devices=["cpu"] * world, processes=processes), make_task(case))
     out = done.outcome
     return {"losses": out.losses, "best_iter": out.best_iter, "values": done.result,
-            "layout": done.layout.describe() if done.layout else None, "communicator": done.ran.communicator,
+            "topology": dataclasses.astuple(done.topology), "communicator": done.ran.communicator,
             "communicator_reason": done.ran.communicator_reason}
 
 
@@ -252,12 +253,13 @@ def test_layouts_bitwise_equal(spawned, reference, layout):
     _, results = spawned
     processes, lanes = LAYOUTS[layout]
     reference = reference[processes * lanes]
-    assert reference["sign"]["layout"] is None and reference["sign"]["communicator"] == "local"
+    assert Topology(*reference["sign"]["topology"]) == Topology.alone(processes * lanes)  # this process alone
+    assert reference["sign"]["communicator"] == "local"
     assert reference["sign"]["losses"] != reference["full"]["losses"]  # two different runs compared
     for rank, got in enumerate(results):
         for case in CASES:
             group_rank = rank if processes == 4 else rank % 2
-            assert got[layout][case]["layout"] == ProcessLayout(processes, group_rank, lanes).describe()
+            assert Topology(*got[layout][case]["topology"]) == Topology(processes, group_rank, lanes)
             assert got[layout][case]["communicator"] == "pg-gloo"
             said = got[layout][case]["communicator_reason"]
             assert said.startswith(f"{processes} processes: local inside each, pg-gloo across them ("), said
@@ -297,8 +299,10 @@ def test_lane_offset_is_the_process_rank_times_its_lanes():
 
     assert LocalCommunicator(make_lanes(["cpu"] * 2)).lane_offset == 0
     assert Rank3(make_lanes(["cpu"] * 2)).lane_offset == 6
-    assert ProcessLayout(2, 1, 2).describe() == "world 4 = 2 processes x 2 lanes"
-    assert ProcessLayout(1, 0, 1).describe() == "world 1 = 1 process x 1 lane"
+    assert Topology(2, 1, 2).describe() == "world 4 = 2 processes x 2 lanes"
+    assert Topology(1, 0, 1).describe() == "world 1 = 1 process x 1 lane"
+    assert Topology.alone(3) == Topology(1, 0, 3) and Topology.alone(3).world == 3 and not Topology.alone(3).several
+    assert Topology(2, 1, 2).several and Topology(2, 1, 2).world == 4 and Topology(2, 1, 2).lane_offset == 2
 
 
 class Gathered(ProcessSet):
@@ -335,14 +339,18 @@ def _agree(plans, rank=1, samples=8):
 def test_agreement():
     from dpq.distributed import RankPlan
 
-    layout, notes = _agree([RankPlan("auto", 3, []), RankPlan("auto", 2, ["lane 2 does not fit"])])
-    assert layout == ProcessLayout(2, 1, 2) and layout.lane_offset == 2
-    assert notes == [refusals.auto_fewest_lanes(2, [11]), layout.describe()]
+    topology, notes = _agree([RankPlan("auto", 3, []), RankPlan("auto", 2, ["lane 2 does not fit"])])
+    assert topology == Topology(2, 1, 2) and topology.lane_offset == 2
+    assert notes == [refusals.auto_fewest_lanes(2, [11]), topology.describe()]
     assert notes[0].startswith("auto: every process runs 2 lanes, the fewest any rank has (rank 11)")
-    layout, notes = _agree([RankPlan("auto", 4, []), RankPlan("auto", 4, [])], samples=6)
-    assert layout.lanes == 3 and "so that every lane gets a sample" in notes[0]
-    layout, notes = _agree([RankPlan("auto", 2, []), RankPlan("auto", 1, ["feature"], serial=True)])
-    assert layout is None and notes == [refusals.serial_every_rank([11], "feature")]
+    topology, notes = _agree([RankPlan("auto", 4, []), RankPlan("auto", 4, [])], samples=6)
+    assert topology.lanes == 3 and "so that every lane gets a sample" in notes[0]
+    topology, notes = _agree([RankPlan("auto", 2, []), RankPlan("auto", 1, ["feature"], serial=True)])
+    # serial on every rank: each rank alone, on its own plan's lanes
+    assert topology == Topology.alone(1) and not topology.several
+    assert notes == [refusals.serial_every_rank([11], "feature")]
+    assert _agree([RankPlan("auto", 2, []), RankPlan("auto", 1, ["feature"], serial=True)], rank=0)[0] == \
+        Topology.alone(2)
     assert notes[0].startswith("serial on every rank: rank 11 cannot split this block (feature)")
     with pytest.raises(PlanRefused) as refused:
         _agree([RankPlan(2, 0, ["a", "b"], refused=True), RankPlan(2, 2, []), RankPlan(2, 0, ["c"], refused=True)])
@@ -390,7 +398,7 @@ def test_agreement_counts_only_physical_accelerators(monkeypatch, device, shared
 
     def agree(procs, mine, samples):
         told.append(mine)
-        return None, []
+        return Topology.alone(1), []
 
     monkeypatch.setattr(session, "agree", agree)
     monkeypatch.setattr(session, "plan_for", lambda config, task: Plan([torch.device(device)]))

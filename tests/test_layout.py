@@ -177,12 +177,12 @@ def test_device_index_above_127_is_refused(spec):
 
 def test_phase_records_are_made_in_one_place():
     """Every seam's phase goes through ``seams_common.run_phase``: a ``PhaseRecord`` is constructed in
-    one place only (``SeamRun.record``), and the seams read their run state from the patch frame at a
+    one place only (``Run.record_phase``), and the seams read their run from the patch frame at a
     patched function's entry (``seam_run``), not through accessors callable from anywhere."""
     calls = [f"{p.relative_to(DPQ.parent)}:{node.lineno}" for p in DPQ.rglob("*.py")
              for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Call)
              and getattr(node.func, "id", getattr(node.func, "attr", None)) == "PhaseRecord"]
-    assert len(calls) == 1 and calls[0].startswith("dpq/autoround/seams_common.py:"), calls
+    assert len(calls) == 1 and calls[0].startswith("dpq/autoround/run.py:"), calls
     common = ast.parse((DPQ / "autoround" / "seams_common.py").read_text())
     functions = {node.name for node in common.body if isinstance(node, ast.FunctionDef)}
     assert {"run_phase", "seam_run"} <= functions and not {"config", "world", "scratch"} & functions, functions

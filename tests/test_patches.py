@@ -98,7 +98,7 @@ def test_nested_installs_stack_and_a_later_foreign_patch_stays():
     from auto_round.algorithms.composer import AlgorithmComposer as C
 
     before = C.__dict__["compress_block"]
-    outer, inner = SimpleNamespace(world=2, devices=None), SimpleNamespace(world="off", devices=None)
+    outer, inner = run.Run(world=2, seams_only=True), run.Run(world="off", seams_only=True)
     patches.install(outer)
     patches.install(inner)
     assert patches.current() is inner and C.compress_block is not before

@@ -235,6 +235,7 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
     from auto_round import AutoRound
 
     from dpq.autoround import integration, shard_seams
+    from dpq.autoround.run import Run
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
     from dpq.testing.faults import inject_fault
 
@@ -245,7 +246,7 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
     if tune_world is not None:
         integration.enable(tune_world, "cpu,cpu")
     if world is not None:
-        shard_seams.install(SimpleNamespace(world=world, devices="cpu,cpu"))
+        shard_seams.install(Run(world=world, devices="cpu,cpu", seams_only=True))
     try:
         dataset = calibration_samples(args["nsamples"], args["seqlen"])
         ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=dataset, device_map="cpu",
@@ -422,7 +423,7 @@ def test_signround_v2_init_scale_searches_mapped():
     kw = dict(iters=2, enable_alg_ext=True)
     serial_state, _ = _run(None, **kw)
     state, recs = _run(2, **kw)
-    assert shard_seams.last_run().init_scale_hits == 14  # 7 layers x 2 blocks, none searched again
+    assert shard_seams.last_run().seams.init_scale_hits == 14  # 7 layers x 2 blocks, none searched again
     maps = [r for r in recs if r.nested and "init-scale" in r.detail]
     assert len(maps) == 2 and all(r.world == 2 for r in maps)
     assert all(bitwise(serial_state[k], state[k]) for k in state)
@@ -498,10 +499,11 @@ def test_install_is_idempotent_and_uninstall_restores():
     from auto_round.algorithms.quantization.rtn.quantizer import OptimizedRTNQuantizer, RTNQuantizer
 
     from dpq.autoround import shard_seams
+    from dpq.autoround.run import Run
 
     before = (AlgorithmComposer.compress_block, RTNQuantizer.quantize_block, OptimizedRTNQuantizer._quantize_targets)
-    shard_seams.install(SimpleNamespace(world=2, devices=None))
-    shard_seams.install(SimpleNamespace(world="off", devices=None))
+    shard_seams.install(Run(world=2, seams_only=True))
+    shard_seams.install(Run(world="off", seams_only=True))
     assert shard_seams.installed() and AlgorithmComposer.compress_block is not before[0]
     shard_seams.uninstall()
     shard_seams.uninstall()
@@ -573,7 +575,7 @@ def test_awq_grid_and_clip_searches_world2(tmp_path, awq_recorder, smooth_batch_
     serial = list(awq_recorder)
     awq_recorder.clear()
     _, recs = _run(2, save_dir=tmp_path / "two", **kw)
-    hits = shard_seams.last_run().awq_clip_hits
+    hits = shard_seams.last_run().seams.awq_clip_hits
     kinds = {k: sum(c[0] == k for c in serial) for k in ("loss", "scales", "clip")}
     assert kinds["loss"] > 0 and kinds["scales"] > 0 and kinds["clip"] > 0, kinds
     assert _same_calls(serial, awq_recorder)  # losses equal as floats, scales and clips bitwise

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpq.distributed import ProcessLayout, ProcessSet
+from dpq.distributed import ProcessSet, Topology
 from dpq.shard import shard_forward
 from dpq.shard_processes import agree_lanes, gather_in_sample_order, global_ranges
 from dpq.streams import make_lanes
@@ -54,12 +54,12 @@ def _forward_fn(inputs: list[torch.Tensor], bs: int, extra: list):
 
 def _processes(procs: ProcessSet, module, inputs, bs, local_lanes: int):
     n = len(inputs)
-    layout = ProcessLayout(procs.size, procs.rank, local_lanes)
+    topology = Topology(procs.size, procs.rank, local_lanes)
     lanes = make_lanes(["cpu"] * local_lanes)
     modules = [module] + [_module(next(module.parameters()).dtype) for _ in range(local_lanes - 1)]
     extra: list = []
     local = shard_forward(modules, lanes, n, _forward_fn(inputs, bs, extra), align=bs,
-                          ranges=global_ranges(n, layout, bs))
+                          ranges=global_ranges(n, topology, bs))
     return gather_in_sample_order(procs, local, {"sums": extra} if extra else None, "cpu")
 
 
@@ -76,7 +76,7 @@ def _worker(rank: int, store: str, out: str) -> None:
                                    _forward_fn(inputs, bs, []), align=bs)
         result[n] = {"serial": serial, "1x2": one_by_two, "2x1": _processes(procs, module, inputs, bs, 1),
                      "2x2": _processes(procs, module, inputs, bs, 2),
-                     "ranges": [global_ranges(n, ProcessLayout(2, rank, k), bs) for k in (1, 2)]}
+                     "ranges": [global_ranges(n, Topology(2, rank, k), bs) for k in (1, 2)]}
     result["agree"] = [agree_lanes(procs, 2 + rank, []), agree_lanes(procs, 0 if rank else 3, ["no room"])]
     dist.destroy_process_group()
     torch.save(result, f"{out}/rank{rank}.pt")

@@ -51,7 +51,7 @@ def feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) ->
 
 
 def _unclaimed_group() -> bool:
-    """A group of several processes is initialised but the installed config holds no process set
+    """A group of several processes is initialised but no installed run holds a process set
     (``enable()`` ran before ``init_process_group``): the runs would not span the processes."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:

@@ -26,7 +26,7 @@ from auto_round.utils.device_manager import device_manager
 
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
-from dpq.distributed import ProcessSet
+from dpq.distributed import ProcessSet, Topology
 from dpq.nccl_lifecycle import close_communicators
 from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
 from dpq.streams import release_run_streams
@@ -104,7 +104,7 @@ def disable() -> None:
     if cfg is None:
         return
     while patches.uninstall().config is not cfg:
-        pass  # a seams-only install above this enable() ends with it
+        pass  # a seams-only run installed above this enable() ends with it
     if current_run() is None:
         _release_run_resources()
 
@@ -196,19 +196,10 @@ def _preflight(cfg: Run, q, block, inputs) -> None:
                            bool(request.extra_reasons), lambda: resolve(request))
 
 
-def _lane_devices(cfg: Run):
-    if cfg.devices is not None:
-        return cfg.devices
-    dl = [d for d in (device_manager.device_list or []) if d is not None]
-    if len(dl) > 1:
-        return [str(d) for d in dl]
-    return None
-
-
 def _session_config(cfg: Run, auto_world: AutoWorld | None) -> session.SessionConfig:
     """``auto_world``: this block's cost model (:func:`_auto_world_for`; None across processes: the
     session plans and agrees there and runs no cost model)."""
-    return session.SessionConfig(world=cfg.world, devices=_lane_devices(cfg), debug_identical=cfg.debug_identical,
+    return session.SessionConfig(world=cfg.world, devices=cfg.lane_devices(), debug_identical=cfg.debug_identical,
                                  auto_world=auto_world, processes=cfg.processes, overlap=cfg.overlap,
                                  timeout=cfg.timeout)
 
@@ -226,28 +217,28 @@ def _auto_world_for(cfg: Run, plan: Plan) -> tuple[AutoWorld | None, Plan]:
 
 
 def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
-    return PlanRequest(world=cfg.world, devices=_lane_devices(cfg), overlap=cfg.overlap is True,
+    return PlanRequest(world=cfg.world, devices=cfg.lane_devices(), overlap=cfg.overlap is True,
                        **task_plan_fields(q, block, fp_inputs))
 
 
 def _plan_for(cfg: Run, q, block, fp_inputs, block_ctx) -> Plan:
     plan = resolve(_tuner_request(cfg, q, block, fp_inputs))
-    _log_plan(cfg, plan.devices, plan.said, block, block_ctx)
+    _log_plan(cfg, plan.devices, Topology.alone(plan.local_lanes), plan.said, block, block_ctx)
     return plan
 
 
-def _log_plan(cfg: Run, devices: Sequence[torch.device], reasons: Sequence[str], block, block_ctx,
-              layout=None) -> None:
-    """The plan (its lanes ``devices`` and its ``reasons`` and notes), once per block shape (several
-    processes: on rank 0, with the agreed layout)."""
+def _log_plan(cfg: Run, devices: Sequence[torch.device], topology: Topology, reasons: Sequence[str], block,
+              block_ctx) -> None:
+    """The plan (its lanes ``devices`` over ``topology``, its ``reasons`` and notes), once per block
+    shape (several processes: on rank 0, with the agreed topology)."""
     if cfg.processes is not None and cfg.processes.rank != 0:
         return
     key = (type(block).__name__, tuple(p.shape for p in block.parameters()))
     if key not in cfg.shapes_logged:
         cfg.shapes_logged.add(key)
         lanes = ", ".join(map(str, devices))
-        where = f"{layout.describe()}, each process's lanes" if layout is not None else f"world {len(devices)}"
-        said = layout.describe() if layout is not None else None
+        where = f"{topology.describe()}, each process's lanes" if topology.several else f"world {topology.world}"
+        said = topology.describe() if topology.several else None
         logger.info(f"dpq plan for {block_ctx.block_name} ({type(block).__name__}): {where} on [{lanes}]"
                     + "".join(f"\n  - {r}" for r in reasons if r != said))
     if len(devices) > 1 and devices[0].type == "cpu" and not cfg.cpu_logged:
@@ -274,7 +265,7 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
     name, algorithm = block_ctx.block_name, type(self).__name__
     ran = run.ran
     if cfg.processes is not None:
-        _log_plan(cfg, ran.devices, ran.said, block, block_ctx, ran.layout)
+        _log_plan(cfg, ran.devices, ran.topology, ran.said, block, block_ctx)
     if run.fell_back:
         cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=[refusals.lane_failure(run.failure)],
                                        fell_back=True, algorithm=algorithm))

@@ -8,8 +8,9 @@ target of the installed series before it touches anything and refuses with
 missing or its parameters differ: dpq never runs a changed upstream function through a stale
 copy. Symbols a series does not patch are listed in :data:`NOT_PATCHED` with the reason.
 
-Installs nest as a stack of :class:`Frame` (one per ``enable()``); the top frame's ``config``
-is the one installed configuration every replacement reads (:func:`current`). The outermost
+Installs nest as a stack of :class:`Frame` (one per ``enable()`` or seams-only install), each
+holding its run (:class:`dpq.autoround.run.Run`), which the replacements read at their entry
+(:func:`frame`, :func:`frames`; the top frame's run: :func:`current`). The outermost
 install patches; the matching uninstall puts back what it replaced, except where someone
 patched over dpq's replacement since: that patch stays, and dpq's replacement under it passes
 every call straight through while nothing is installed (it calls :func:`original`).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from dpq import refusals
@@ -228,10 +229,10 @@ def _refuse(problems: list[str]) -> PatchMismatch:
 
 @dataclass
 class Frame:
-    """One install (one ``enable()``): its config and the scratch its replacements keep for the run."""
+    """One install (one ``enable()``, or a seams-only install): its run (a :class:`dpq.autoround.run.Run`:
+    settings, records and the replacements' scratch)."""
 
     config: object
-    scratch: dict = field(default_factory=dict)
 
 
 _stack: list[Frame] = []  # installed frames, innermost last
@@ -243,7 +244,8 @@ _chained: set[tuple[object, str]] = set()  # ours, left under someone else's lat
 
 
 def install(config) -> Frame:
-    """Push ``config``; the outermost install checks and patches every symbol of the installed series."""
+    """Push ``config`` (a :class:`dpq.autoround.run.Run`); the outermost install checks and patches
+    every symbol of the installed series."""
     global _last
     if not _stack:
         _patch()
@@ -275,7 +277,7 @@ def frame() -> Frame | None:
 
 
 def current():
-    """The installed config (the innermost install's), or None when nothing is installed."""
+    """The installed run (the innermost install's), or None when nothing is installed."""
     return _stack[-1].config if _stack else None
 
 

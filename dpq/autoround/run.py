@@ -1,15 +1,22 @@
-"""The run: one ``enable()``'s settings and records, kept in its frame of the patch table's stack.
+"""The run: one ``enable()``'s settings, records and scratch, kept in its frame of the patch table's stack.
 
-``enable()`` pushes a :class:`Run` (:func:`dpq.autoround.patches.install`), ``disable()`` pops it.
-dpq's patched functions read the innermost run with :func:`current_run` (its process set with
-:func:`run_processes`); nothing outside dpq/autoround/ reads it. After the outermost ``disable()`` the last
-run's frame stays readable (:func:`reported_run`) for its records: the run summary, ``auto``'s
-report, the CLI's ``--parallel_report``. Nothing that runs a block reads a finished run.
+``enable()`` pushes a :class:`Run` (:func:`dpq.autoround.patches.install`), ``disable()`` pops it;
+every frame on the stack holds one. A seams-only install (``shard_seams.install``) pushes a run
+with ``seams_only``: its no-grad phases run over lanes while the tuner stays auto-round's own.
+dpq's patched functions read the run once, at their entry, and pass it down: the tuner's
+replacements the innermost run that is not seams-only (:func:`current_run`; its process set with
+:func:`run_processes`), the seams the top frame's (``seams_common.seam_run``); nothing outside
+dpq/autoround/ reads it. After the outermost ``disable()`` the last run's frame stays readable
+(:func:`reported_run`) for its records: the run summary, the phase seconds, ``auto``'s report,
+the CLI's ``--parallel_report``. Nothing that runs a block reads a finished run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from auto_round.utils.device_manager import device_manager
 
 from dpq import session
 from dpq.cost_model import AutoWorld
@@ -18,7 +25,7 @@ from dpq.staging import Staging
 
 from . import patches
 
-__all__ = ["BlockRecord", "Run", "current_run", "reported_run", "run_processes"]
+__all__ = ["BlockRecord", "PhaseRecord", "Run", "SeamScratch", "current_run", "reported_run", "run_processes"]
 
 
 @dataclass
@@ -50,8 +57,39 @@ class BlockRecord:
 
 
 @dataclass
+class PhaseRecord:
+    """One phase of one block as the seams recorded it: a no-grad pass, sharded or on home alone
+    (``seams_common.run_phase``), or the block quantizer's time (``"tune"``)."""
+
+    block: str
+    phase: str  # "collection" | "search" | "tune"
+    world: int  # lanes used; 0 for a "tune" record (the tuner's own plan decides, see integration)
+    seconds: float
+    detail: str = ""  # the hooks merged / the items per lane
+    reasons: list[str] = field(default_factory=list)  # why home alone, or why fewer lanes
+    fell_back: bool = False
+    nested: bool = False  # a detail inside another record's time (not summed by phase_seconds)
+
+
+@dataclass(slots=True)
+class SeamScratch:
+    """What the seams keep for one run between the patched functions they replace (slots: a
+    misspelt name raises instead of making a new attribute)."""
+
+    logged: set = field(default_factory=set)  # the keys of the phase log lines said (once each)
+    init_scales: dict = field(default_factory=dict)  # id(home layer) -> (key, init_scale) precomputed on lanes
+    current_layer: object = None  # the layer whose SignRoundV2 wrapper is being built
+    init_scale_hits: int = 0
+    block_name: str = ""  # the block whose quantize_block is running (for nested records)
+    awq_grid: object = None  # the AWQ grid search running now (None: serial)
+    awq_clips: dict = field(default_factory=dict)  # id(home layer) -> (key, clip range) precomputed on lanes
+    awq_clip_hits: int = 0
+
+
+@dataclass(slots=True)
 class Run:
-    """One ``enable()``: its settings and its run's records."""
+    """One ``enable()`` (or one seams-only install, ``seams_only``): its settings, its records
+    (the tuner's per block, the seams' per phase) and the seams' scratch."""
 
     world: int | str = "off"
     devices: object = None
@@ -60,7 +98,12 @@ class Run:
     timeout: float = session.DEFAULT_TIMEOUT_S  # dpq.session.SessionConfig.timeout (--parallel_timeout)
     auto_world: AutoWorld | None = None  # 'auto': the run's cost model (one per enable())
     auto_given: bool = False  # the caller gave it: used even where lanes share a device
+    # shard_seams.install: the no-grad phases over lanes alone; each block's tune is auto-round's own
+    # (current_run passes it by)
+    seams_only: bool = False
     records: list[BlockRecord] = field(default_factory=list)
+    phases: list[PhaseRecord] = field(default_factory=list)
+    seams: SeamScratch = field(default_factory=SeamScratch)
     shapes_logged: set = field(default_factory=set)
     cpu_logged: bool = False
     # Several processes (torchrun): the group every block's run spans, one ProcessSet per job (its
@@ -72,29 +115,45 @@ class Run:
     staging: Staging | None = None
     rank0_saving: bool = False
 
+    def lane_devices(self):
+        """The lanes' devices: the given ``devices``, else auto-round's device list (``--device_map``)
+        when it lists several, else None (the plan's default)."""
+        if self.devices is not None:
+            return self.devices
+        listed = [str(d) for d in (device_manager.device_list or []) if d is not None]
+        return listed if len(listed) > 1 else None
+
+    def record_phase(self, block: str, phase: str, world: int, seconds: float, detail: str = "",
+                     reasons: Sequence[str] = (), *, fell_back: bool = False, nested: bool = False) -> None:
+        """Append one :class:`PhaseRecord` (the only place one is made)."""
+        self.phases.append(PhaseRecord(block, phase, world, seconds, detail, list(reasons), fell_back, nested))
+
 
 def current_run() -> Run | None:
-    """The innermost enabled run on the patch stack (None: no enable() in effect; dpq's
-    replacements, left under someone else's patch, then pass calls through)."""
+    """The innermost enabled run on the patch stack, seams-only installs passed by (None: no
+    enable() in effect; dpq's tuner replacements, left under someone else's patch, then pass calls
+    through)."""
     for f in reversed(patches.frames()):
-        if isinstance(f.config, Run):
+        if not f.config.seams_only:
             return f.config
     return None
 
 
 def reported_run() -> Run | None:
-    """The run whose records are read: the innermost enabled one, else the last one that ended."""
+    """The run whose block records are read: the innermost enabled one, else the last one that
+    ended (None: that was a seams-only install, or nothing ran)."""
     run = current_run()
     if run is not None:
         return run
     last = patches.last()
-    return last.config if last is not None and isinstance(last.config, Run) else None
+    return last.config if last is not None and not last.config.seams_only else None
 
 
 def run_processes() -> ProcessSet | None:
-    """The innermost run's process set when it spans several processes, else None."""
+    """The innermost run's process set (of the runs that hold one) when it spans several
+    processes, else None."""
     for f in reversed(patches.frames()):
-        procs = getattr(f.config, "processes", None)
+        procs = f.config.processes
         if procs is not None:
             return procs if procs.size > 1 else None
     return None

@@ -28,10 +28,11 @@ from dpq.plan import MARGIN
 from dpq.shard import contiguous_ranges, copy_to_lane, map_over_lanes, shard_forward
 
 from . import patches
+from .run import Run
 from .seams_common import (
     HOOK_DICTS,
     OnLaneFailure,
-    SeamRun,
+    PhaseSpec,
     hook_name,
     mirror_refusals,
     run_phase,
@@ -94,10 +95,10 @@ def grid_search_scales(self, mapping, x_mean):
     """AWQ's grid search with its sample replays sharded: auto-round's own loop (candidate scales,
     QDQ of the balance weights, comparison, choice) runs on home unchanged; only the replays of the
     cached parent calls (the reference pass and each grid point's loss) run lane by lane."""
-    seams = seam_run()
+    run = seam_run()
     original = patches.original(AWQTransform, "_grid_search_scales")
     kwargs_list = self._parent_args_cache.get(mapping.parent, [])
-    if seams.world in ("off", 1) or seams.awq_grid is not None or len(kwargs_list) < 2:
+    if run.world in ("off", 1) or run.seams.awq_grid is not None or len(kwargs_list) < 2:
         return original(self, mapping, x_mean)
     block = _awq_block_name(self, mapping)
     reasons = _awq_grid_refusals(mapping, kwargs_list)
@@ -114,7 +115,7 @@ def grid_search_scales(self, mapping, x_mean):
             ctx = _AwqGrid(mapping.parent, kwargs_list, lanes, replicas,
                            [(bl, [m.get_submodule(names[id(bl)]) for m in replicas.modules[1:]])
                             for bl in mapping.balance_layers])
-            seams.awq_grid = ctx
+            run.seams.awq_grid = ctx
             out = original(self, mapping, x_mean)
             points[0] = ctx.points
             return out
@@ -123,7 +124,7 @@ def grid_search_scales(self, mapping, x_mean):
                 bl.weight.data = data
             raise
         finally:
-            seams.awq_grid = None
+            run.seams.awq_grid = None
             if ctx is not None:
                 ctx.replicas.close(collect=not all(lane.device.type == "cpu" for lane in lanes))  # R5
 
@@ -132,18 +133,18 @@ def grid_search_scales(self, mapping, x_mean):
                                                                                                 world)))
         return f"{label}: {points[0]} grid points, cached calls per lane ({per_lane})"
 
-    return run_phase(seams, block, "search", serial=lambda: original(self, mapping, x_mean), sharded=sharded,
-                     reasons=reasons, units=len(kwargs_list),
-                     price=None if reasons else _awq_grid_price(mapping, kwargs_list),
-                     detail=detail, home=f"{label} on home",
-                     log=lambda w, _d, _r: (("awq_grid", w), f"dpq: AWQ grid-search replays of {block} sharded over "
-                                                            f"{w} lanes"),
-                     failure=OnLaneFailure(f"the {label}", "weights",
-                                           lambda n, err: refusals.awq_lane_failed(label, block, n, err)))
+    phase = PhaseSpec("search", serial=lambda: original(self, mapping, x_mean), sharded=sharded,
+                      units=len(kwargs_list), price=None if reasons else _awq_grid_price(mapping, kwargs_list),
+                      detail=detail, home=f"{label} on home",
+                      log=lambda w, _d, _r: (("awq_grid", w), f"dpq: AWQ grid-search replays of {block} sharded over "
+                                                             f"{w} lanes"),
+                      failure=OnLaneFailure(f"the {label}", "weights",
+                                            lambda n, err: refusals.awq_lane_failed(label, block, n, err)))
+    return run_phase(run, block, phase, reasons=reasons)
 
 
-def _awq_ctx_for(seams: SeamRun, parent, kwargs_list):
-    ctx = seams.awq_grid
+def _awq_ctx_for(run: Run, parent, kwargs_list):
+    ctx = run.seams.awq_grid
     if ctx is None or parent is not ctx.parent or kwargs_list is not ctx.kwargs_list:
         return None
     return ctx
@@ -253,9 +254,9 @@ def clip_block(self, block_prefix, block_mappings):
     layer it will search gets its ``_compute_best_clip`` run once on one lane (read-only: the layer's
     weight and the mapping's features, as serial would pass them); the result is kept home and
     ``_clip_block`` takes it instead of searching (same function, same inputs: bitwise)."""
-    seams = seam_run()
+    run = seam_run()
     original = patches.original(AWQTransform, "_clip_block")
-    if seams.world in ("off", 1):
+    if run.world in ("off", 1):
         return original(self, block_prefix, block_mappings)
     items = []
     for mapping in block_mappings:
@@ -276,7 +277,7 @@ def clip_block(self, block_prefix, block_mappings):
     owners_seen: dict[int, int] = {}
 
     def sharded(lanes):
-        def run(item, lane):
+        def search_on(item, lane):
             bl, feat = item
             owners_seen[lane.index] = owners_seen.get(lane.index, 0) + 1
             layer = bl if lane.device == bl.weight.device else copy_to_lane(bl, lanes[0], lane)
@@ -286,29 +287,30 @@ def clip_block(self, block_prefix, block_mappings):
             bl, feat = item
             if result is not None:
                 result = tuple(t.to(bl.weight.device) for t in result)
-            seams.awq_clips[id(bl)] = (_awq_clip_key(bl, feat), result)
+            run.seams.awq_clips[id(bl)] = (_awq_clip_key(bl, feat), result)
 
         try:
-            map_over_lanes(items, lanes, run, cost=lambda it: float(it[0].weight.numel()), collect=collect)
+            map_over_lanes(items, lanes, search_on, cost=lambda it: float(it[0].weight.numel()), collect=collect)
             return original(self, block_prefix, block_mappings)
         finally:
-            seams.awq_clips.clear()
+            run.seams.awq_clips.clear()
 
     def per_lane(world: int) -> str:
         return ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(world))
 
-    return run_phase(seams, block_prefix, "search", serial=lambda: original(self, block_prefix, block_mappings),
-                     sharded=sharded, reasons=reasons, units=len(items), price=price or None,
-                     detail=lambda w: f"{len(items)} AWQ clip searches ({per_lane(w)})",
-                     home="AWQ clip searches on home", time_home=False,
-                     log=lambda w, _d, _r: (("awq_clip", w), f"dpq: AWQ clip searches of {block_prefix} mapped over "
-                                                            f"{w} lanes ({per_lane(w)})"))
+    phase = PhaseSpec("search", serial=lambda: original(self, block_prefix, block_mappings), sharded=sharded,
+                      units=len(items), price=price or None,
+                      detail=lambda w: f"{len(items)} AWQ clip searches ({per_lane(w)})",
+                      home="AWQ clip searches on home", time_home=False,
+                      log=lambda w, _d, _r: (("awq_clip", w), f"dpq: AWQ clip searches of {block_prefix} mapped over "
+                                                             f"{w} lanes ({per_lane(w)})"))
+    return run_phase(run, block_prefix, phase, reasons=reasons)
 
 
 def compute_best_clip(self, layer, input_feat):
-    seams = seam_run()
-    entry = seams.awq_clips.pop(id(layer), _NO_CLIP)
+    run = seam_run()
+    entry = run.seams.awq_clips.pop(id(layer), _NO_CLIP)
     if entry is not _NO_CLIP and entry[0] == _awq_clip_key(layer, input_feat):
-        seams.awq_clip_hits += 1
+        run.seams.awq_clip_hits += 1
         return entry[1]
     return patches.original(AWQTransform, "_compute_best_clip")(self, layer, input_feat)

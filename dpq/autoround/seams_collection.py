@@ -31,10 +31,11 @@ from dpq.shard import sharded_collection
 from dpq.shard_processes import gather_in_sample_order, global_ranges
 
 from . import patches
+from .run import Run
 from .seams_common import (
     HOOK_DICTS,
     OnLaneFailure,
-    SeamRun,
+    PhaseSpec,
     hook_name,
     mirror_refusals,
     pool_device_refusals,
@@ -60,11 +61,11 @@ ORDERED_SINK_HOOKS: MappingProxyType[str, str] = MappingProxyType({
 
 
 
-def _block_refusals(seams: SeamRun, block, inputs) -> list[str]:
+def _block_refusals(run: Run, block, inputs) -> list[str]:
     """Why this block's passes must run on home alone (empty: they can be sharded)."""
     reasons = []
-    # several processes in the config: the pass runs over global lanes (run_phase's processes)
-    if (seams.processes is None and torch.distributed.is_available()
+    # several processes in the run: the pass runs over global lanes (run_phase's processes)
+    if (run.processes is None and torch.distributed.is_available()
             and torch.distributed.is_initialized()):
         reasons.append(refusals.PASS_DIST_ACTIVE)
     if not isinstance(inputs, list) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
@@ -137,11 +138,11 @@ class ShardedRunner:
     cache keys, tensors indexed on the batch dim) is auto-round's own.
     """
 
-    def __init__(self, runner, composer, block_name: str, seams: SeamRun) -> None:
+    def __init__(self, runner, composer, block_name: str, run: Run) -> None:
         self._runner = runner
         self._composer = composer
         self._block_name = block_name
-        self._seams = seams
+        self._run = run
         self.last_output_dict = None
 
     def __getattr__(self, name):
@@ -156,8 +157,8 @@ class ShardedRunner:
         return out
 
     def forward(self, block, inputs, input_others, indices=None, cache_device=None):
-        seams = self._seams
-        if indices is not None or torch.is_grad_enabled() or seams.world == "off":
+        run = self._run
+        if indices is not None or torch.is_grad_enabled() or run.world == "off":
             return self._home(block, inputs, input_others, indices, cache_device)
         name = self._block_name
 
@@ -169,11 +170,11 @@ class ShardedRunner:
                     f"dpq: collection pass of {name} ({detail}) on {world} lane(s)"
                     + "".join(f"\n  - {r}" for r in reasons))
 
-        procs = seams.processes
-        if procs is None and seams.world == 1:
-            return run_phase(seams, name, "collection", serial=serial, sharded=serial, reasons=["world 1"], home="",
-                             every_run=True, log=log)
-        reasons = _block_refusals(seams, block, inputs)
+        procs = run.processes
+        if procs is None and run.world == 1:
+            return run_phase(run, name, PhaseSpec("collection", serial=serial, sharded=serial, home="", every_run=True,
+                                                  log=log), reasons=["world 1"])
+        reasons = _block_refusals(run, block, inputs)
         spec, sinks, unknown = _classify_hooks(block)
         if procs is not None and (spec or sinks or unknown):
             # several processes: a pass with hooks runs on every rank's home alone (the module docstring)
@@ -185,26 +186,27 @@ class ShardedRunner:
         units = math.ceil(len(inputs) / bs) if isinstance(inputs, list) else 0
         price = None if reasons else _collection_price(block, inputs, bs)
         if procs is not None:
-            def sharded(lanes, layout):
-                return self._sharded(block, inputs, input_others, cache_device, lanes, {}, bs, layout=layout,
+            def sharded(lanes, topology):
+                return self._sharded(block, inputs, input_others, cache_device, lanes, {}, bs, topology=topology,
                                      procs=procs)
         else:
             def sharded(lanes):
                 return self._sharded(block, inputs, input_others, cache_device, lanes, spec, bs)
-        return run_phase(seams, name, "collection", serial=serial, sharded=sharded, reasons=reasons, units=units,
-                         price=price, detail=detail, home=detail, every_run=True, log=log, processes=procs,
-                         failure=OnLaneFailure(f"a collection pass of {name}", "statistics",
-                                               lambda n, err: refusals.collection_lane_failed(name, n, err)))
+        phase = PhaseSpec("collection", serial=serial, sharded=sharded, units=units, price=price, detail=detail,
+                          home=detail, every_run=True, log=log,
+                          failure=OnLaneFailure(f"a collection pass of {name}", "statistics",
+                                                lambda n, err: refusals.collection_lane_failed(name, n, err)))
+        return run_phase(run, name, phase, reasons=reasons, processes=procs)
 
-    def _sharded(self, block, inputs, input_others, cache_device, lanes, spec, bs, *, layout=None, procs=None):
-        """``layout``/``procs`` (several processes): this process's lanes forward its slice of the
+    def _sharded(self, block, inputs, input_others, cache_device, lanes, spec, bs, *, topology=None, procs=None):
+        """``topology``/``procs`` (several processes): this process's lanes forward its slice of the
         global ranges, and every rank's outputs are gathered in sample order."""
         runner = self._runner
         out_device = cache_device if cache_device is not None else runner.cache_device
         low_mem = bool(getattr(getattr(self._composer.block_quantizer, "compress_context", None),
                                "low_gpu_mem_usage", False))
         lane_dicts: list[dict | None] = []
-        ranges = None if layout is None else global_ranges(len(inputs), layout, bs)
+        ranges = None if topology is None else global_ranges(len(inputs), topology, bs)
 
         def forward_fn(module, lane, start, stop):
             r = copy.copy(runner)
@@ -243,9 +245,9 @@ class ShardedRunner:
 
 def compress_block(self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None,
                     reference_output=None, **kwargs):
-    seams = seam_run()
+    run = seam_run()
     original = patches.original(AlgorithmComposer, "compress_block")
-    if seams.world == "off":
+    if run.world == "off":
         return original(self, block, fp_inputs, input_others, block_ctx, q_inputs, input_ids, reference_output,
                         **kwargs)
     real = self.block_forward
@@ -257,16 +259,16 @@ def compress_block(self, block, fp_inputs, input_others, block_ctx, q_inputs=Non
 
     def timed_quantize_block(*a, **k):
         t0 = time.perf_counter()
-        seams.block_name = name
+        run.seams.block_name = name
         try:
-            precompute_init_scales(seams, q, block, name)
+            precompute_init_scales(run, q, block, name)
             return bound(*a, **k)
         finally:
-            seams.init_scales.clear()
-            seams.block_name = ""
-            seams.record(name, phase, 0, time.perf_counter() - t0, type(q).__name__)
+            run.seams.init_scales.clear()
+            run.seams.block_name = ""
+            run.record_phase(name, phase, 0, time.perf_counter() - t0, type(q).__name__)
 
-    self.block_forward = ShardedRunner(real, self, name, seams)
+    self.block_forward = ShardedRunner(real, self, name, run)
     if not shadowed:
         q.quantize_block = timed_quantize_block
     try:

@@ -1,14 +1,14 @@
-"""What the per-phase seams share: the seams' run state, the per-pass lane plan, the one phase runner.
+"""What the per-phase seams share: reading the run, the per-pass lane plan, the one phase runner.
 
 The seams (``seams_collection``, ``seams_rtn``, ``seams_init_scale``, ``seams_awq``) run
 auto-round's no-grad phases over lanes with :mod:`dpq.shard`; every one is bitwise serial.
-Each patched function reads its :class:`SeamRun` once, at its entry (:func:`seam_run`: the patch
-table's top frame, :func:`dpq.autoround.patches.frame`), and passes it down: the installed config
-(``world``, ``devices``, ``processes``) and the per-run scratch (phase records, precomputed search
-results, the AWQ grid in progress) kept in that frame. With ``world == 'off'`` every replacement
-passes straight through to auto-round's own function. Every phase runs through :func:`run_phase`:
-the lane plan, the serial and the sharded path, the answer to a lane failure, the record and the
-log line are its alone.
+Each patched function reads its :class:`dpq.autoround.run.Run` once, at its entry
+(:func:`seam_run`: the patch table's top frame, :func:`dpq.autoround.patches.frame`), and passes
+it down: its settings (``world``, ``devices``, ``processes``), its phase records and the seams'
+scratch (``Run.seams``: precomputed search results, the AWQ grid in progress). With
+``world == 'off'`` every replacement passes straight through to auto-round's own function.
+Every phase runs through :func:`run_phase`: the lane plan, the serial and the sharded path, the
+answer to a lane failure, the record and the log line are its alone.
 
 Hooks whose statistics merge (anything else makes the pass run on home alone):
 
@@ -21,7 +21,7 @@ hook (auto-round 0.16.1 / 0.17)                                 merge
 ``AWQTransform._register_awq_hooks`` (activation, parent args)  ordered sink: lanes run in sample order
 ==============================================================  =======================================
 
-Several processes (torchrun, the config's ``processes``): a collection pass without hooks runs
+Several processes (torchrun, the run's ``processes``): a collection pass without hooks runs
 over the global lanes (``run_phase(processes=...)``, :mod:`dpq.shard_processes`); a pass
 with any of the hooks above runs on each rank's home alone (``refusals.PASS_HOOKS_PROCESSES``:
 these merges follow lane order inside one process and have no canonical order across processes
@@ -32,23 +32,24 @@ init-scale) use this process's own lanes only; every rank searches every item.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import TypeVar
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
 from dpq import refusals
-from dpq.distributed import ProcessLayout, ProcessSet, peer_lost
+from dpq.distributed import ProcessSet, Topology, peer_lost
 from dpq.plan import PlanRefused, PlanRequest
 from dpq.session import lanes_for
 from dpq.shard_processes import agree_lanes
 from dpq.streams import make_lanes
 
 from . import patches
+from .run import PhaseRecord, Run
 
-__all__ = ["OnLaneFailure", "ParallelLaneError", "PhaseRecord", "SeamRun", "phase_seconds",
-           "plan_lanes", "records", "reported", "run_phase", "seam_run"]
+__all__ = ["OnLaneFailure", "ParallelLaneError", "PhaseSpec", "phase_seconds", "plan_lanes", "records", "reported",
+           "run_phase", "seam_run"]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 T = TypeVar("T")
@@ -66,94 +67,32 @@ class ParallelLaneError(RuntimeError):
         self.completed = list(completed or [])
 
 
-@dataclass
-class PhaseRecord:
-    """One sharded (or home-alone) phase of one block."""
-
-    block: str
-    phase: str  # "collection" | "search" | "tune"
-    world: int  # lanes used; 0 for a "tune" record (the tuner's own plan decides, see integration)
-    seconds: float
-    detail: str = ""  # the hooks merged / the items per lane
-    reasons: list[str] = field(default_factory=list)  # why home alone, or why fewer lanes
-    fell_back: bool = False
-    nested: bool = False  # a detail inside another record's time (not summed by phase_seconds)
-
-
-@dataclass
-class SeamRun:
-    """The seams' run state for one install (one frame of the patch table): its config and the
-    scratch the seams keep for the run. A patched function reads it once (:func:`seam_run`)."""
-
-    config: object = None  # the frame's config (``world``, ``devices``, ``processes``); None: nothing installed
-    records: list[PhaseRecord] = field(default_factory=list)
-    logged: set = field(default_factory=set)
-    init_scales: dict = field(default_factory=dict)  # id(home layer) -> (key, init_scale) precomputed on lanes
-    current_layer: object = None  # the layer whose SignRoundV2 wrapper is being built
-    init_scale_hits: int = 0
-    block_name: str = ""  # the block whose quantize_block is running (for nested records)
-    awq_grid: object = None  # the AWQ grid search running now (None: serial)
-    awq_clips: dict = field(default_factory=dict)  # id(home layer) -> (key, clip range) precomputed on lanes
-    awq_clip_hits: int = 0
-
-    @property
-    def world(self) -> int | str:
-        return getattr(self.config, "world", "off")
-
-    @property
-    def devices(self):
-        return getattr(self.config, "devices", None)
-
-    @property
-    def processes(self) -> ProcessSet | None:
-        return getattr(self.config, "processes", None)
-
-    def record(self, block: str, phase: str, world: int, seconds: float, detail: str = "",
-               reasons: Sequence[str] = (), *, fell_back: bool = False, nested: bool = False) -> None:
-        """Append one :class:`PhaseRecord` (the only place one is made)."""
-        self.records.append(PhaseRecord(block, phase, world, seconds, detail, list(reasons), fell_back, nested))
-
-    def log_once(self, key: Hashable, message: str) -> None:
-        if key not in self.logged:
-            self.logged.add(key)
-            from auto_round.logger import logger
-
-            logger.info(message)
-
-
-def _of(frame: patches.Frame) -> SeamRun:
-    run = frame.scratch.get("seams")
-    if run is None:
-        run = frame.scratch["seams"] = SeamRun(frame.config)
-    return run
-
-
-def seam_run() -> SeamRun:
-    """The seams' run of the patch table's top frame, read once at a patched function's entry;
-    with nothing installed (a replacement left under someone else's patch) a fresh idle one
-    (world 'off': everything passes through)."""
+def seam_run() -> Run:
+    """The run of the patch table's top frame, read once at a patched function's entry; with
+    nothing installed (a replacement left under someone else's patch) a fresh idle one (world
+    'off': everything passes through)."""
     frame = patches.frame()
-    return SeamRun() if frame is None else _of(frame)
+    return Run() if frame is None else frame.config
 
 
-def reported(frame: patches.Frame | None = None) -> SeamRun:
-    """The seams' run whose records are read: ``frame``'s, else the top frame's, else (after the
-    outermost uninstall) the last run's; an empty one when nothing ever ran."""
-    frame = frame or patches.frame() or patches.last()
-    return SeamRun() if frame is None else _of(frame)
+def reported() -> Run:
+    """The run whose phase records are read: the top frame's, else (after the outermost
+    uninstall) the last run's; an empty one when nothing ever ran."""
+    frame = patches.frame() or patches.last()
+    return Run() if frame is None else frame.config
 
 
-def records(frame: patches.Frame | None = None) -> list[PhaseRecord]:
-    return list(reported(frame).records)
+def records() -> list[PhaseRecord]:
+    return list(reported().phases)
 
 
-def phase_seconds(frame: patches.Frame | None = None) -> dict[str, float]:
+def phase_seconds() -> dict[str, float]:
     """Seconds per phase summed over every block recorded in the run.
 
     "tune" is the block quantizer's ``quantize_block`` of a tuning algorithm minus the searches
     timed inside it (SignRoundV2 init-scale searches, counted as "search"); at ``iters=0`` the
     whole ``quantize_block`` is "search"."""
-    recs = reported(frame).records
+    recs = reported().phases
     out = {"collection": 0.0, "search": 0.0, "tune": 0.0}
     tuned_blocks = {r.block for r in recs if r.phase == "tune" and not r.nested}
     for r in recs:
@@ -165,42 +104,33 @@ def phase_seconds(frame: patches.Frame | None = None) -> dict[str, float]:
     return out
 
 
-def lane_devices(seams: SeamRun):
-    if seams.devices is not None:
-        return seams.devices
-    from auto_round.utils.device_manager import device_manager
-
-    dl = [d for d in (device_manager.device_list or []) if d is not None]
-    return [str(d) for d in dl] if len(dl) > 1 else None
-
-
-def plan_lanes(seams: SeamRun, units: int, price: int | None, reasons: list[str]):
+def plan_lanes(run: Run, units: int, price: int | None, reasons: list[str]):
     """Lanes for a pass of ``units`` indivisible pieces (batches, layers), or None for home alone.
 
     The same plan the tuner gets (``dpq.session.lanes_for``: world, devices, memory), with the world
     capped at ``units`` (a pass cannot use more lanes than it has pieces). An explicit world
     that cannot be served raises :class:`dpq.plan.PlanRefused` here, before the block's work.
     """
-    w = seams.world
+    w = run.world
     if w == "off" or w == 1 or units < 2 or reasons:
         return None
     from auto_round.utils.device_manager import device_manager
 
     capped = min(w, units) if isinstance(w, int) else w
-    plan, lanes = lanes_for(PlanRequest(world=capped, devices=lane_devices(seams), samples_per_iter=units,
+    plan, lanes = lanes_for(PlanRequest(world=capped, devices=run.lane_devices(), samples_per_iter=units,
                                         home=torch.device(device_manager.device), mirror_bytes=price))
     reasons.extend(plan.reasons)
     return lanes
 
 
-def _process_lanes(seams: SeamRun, units: int, price: int | None, reasons: list[str]):
+def _process_lanes(run: Run, units: int, price: int | None, reasons: list[str]):
     """This process's lanes for a pass over global lanes (None: it must run home alone, ``reasons``
     extended). Its own plan (``plan_lanes``), or the home device alone where that plans one lane
     (world 1: the processes are the lanes); an explicit world it cannot serve makes it run alone
     (the block's tune agreement then refuses with every rank's reasons)."""
     notes: list[str] = []  # plan_lanes' notes say why fewer lanes: the agreed count says it for every rank
     try:
-        lanes = plan_lanes(seams, units, price, notes)
+        lanes = plan_lanes(run, units, price, notes)
     except PlanRefused as err:
         reasons.extend(err.reasons)
         return None
@@ -222,54 +152,89 @@ class OnLaneFailure:
     refused: Callable[[int, str], str]
 
 
-def run_phase(seams: SeamRun, block: str, phase: str, *, serial: Callable[[], T], sharded: Callable[..., T],
-              reasons: list[str], units: int = 0, price: int | None = None,
-              detail: str | Callable[[int], str] = "", home: str | None = None, every_run: bool = False,
-              time_home: bool = True, log: Callable[[int, str, list[str]], tuple[Hashable, str]] | None = None,
-              failure: OnLaneFailure | None = None, processes: ProcessSet | None = None,
-              nested: bool = False) -> T:
-    """One no-grad phase of ``block``: planned, run sharded or serially, recorded, logged once.
+@dataclass(frozen=True)
+class PhaseSpec(Generic[T]):
+    """What one no-grad phase is, as a seam describes it to :func:`run_phase`.
 
-    ``reasons`` (why home alone; empty: plan lanes for ``units`` pieces at ``price`` bytes, the
-    plan's notes appended) decide the path: ``serial()`` on home, or ``sharded(lanes)``, whose
-    record carries ``detail`` (a callable gets the lane count after the run) and whose log line
-    is ``log(world, detail, reasons)`` -> (key, message), said once per key. A home-alone run is
-    recorded with the detail ``home`` (None: never) when refused; with ``every_run`` always, and
-    logged too (collection: every pass says where it ran). ``time_home`` False: that record is
-    written before ``serial()`` with no seconds of its own (its run is timed by an enclosing one).
+    ``phase``: its record's phase ("collection", "search"); ``serial()``: the phase on home, as
+    auto-round runs it; ``sharded(lanes)`` (several processes: ``sharded(lanes, topology)``): the
+    phase over lanes. ``units``: its indivisible pieces (the lanes planned are capped at them),
+    ``price``: a lane's bytes. ``detail``: the sharded run's record text (a callable gets the lane
+    count after the run); ``log(world, detail, reasons)`` -> (key, message): its log line, said
+    once per key. ``home``: the record text of a home-alone run (None: none recorded), recorded
+    when refused, or with ``every_run`` always (and logged: collection passes say where they ran);
+    ``time_home`` False: that record has no seconds of its own (its run is timed by an enclosing
+    one). ``failure``: how a lane failure is answered (None: it propagates). ``nested``: every
+    record of it is a detail inside another record's time."""
 
-    A lane failure: with ``failure``, as :class:`OnLaneFailure` says (the rerun recorded with the
-    lane failure as its reason, ``fell_back``); without, it propagates as raised. ``processes``
-    (several processes): the pass runs over the global lanes, ``sharded(lanes, layout)`` with the
-    lane count every rank agreed (0 anywhere: every rank runs it home alone, every rank's reasons
-    recorded); every rank reaches this for the same passes and calls ``agree_lanes`` once, and a
-    failure anywhere in the agreement or the sharded run is fatal on every rank (``ProcessSet.stop``:
-    no serial rerun across processes, the ranks could not agree on one).
+    phase: str
+    serial: Callable[[], T]
+    sharded: Callable[..., T]
+    units: int = 0
+    price: int | None = None
+    detail: str | Callable[[int], str] = ""
+    home: str | None = None
+    every_run: bool = False
+    time_home: bool = True
+    log: Callable[[int, str, list[str]], tuple[Hashable, str]] | None = None
+    failure: OnLaneFailure | None = None
+    nested: bool = False
+
+    def detail_for(self, world: int) -> str:
+        return self.detail if isinstance(self.detail, str) else self.detail(world)
+
+
+def run_phase(run: Run, block: str, spec: PhaseSpec[T], *, reasons: list[str],
+              processes: ProcessSet | None = None) -> T:
+    """One no-grad phase of ``block`` (``spec``: :class:`PhaseSpec`): planned, run sharded or
+    serially, recorded, logged once.
+
+    ``reasons`` (why home alone; empty: plan lanes for ``spec.units`` pieces at ``spec.price``
+    bytes, the plan's notes appended) decide the path: ``spec.serial()`` on home, or
+    ``spec.sharded(lanes)``, recorded with ``spec.detail`` and logged with ``spec.log``. A
+    home-alone run is recorded with ``spec.home`` when refused, or with ``spec.every_run`` always
+    (and then logged too); with ``spec.time_home`` False that record is written before
+    ``serial()`` with no seconds of its own.
+
+    A lane failure: with ``spec.failure``, as :class:`OnLaneFailure` says (the rerun recorded with
+    the lane failure as its reason, ``fell_back``); without, it propagates as raised. ``processes``
+    (several processes): the pass runs over the global lanes, ``spec.sharded(lanes, topology)``
+    with the lane count every rank agreed (0 anywhere: every rank runs it home alone, every rank's
+    reasons recorded); every rank reaches this for the same passes and calls ``agree_lanes`` once,
+    and a failure anywhere in the agreement or the sharded run is fatal on every rank
+    (``ProcessSet.stop``: no serial rerun across processes, the ranks could not agree on one).
     """
     t0 = time.perf_counter()
 
     def report(world: int, text: str, why: list[str], *, fell_back: bool = False, logged: bool = True) -> None:
-        seams.record(block, phase, world, time.perf_counter() - t0, text, why, fell_back=fell_back, nested=nested)
-        if logged and log is not None:
-            seams.log_once(*log(world, text, why))
+        run.record_phase(block, spec.phase, world, time.perf_counter() - t0, text, why, fell_back=fell_back,
+                         nested=spec.nested)
+        if logged and spec.log is not None:
+            key, message = spec.log(world, text, why)
+            if key not in run.seams.logged:
+                run.seams.logged.add(key)
+                from auto_round.logger import logger
+
+                logger.info(message)
 
     def home_alone(why: list[str]) -> T:
-        recorded = home is not None and (every_run or bool(why))
-        if recorded and not time_home:
-            seams.record(block, phase, 1, 0.0, home, why, nested=nested)
-        out = serial()
-        if recorded and time_home:
-            report(1, home, why, logged=every_run)
+        recorded = spec.home is not None and (spec.every_run or bool(why))
+        if recorded and not spec.time_home:
+            run.record_phase(block, spec.phase, 1, 0.0, spec.home, why, nested=spec.nested)
+        out = spec.serial()
+        if recorded and spec.time_home:
+            report(1, spec.home, why, logged=spec.every_run)
         return out
 
     if processes is not None:
         try:
-            lanes = None if reasons else _process_lanes(seams, units, price, reasons)
+            lanes = None if reasons else _process_lanes(run, spec.units, spec.price, reasons)
             agreed, alone = agree_lanes(processes, 0 if lanes is None else len(lanes), reasons)
             if agreed:
                 # no more global lanes than pieces (a lane without a piece would only build a mirror)
-                layout = ProcessLayout(processes.size, processes.rank, max(1, min(agreed, units // processes.size)))
-                out = sharded(lanes[: layout.lanes], layout)
+                topology = Topology(processes.size, processes.rank,
+                                    max(1, min(agreed, spec.units // processes.size)))
+                out = spec.sharded(lanes[: topology.lanes], topology)
         except BaseException as err:
             stopped = processes.stop(err, peer_lost(err))
             if not isinstance(err, Exception):
@@ -277,30 +242,27 @@ def run_phase(seams: SeamRun, block: str, phase: str, *, serial: Callable[[], T]
             raise stopped from err
         if not agreed:
             return home_alone(alone or reasons)
-        report(layout.world, f"{_text(detail, layout.world)}; {layout.describe()}", [])
+        report(topology.world, f"{spec.detail_for(topology.world)}; {topology.describe()}", [])
         return out
-    lanes = plan_lanes(seams, units, price, reasons)
+    lanes = plan_lanes(run, spec.units, spec.price, reasons)
     if lanes is None:
         return home_alone(reasons)
     try:
-        out = sharded(lanes)
+        out = spec.sharded(lanes)
     except Exception as err:
+        failure = spec.failure
         if failure is None:
             raise
-        if seams.world != "auto":
+        if run.world != "auto":
             raise ParallelLaneError(failure.refused(len(lanes), repr(err))) from err
         from auto_round.logger import logger
 
         logger.warning(refusals.pass_lane_failed_rerun(failure.what, repr(err), failure.restored))
-        out = serial()
-        report(1, home or "", [refusals.lane_failure(repr(err))], fell_back=True, logged=every_run)
+        out = spec.serial()
+        report(1, spec.home or "", [refusals.lane_failure(repr(err))], fell_back=True, logged=spec.every_run)
         return out
-    report(len(lanes), _text(detail, len(lanes)), reasons)
+    report(len(lanes), spec.detail_for(len(lanes)), reasons)
     return out
-
-
-def _text(detail: str | Callable[[int], str], world: int) -> str:
-    return detail if isinstance(detail, str) else detail(world)
 
 
 def mirror_refusals(module: torch.nn.Module, label: str) -> list[str]:

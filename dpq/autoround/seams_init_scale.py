@@ -20,7 +20,8 @@ from auto_round.utils import SUPPORTED_LAYER_TYPES, check_to_quantized
 from dpq.shard import copy_to_lane, map_over_lanes
 
 from . import patches
-from .seams_common import SeamRun, run_phase, seam_run
+from .run import Run
+from .seams_common import PhaseSpec, run_phase, seam_run
 
 __all__ = ["precompute_init_scales", "prepare_init_scale_weight", "search_optimized_init_scale"]
 
@@ -41,13 +42,13 @@ def _init_scale_inputs(layer):
     return weight_reshape, imatrix, q_scale_thresh
 
 
-def precompute_init_scales(seams: SeamRun, q, block, block_name: str) -> None:
+def precompute_init_scales(run: Run, q, block, block_name: str) -> None:
     """Before a SignRoundV2 block is wrapped: run every layer's init-scale search once on one lane
     and keep the results home; the wrapper then takes them instead of searching (same inputs,
     same function: bitwise). On home alone nothing runs here (the wrapper searches as serial does)."""
     wrapper = getattr(q, "wrapper_block", None)
     if not isinstance(q, _v2.SignRoundV2Quantizer) or getattr(wrapper, "keywords", {}).get("wrapper_cls") \
-            is not _OPT_WRAPPER or seams.world in ("off", 1) or not _installed():
+            is not _OPT_WRAPPER or run.world in ("off", 1) or not _installed():
         return
     targets = [m for _, m in block.named_modules() if type(m) in SUPPORTED_LAYER_TYPES and check_to_quantized(m)]
     if len(targets) < 2 or any(p.device.type == "meta" for m in targets for p in m.parameters()):
@@ -56,7 +57,7 @@ def precompute_init_scales(seams: SeamRun, q, block, block_name: str) -> None:
     search = patches.original(_v2, "search_optimized_init_scale")
 
     def sharded(lanes):
-        def run(layer, lane):
+        def search_on(layer, lane):
             src = layer if lane.index == 0 else copy_to_lane(layer, lanes[0], lane)
             weight_reshape, imatrix, thresh = _init_scale_inputs(src)
             return search(weight_reshape, src.data_type, src.bits, imatrix, thresh)
@@ -65,36 +66,37 @@ def precompute_init_scales(seams: SeamRun, q, block, block_name: str) -> None:
             weight_reshape, imatrix, thresh = _init_scale_inputs(layer)
             if isinstance(result, torch.Tensor):
                 result = result.to(weight_reshape.device)
-            seams.init_scales[id(layer)] = (_init_scale_key(layer, weight_reshape, imatrix, thresh), result)
+            run.seams.init_scales[id(layer)] = (_init_scale_key(layer, weight_reshape, imatrix, thresh), result)
 
-        map_over_lanes(targets, lanes, run, cost=lambda m: float(m.weight.numel()), collect=collect)
+        map_over_lanes(targets, lanes, search_on, cost=lambda m: float(m.weight.numel()), collect=collect)
 
-    run_phase(seams, block_name, "search", serial=lambda: None, sharded=sharded, reasons=[], units=len(targets),
-              price=price, detail=f"{len(targets)} SignRoundV2 init-scale searches", nested=True,
-              log=lambda w, _d, _r: (("init_scale", w), f"dpq: SignRoundV2 init-scale searches of {block_name} "
-                                                       f"mapped over {w} lanes"))
+    phase = PhaseSpec("search", serial=lambda: None, sharded=sharded, units=len(targets), price=price,
+                      detail=f"{len(targets)} SignRoundV2 init-scale searches", nested=True,
+                      log=lambda w, _d, _r: (("init_scale", w), f"dpq: SignRoundV2 init-scale searches of {block_name} "
+                                                               f"mapped over {w} lanes"))
+    run_phase(run, block_name, phase, reasons=[])
 
 
 def prepare_init_scale_weight(self):
-    seam_run().current_layer = self.orig_layer
+    seam_run().seams.current_layer = self.orig_layer
     return patches.original(_OPT_WRAPPER, "_prepare_init_scale_weight")(self)
 
 
 def search_optimized_init_scale(weight_reshape, data_type, bits, imatrix=None, q_scale_thresh=1e-5):
-    seams = seam_run()
-    layer, seams.current_layer = seams.current_layer, None
-    entry = seams.init_scales.pop(id(layer), None) if layer is not None else None
+    run = seam_run()
+    layer, run.seams.current_layer = run.seams.current_layer, None
+    entry = run.seams.init_scales.pop(id(layer), None) if layer is not None else None
     if entry is not None and layer.data_type == data_type and layer.bits == bits \
             and entry[0] == _init_scale_key(layer, weight_reshape, imatrix, q_scale_thresh):
-        seams.init_scale_hits += 1
+        run.seams.init_scale_hits += 1
         result = entry[1]
         return result.to(weight_reshape.device) if isinstance(result, torch.Tensor) else result
     t0 = time.perf_counter()
     search = patches.original(_v2, "search_optimized_init_scale")
     result = search(weight_reshape, data_type, bits, imatrix, q_scale_thresh)
-    if layer is not None and seams.block_name:
-        seams.record(seams.block_name, "search", 1, time.perf_counter() - t0, "SignRoundV2 init-scale search on home",
-                     nested=True)
+    if layer is not None and run.seams.block_name:
+        run.record_phase(run.seams.block_name, "search", 1, time.perf_counter() - t0,
+                         "SignRoundV2 init-scale search on home", nested=True)
     return result
 
 

@@ -20,7 +20,8 @@ from dpq import refusals
 from dpq.shard import bring_home, copy_to_lane, map_over_lanes
 
 from . import patches
-from .seams_common import SeamRun, run_phase, seam_run
+from .run import Run
+from .seams_common import PhaseSpec, run_phase, seam_run
 
 __all__ = ["opt_rtn_quantize_targets", "rtn_quantize_block"]
 
@@ -97,7 +98,7 @@ def _map_rtn(q, targets: list, disable_opt_rtn, lanes, owners_seen: dict[int, in
     map_over_lanes(targets, lanes, run, cost=cost, collect=collect)
 
 
-def _rtn_phase(seams: SeamRun, q, targets: list, disable_opt_rtn, block_name: str, serial: Callable, done):
+def _rtn_phase(run: Run, q, targets: list, disable_opt_rtn, block_name: str, serial: Callable, done):
     """The targets' searches as one phase: mapped over lanes (returning ``done``, the serial call's
     result once every target is installed), else ``serial()`` on home. A lane failure propagates:
     home's lane works in place, so a rerun would not start from serial's state."""
@@ -112,11 +113,12 @@ def _rtn_phase(seams: SeamRun, q, targets: list, disable_opt_rtn, block_name: st
     def per_lane(world: int) -> str:
         return ", ".join(f"lane {k}: {owners_seen.get(k, 0)}" for k in range(world))
 
-    return run_phase(seams, block_name, "search", serial=serial, sharded=sharded, reasons=reasons,
-                     units=len(targets), price=price or None, detail=lambda w: f"{len(targets)} layers ({per_lane(w)})",
-                     home="home alone", time_home=False, nested=True,
-                     log=lambda w, _d, _r: (("search", w), f"dpq: per-layer weight searches of {block_name} mapped "
-                                                          f"over {w} lanes ({per_lane(w)})"))
+    phase = PhaseSpec("search", serial=serial, sharded=sharded, units=len(targets), price=price or None,
+                      detail=lambda w: f"{len(targets)} layers ({per_lane(w)})", home="home alone", time_home=False,
+                      nested=True,
+                      log=lambda w, _d, _r: (("search", w), f"dpq: per-layer weight searches of {block_name} mapped "
+                                                           f"over {w} lanes ({per_lane(w)})"))
+    return run_phase(run, block_name, phase, reasons=reasons)
 
 
 def _block_name_of(targets) -> str:
@@ -127,23 +129,23 @@ def _block_name_of(targets) -> str:
 @torch.no_grad()
 def rtn_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids=None,
                         **kwargs):
-    seams = seam_run()
+    run = seam_run()
     original = patches.original(RTNQuantizer, "quantize_block")
 
     def serial():
         return original(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
 
-    if seams.world in ("off", 1):
+    if run.world in ("off", 1):
         return serial()
     targets = [m for _, m in block.named_modules() if check_to_quantized(m)]
     name = getattr(block_ctx, "block_name", "") or _block_name_of(targets)
-    return _rtn_phase(seams, self, targets, True, name, serial, {})
+    return _rtn_phase(run, self, targets, True, name, serial, {})
 
 
 def opt_rtn_quantize_targets(self, targets: list) -> None:
-    seams = seam_run()
+    run = seam_run()
     original = patches.original(OptimizedRTNQuantizer, "_quantize_targets")
-    if seams.world in ("off", 1) or not targets:
+    if run.world in ("off", 1) or not targets:
         return original(self, targets)
     singles = list(targets)
     if self._expert_search_active():
@@ -151,5 +153,5 @@ def opt_rtn_quantize_targets(self, targets: list) -> None:
         if batches:  # stacked expert searches: one call per group, on home
             original(self, [m for b in batches for m in b])
     if singles:
-        _rtn_phase(seams, self, singles, None, _block_name_of(singles), lambda: original(self, singles), None)
+        _rtn_phase(run, self, singles, None, _block_name_of(singles), lambda: original(self, singles), None)
     return None

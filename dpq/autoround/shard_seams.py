@@ -4,24 +4,26 @@ The seams themselves live by phase: :mod:`.seams_collection` (collection forward
 :mod:`.seams_rtn` (``iters=0`` weight searches), :mod:`.seams_init_scale` (SignRoundV2
 init-scale searches), :mod:`.seams_awq` (AWQ grid and clip searches), with what they share in
 :mod:`.seams_common`. They are installed, with every other replacement, by the patch table
-(:mod:`.patches`); ``install(config)`` here pushes ``config`` (``world``, ``devices``) on it
-without an ``enable()`` (the tuner then stays serial). The phase benchmark is
+(:mod:`.patches`); ``install(run)`` here pushes a seams-only run
+(``Run(world=2, devices="cpu,cpu", seams_only=True)``) on it without an ``enable()``: the no-grad
+phases run over lanes and each block's tune stays auto-round's own. The phase benchmark is
 ``benchmarks/phases.py``.
 """
 
 from __future__ import annotations
 
 from . import patches
+from .run import Run
 from .seams_collection import ShardedRunner
-from .seams_common import PhaseRecord, SeamRun, phase_seconds, records, reported
+from .seams_common import phase_seconds, records, reported
 
-__all__ = ["PhaseRecord", "SeamRun", "ShardedRunner", "install", "installed", "last_run", "phase_seconds", "records",
-           "reset", "uninstall"]
+__all__ = ["ShardedRunner", "install", "installed", "last_run", "phase_seconds", "records", "reset", "uninstall"]
 
 
-def install(config) -> None:
-    """Install the seams (with the whole patch table) for ``config``; undone by one :func:`uninstall`."""
-    patches.install(config)
+def install(run: Run) -> None:
+    """Install the seams (with the whole patch table) for ``run`` (``seams_only``: the tuner stays
+    auto-round's); undone by one :func:`uninstall`."""
+    patches.install(run)
 
 
 def uninstall() -> None:
@@ -33,11 +35,12 @@ def installed() -> bool:
     return patches.installed()
 
 
-def last_run() -> SeamRun:
-    """The seams' run of the innermost install, or after the run, the last one (counters, records)."""
+def last_run() -> Run:
+    """The run of the innermost install, or after the run, the last one (phase records, the seams'
+    counters in ``seams``)."""
     return reported()
 
 
 def reset() -> None:
     """Forget the phase records (e.g. between two measured runs)."""
-    reported().records.clear()
+    reported().phases.clear()
