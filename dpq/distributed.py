@@ -367,8 +367,8 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Top
     """Every rank's plan, exchanged; the same answer on every rank.
 
     Returns (topology, notes): the agreed topology (``procs.size`` processes x the same local lane
-    count), or, when the block runs serially on every rank, each rank alone with its own plan's
-    lanes (:meth:`Topology.alone`: one process, ``several`` False). Raises
+    count), or, when the block runs serially on every rank, each rank alone on one lane, its home
+    (:meth:`Topology.alone`: one process, ``several`` False), whatever lanes its own plan had. Raises
     :class:`dpq.plan.PlanRefused` on every rank, listing every rank's reasons (each prefixed
     with its rank), when any rank refused, the ranks asked for different worlds, or the
     processes outnumber the samples of an iteration. Every rank runs the same local lane count:
@@ -402,7 +402,7 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Top
     if any(q.serial for q in plans):
         serial = [r for r, q in enumerate(plans) if q.serial]
         why = plans[serial[0]].reasons[0] if plans[serial[0]].reasons else "its plan is serial"
-        return Topology.alone(mine.lanes), [refusals.serial_every_rank([procs.name(r) for r in serial], why)]
+        return Topology.alone(1), [refusals.serial_every_rank([procs.name(r) for r in serial], why)]
     notes = []
     if lanes != max(q.lanes for q in plans):
         fewest = [procs.name(r) for r, q in enumerate(plans) if q.lanes == lanes]

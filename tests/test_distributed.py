@@ -346,11 +346,11 @@ def test_agreement():
     topology, notes = _agree([RankPlan("auto", 4, []), RankPlan("auto", 4, [])], samples=6)
     assert topology.lanes == 3 and "so that every lane gets a sample" in notes[0]
     topology, notes = _agree([RankPlan("auto", 2, []), RankPlan("auto", 1, ["feature"], serial=True)])
-    # serial on every rank: each rank alone, on its own plan's lanes
+    # serial on every rank: each rank alone on its home lane, also one whose own plan had more lanes
     assert topology == Topology.alone(1) and not topology.several
     assert notes == [refusals.serial_every_rank([11], "feature")]
     assert _agree([RankPlan("auto", 2, []), RankPlan("auto", 1, ["feature"], serial=True)], rank=0)[0] == \
-        Topology.alone(2)
+        Topology.alone(1)
     assert notes[0].startswith("serial on every rank: rank 11 cannot split this block (feature)")
     with pytest.raises(PlanRefused) as refused:
         _agree([RankPlan(2, 0, ["a", "b"], refused=True), RankPlan(2, 2, []), RankPlan(2, 0, ["c"], refused=True)])

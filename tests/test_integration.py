@@ -14,6 +14,7 @@ import torch
 from dpq.autoround import block_task, integration
 from dpq.autoround.run import current_run
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
+from dpq.distributed import ProcessSet
 from dpq.plan import PlanRefused, PlanRequest, resolve
 from dpq.testing.faults import inject_fault
 from tests import mutants, parity_stats
@@ -314,8 +315,11 @@ def test_feature_refusals(recorded_blocks, monkeypatch, patch, expect):
         p = next(block.parameters())
         monkeypatch.setattr(type(block), "parameters",
                             lambda self, recurse=True: iter([p, torch.nn.Parameter(torch.zeros(1, device="meta"))]))
-    reasons = block_task.feature_refusals(q, block, inputs, rec.block_ctx)
+    reasons = block_task.feature_refusals(q, block, inputs)
     assert any(expect in r for r in reasons), reasons
+    if patch == "dist":  # the run was given the group: its tune spans the processes, nothing refused for it
+        given = ProcessSet(rank=0, size=2, store=None)
+        assert not any(expect in r for r in block_task.feature_refusals(q, block, inputs, given))
     with pytest.raises(PlanRefused, match=expect):
         resolve(PlanRequest(world=2, devices="cpu,cpu", home="cpu", extra_reasons=reasons))
     auto = resolve(PlanRequest(world="auto", devices="cpu,cpu", home="cpu", extra_reasons=reasons))

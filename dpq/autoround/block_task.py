@@ -21,20 +21,21 @@ from auto_round.utils.device_manager import device_manager
 from auto_round.wrapper import unwrapper_block
 
 from dpq import refusals, session
+from dpq.distributed import ProcessSet
 from dpq.plan import BlockPrice
 
 from .compat import prepare_block_for_tuning
-from .run import run_processes
 from .seams_common import ParallelLaneError
 from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
 
 __all__ = ["AutoRoundBlock", "feature_refusals", "lane_error", "loss_scale", "task_plan_fields"]
 
 
-def feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) -> list[str]:
-    """What this quantizer/block uses that the delegated loop cannot split, each with the fix."""
+def feature_refusals(q: SignRoundQuantizer, block, fp_inputs, processes: ProcessSet | None = None) -> list[str]:
+    """What this quantizer/block uses that the delegated loop cannot split, each with the fix.
+    ``processes``: the run's process set (None: the run is this process alone)."""
     reasons = []
-    if _unclaimed_group():
+    if _unclaimed_group(processes):
         reasons.append(refusals.DIST_ACTIVE)
     if not isinstance(fp_inputs, list) or not all(isinstance(t, torch.Tensor) for t in fp_inputs):
         reasons.append(refusals.DICT_POOL)
@@ -50,13 +51,13 @@ def feature_refusals(q: SignRoundQuantizer, block, fp_inputs, block_ctx=None) ->
     return reasons
 
 
-def _unclaimed_group() -> bool:
-    """A group of several processes is initialised but no installed run holds a process set
-    (``enable()`` ran before ``init_process_group``): the runs would not span the processes."""
+def _unclaimed_group(processes: ProcessSet | None) -> bool:
+    """A group of several processes is initialised but the run holds no process set of several
+    (``enable()`` ran before ``init_process_group``): the run would not span the processes."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return False
-    return run_processes() is None
+    return processes is None or processes.size < 2
 
 
 def loss_scale(q: SignRoundQuantizer) -> float | None:
@@ -70,15 +71,16 @@ def loss_scale(q: SignRoundQuantizer) -> float | None:
     return None
 
 
-def task_plan_fields(q, block, fp_inputs) -> dict:
-    """What the plan needs from the tuner for this block (the session task's plan fields)."""
+def task_plan_fields(q, block, fp_inputs, processes: ProcessSet | None) -> dict:
+    """What the plan needs from the tuner for this block (the session task's plan fields);
+    ``processes``: the run's process set."""
     home = torch.device(device_manager.device)
     per_iter = min(len(fp_inputs) if isinstance(fp_inputs, list) else 1,
                    q.calibration_context.batch_size * q.gradient_accumulate_steps)
     return dict(
         samples_per_iter=per_iter,
         home=home,
-        extra_reasons=feature_refusals(q, block, fp_inputs),
+        extra_reasons=feature_refusals(q, block, fp_inputs, processes),
         price=(BlockPrice(block, fp_inputs, per_iter, compute_dtype=q.model_context.amp_dtype)
                if isinstance(fp_inputs, list) else None),
         pure_sign=is_pure_sign(q.optimizer, q.momentum),
@@ -107,13 +109,13 @@ class AutoRoundBlock:
         self.layers: tuple = ([], [])
         self.snapshot = None
 
-    def describe(self, serial, records: Sequence) -> session.BlockTask:
+    def describe(self, serial, records: Sequence, processes: ProcessSet | None) -> session.BlockTask:
         name = self.block_ctx.block_name
         return session.BlockTask(
             name=name, block=self.block, start=self.start, finish=self.finish, serial=serial,
             lane_error=lambda err, ran: lane_error(name, ran.world, err, "while tuning", records=records),
             on_fallback=lambda err: logger.warning(refusals.lane_failed_rerun(name, repr(err))),
-            **task_plan_fields(self.q, self.block, self.fp_inputs),
+            **task_plan_fields(self.q, self.block, self.fp_inputs, processes),
         )
 
     def start(self, ran: session.LaneRun):

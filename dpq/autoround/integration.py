@@ -218,7 +218,7 @@ def _auto_world_for(cfg: Run, plan: Plan) -> tuple[AutoWorld | None, Plan]:
 
 def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
     return PlanRequest(world=cfg.world, devices=cfg.lane_devices(), overlap=cfg.overlap is True,
-                       **task_plan_fields(q, block, fp_inputs))
+                       **task_plan_fields(q, block, fp_inputs, cfg.processes))
 
 
 def _plan_for(cfg: Run, q, block, fp_inputs, block_ctx) -> Plan:
@@ -308,6 +308,7 @@ def _parallel_block(cfg: Run, q, plan, block, fp_inputs, input_others, fp_output
     if plan is not None:
         auto_world, plan = _auto_world_for(cfg, plan)
     try:
-        return session.run(_session_config(cfg, auto_world), task.describe(serial, cfg.records), plan=plan)
+        described = task.describe(serial, cfg.records, cfg.processes)
+        return session.run(_session_config(cfg, auto_world), described, plan=plan)
     finally:
         task.close()
