@@ -18,7 +18,7 @@ def measure_phases(world, devices=None, *, iters: int = 0, nsamples: int = 16, s
     tune), the block records and the wall time. ``world='off'`` measures serial auto-round."""
     from auto_round import AutoRound
 
-    from dpq.autoround import integration, shard_seams
+    from dpq.autoround import integration, seams_common, shard_seams
     from dpq.autoround.run import Run
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
 
@@ -34,7 +34,7 @@ def measure_phases(world, devices=None, *, iters: int = 0, nsamples: int = 16, s
                   batch_size=batch_size, seed=42, **ar_kwargs).quantize()
     finally:
         wall = time.perf_counter() - t0
-        phases, records = shard_seams.phase_seconds(), shard_seams.records()
+        phases, records = seams_common.phase_seconds(), seams_common.records()
         tune_records = integration.run_summary() if tune_parallel else []
         if tune_parallel:
             integration.disable()

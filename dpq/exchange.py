@@ -78,7 +78,7 @@ from dpq.comm_base import Communicator
 from dpq.sign_bits import SignBuffers, pack_signs, sign_groups, sign_padded_length, take, unpack_signs
 from dpq.streams import Lane
 
-__all__ = ["BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange", "sign_padded_length"]
+__all__ = ["BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange"]
 
 
 class GradBuckets:

@@ -46,7 +46,7 @@ from dpq.split import contiguous_ranges
 from dpq.streams import Lane
 
 __all__ = [
-    "MERGERS", "StatSpec", "assign_items", "bring_home", "clear_module_stats", "contiguous_ranges", "copy_to_lane",
+    "MERGERS", "StatSpec", "assign_items", "bring_home", "clear_module_stats", "copy_to_lane",
     "map_over_lanes", "merge_count", "merge_max", "merge_module_stats", "merge_stats", "merge_sum", "read_module_stats",
     "restore_module_stats", "shard_forward", "sharded_collection", "snapshot_module_stats",
 ]

@@ -70,8 +70,7 @@ from dpq.sign_step import foreach_sign_step, step_choice
 from dpq.split import chunks, contiguous_ranges
 from dpq.streams import HostCopy, Lane, WaitExpired, wait_events
 
-__all__ = ["LaneLoss", "LanesHung", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "contiguous_ranges",
-           "run_loop"]
+__all__ = ["LaneLoss", "LanesHung", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "run_loop"]
 
 
 class LaneLoss(Protocol):

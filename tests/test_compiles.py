@@ -15,6 +15,7 @@ import torch
 import torch._dynamo
 
 from dpq import session
+from dpq.autoround.run import BlockRecord
 from dpq.compiles import CompileWatch, _frame_compile
 from dpq.mirror import ReplicaSet
 from dpq.streams import make_lanes
@@ -214,4 +215,4 @@ def test_block_record_carries_the_compiles():
     assert fields["recompiles"] == [0, 1] and fields["compiles"] == [1, 1]
     assert len(fields["compile_s"]) == 2 and fields["compile_s"][1] > 0
     assert integration._compile_fields(None) == {}
-    assert {"recompiles", "compiles", "compile_s"} <= set(integration.BlockRecord.__dataclass_fields__)
+    assert {"recompiles", "compiles", "compile_s"} <= set(BlockRecord.__dataclass_fields__)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dpq.communicators import select_communicator
-from dpq.exchange import FullSumExchange, GradBuckets, SignExchange, sign_padded_length
+from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
+from dpq.sign_bits import sign_padded_length
 from dpq.streams import make_lanes
 
 WORLDS = [1, 2, 3, 4]

@@ -13,6 +13,7 @@ import torch
 
 from dpq.autoround import block_task, integration
 from dpq.autoround.run import current_run
+from dpq.autoround.seams_common import ParallelLaneError
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
 from dpq.distributed import ProcessSet
 from dpq.plan import PlanRefused, PlanRequest, resolve
@@ -235,7 +236,7 @@ def test_lane_failure_under_explicit_world_raises_and_loses_nothing():
             return real_parallel(cfg, q, plan, block, *a, **k)
 
         integration._parallel_block = spy
-        with pytest.raises(integration.ParallelLaneError, match=r"lane failed while tuning model\.layers\.1"):
+        with pytest.raises(ParallelLaneError, match=r"lane failed while tuning model\.layers\.1"):
             ar.quantize()
     finally:
         integration._parallel_block = real_parallel

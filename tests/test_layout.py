@@ -1,5 +1,6 @@
 """The package's shape: the runtime imports no auto-round, no import cycle among dpq's modules
-(function-level imports included), fault injection only in the scaffolding, no ``import *``."""
+(function-level imports included), fault injection only in the scaffolding, no ``import *``, no
+re-exports."""
 
 from __future__ import annotations
 
@@ -122,6 +123,31 @@ def test_fault_injection_is_only_scaffolding():
     found = [f"{p.relative_to(DPQ.parent)}: {word}" for p in sorted(DPQ.rglob("*.py"))
              if "testing" not in p.relative_to(DPQ).parts for word in FAULT_WORDS if word in p.read_text()]
     assert not found, found
+
+
+def _reexports(tree: ast.Module) -> list[str]:
+    """Names in a module's ``__all__`` that it imports rather than defines."""
+    defined, exported = set(), []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    defined.add(target.id)
+                    if target.id == "__all__":
+                        exported = [e.value for e in node.value.elts]
+    return [name for name in exported if name not in defined]
+
+
+def test_modules_export_only_what_they_define():
+    """No module re-exports another's names (a glue between the halves of a split file); a
+    package's ``__init__`` is its public API and gathers names from its modules."""
+    found = [f"{p.relative_to(DPQ.parent)}: {name}" for p in sorted(DPQ.rglob("*.py")) if p.name != "__init__.py"
+             for name in _reexports(ast.parse(p.read_text()))]
+    assert not found, found
+    # the check sees what it is for: an imported name in __all__
+    assert _reexports(ast.parse("from x import a\ndef b(): pass\n__all__ = ['a', 'b']")) == ["a"]
 
 
 def test_no_star_import():

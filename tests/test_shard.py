@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from dpq import shard
+from dpq.split import contiguous_ranges
 from dpq.streams import make_lanes
 from tests.conftest import cast_floating
 from tests.numerics import assert_reassociated_nonneg_sum
@@ -54,20 +55,20 @@ def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
 # -- dpq.shard, no auto-round -----------------------------------------------------------------------
 
 def test_contiguous_ranges():
-    assert shard.contiguous_ranges(16, 2, 8) == [(0, 8), (8, 16)]
-    assert shard.contiguous_ranges(16, 3, 8) == [(0, 8), (8, 16), (16, 16)]  # 2 batches: lane 2 idle
-    assert shard.contiguous_ranges(20, 2, 8) == [(0, 16), (16, 20)]  # 3 batches: 2 + 1
-    assert shard.contiguous_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert contiguous_ranges(16, 2, 8) == [(0, 8), (8, 16)]
+    assert contiguous_ranges(16, 3, 8) == [(0, 8), (8, 16), (16, 16)]  # 2 batches: lane 2 idle
+    assert contiguous_ranges(20, 2, 8) == [(0, 16), (16, 20)]  # 3 batches: 2 + 1
+    assert contiguous_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
     for n in range(0, 30):
         for world in range(1, 5):
             for align in (1, 2, 3, 8):
-                r = shard.contiguous_ranges(n, world, align)
+                r = contiguous_ranges(n, world, align)
                 assert r[0][0] == 0 and r[-1][1] == n and all(r[k][1] == r[k + 1][0] for k in range(world - 1))
                 assert all(a % align == 0 for a, b in r if a < b)
                 units = [-(-(b - a) // align) for a, b in r]
                 assert max(units) - min(units) <= 1
     with pytest.raises(ValueError):
-        shard.contiguous_ranges(4, 0)
+        contiguous_ranges(4, 0)
 
 
 def test_shard_forward_returns_sample_order():
@@ -234,7 +235,7 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
     auto-round), ``tune_world`` also enables dpq's tuner. Returns (state_dict, seam records)."""
     from auto_round import AutoRound
 
-    from dpq.autoround import integration, shard_seams
+    from dpq.autoround import integration, seams_common, shard_seams
     from dpq.autoround.run import Run
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
     from dpq.testing.faults import inject_fault
@@ -261,7 +262,7 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
                 fault.remove()
             elif faults is not None:
                 faults.pop(fault.kind, None)  # fired (once)
-        recs = shard_seams.records() if world is not None else []
+        recs = seams_common.records() if world is not None else []
         if world is not None:
             shard_seams.uninstall()
         if tune_world is not None:
@@ -432,7 +433,7 @@ def test_signround_v2_init_scale_searches_mapped():
 def test_collection_lane_failure(recorder):
     """A lane failing in a collection pass: under auto the pass reruns on home with the statistics
     restored (result bitwise serial's); under an explicit world a ParallelLaneError is raised."""
-    from dpq.autoround.integration import ParallelLaneError
+    from dpq.autoround.seams_common import ParallelLaneError
 
     serial_state, _ = _run(None, **STATIC_ACT)
     state, recs = _run("auto", faults={"collection": 1}, **STATIC_ACT)
@@ -442,18 +443,7 @@ def test_collection_lane_failure(recorder):
         _run(2, faults={"collection": 1}, **STATIC_ACT)
 
 
-def _seams_wired() -> bool:
-    from dpq.autoround import integration, shard_seams
-
-    integration.enable("off")
-    try:
-        return shard_seams.installed()
-    finally:
-        integration.disable()
-
-
 @pytest.mark.parity_subset
-@pytest.mark.skipif(not _seams_wired(), reason="integration.enable() does not install dpq.autoround.shard_seams yet")
 @pytest.mark.parametrize("extra", [[], ["--alg", "awq", "--awq_n_grid", "4", "--awq_apply_clip"]],
                          ids=["rtn", "awq"])
 def test_cli_iters0_world2_saves_serial_tensors(tmp_path, extra):
@@ -593,7 +583,7 @@ def test_awq_grid_lane_failure():
     search reruns on home (result bitwise serial's); under an explicit world ParallelLaneError."""
     from auto_round.algorithms.transforms.awq.config import AWQConfig
 
-    from dpq.autoround.integration import ParallelLaneError
+    from dpq.autoround.seams_common import ParallelLaneError
 
     kw = dict(alg_configs=AWQConfig(n_grid=4))
     serial_state, _ = _run(None, **kw)

@@ -10,17 +10,14 @@ import torch
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
+from dpq.split import contiguous_ranges
 from dpq.streams import make_lanes
 from dpq.tune_loop import TuneEngine
 
-try:
-    from dpq.tune_loop import contiguous_slices
-except ImportError:  # the split is given as (start, stop) ranges
 
-    def contiguous_slices(indices, world):
-        from dpq.tune_loop import contiguous_ranges
-
-        return [list(indices[a:b]) for a, b in contiguous_ranges(len(indices), world)]
+def contiguous_slices(indices, world):
+    """The engine's split of an iteration's indices over ``world`` lanes (dpq.split's ranges)."""
+    return [list(indices[a:b]) for a, b in contiguous_ranges(len(indices), world)]
 
 
 @pytest.mark.parametrize("n,world", [(8, 1), (8, 2), (8, 3), (7, 4), (4, 4), (13, 3)])

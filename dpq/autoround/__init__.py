@@ -3,14 +3,9 @@
 
 from . import compat  # noqa: F401 (first: importing it refuses an auto-round the patch table does not cover)
 from .api import ParallelTuneResult, parallel_tune
-from .integration import (
-    ParallelLaneError,
-    disable,
-    enable,
-    parallel_quantization,
-    run_summary,
-)
+from .integration import disable, enable, parallel_quantization, run_summary
 from .run import BlockRecord
+from .seams_common import ParallelLaneError
 
 __all__ = [
     "BlockRecord",

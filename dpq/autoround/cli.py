@@ -287,10 +287,10 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
     import traceback
 
     from dpq import cancel
-    from dpq.autoround import integration, shard_seams
-    from dpq.autoround.integration import ParallelLaneError
+    from dpq.autoround import integration, seams_common
     from dpq.autoround.patches import PatchMismatch
     from dpq.autoround.run import current_run
+    from dpq.autoround.seams_common import ParallelLaneError
     from dpq.distributed import RankFailure, peer_lost
     from dpq.plan import PlanRefused
 
@@ -320,7 +320,7 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
     finally:
         integration.disable()
         records = integration.run_summary() if world != "off" else []
-        phases = shard_seams.phase_seconds()
+        phases = seams_common.phase_seconds()
         if world != "off" and records and rank == 0:
             print(format_summary(records), flush=True)
         if world != "off" and any(phases.values()) and rank == 0:

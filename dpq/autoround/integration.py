@@ -32,12 +32,10 @@ from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, 
 from dpq.streams import release_run_streams
 
 from . import patches
-from .block_task import AutoRoundBlock, lane_error, task_plan_fields
+from .block_task import AutoRoundBlock, task_plan_fields
 from .run import BlockRecord, Run, current_run, reported_run
-from .seams_common import ParallelLaneError
 
-__all__ = ["BlockRecord", "ParallelLaneError", "auto_world_report", "disable", "enable", "lane_error",
-           "parallel_quantization", "run_summary"]
+__all__ = ["auto_world_report", "disable", "enable", "parallel_quantization", "run_summary"]
 
 
 def _ORIGINAL(self, *args, **kwargs):

@@ -25,7 +25,8 @@ from auto_round.utils.model import move_to_device
 from dpq import refusals
 from dpq.mirror import ReplicaSet
 from dpq.plan import MARGIN
-from dpq.shard import contiguous_ranges, copy_to_lane, map_over_lanes, shard_forward
+from dpq.shard import copy_to_lane, map_over_lanes, shard_forward
+from dpq.split import contiguous_ranges
 
 from . import patches
 from .run import Run

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from . import patches
 from .run import Run
-from .seams_collection import ShardedRunner
-from .seams_common import phase_seconds, records, reported
+from .seams_common import reported
 
-__all__ = ["ShardedRunner", "install", "installed", "last_run", "phase_seconds", "records", "reset", "uninstall"]
+__all__ = ["install", "installed", "last_run", "reset", "uninstall"]
 
 
 def install(run: Run) -> None:
