@@ -46,8 +46,8 @@ from dpq.split import contiguous_ranges
 from dpq.streams import Lane
 
 __all__ = [
-    "MERGERS", "StatSpec", "assign_items", "bring_home", "clear_module_stats", "copy_to_lane",
-    "map_over_lanes", "merge_count", "merge_max", "merge_module_stats", "merge_stats", "merge_sum", "read_module_stats",
+    "MERGERS", "StatSpec", "assign_items", "bring_home", "clear_module_stats", "copy_to_lane", "map_over_lanes",
+    "merge_count", "merge_max", "merge_module_stats", "merge_stats", "merge_sum", "move_tensors", "read_module_stats",
     "restore_module_stats", "shard_forward", "sharded_collection", "snapshot_module_stats",
 ]
 
@@ -57,15 +57,16 @@ StatSpec = Mapping[str, Mapping[str, str]]
 
 # -- ranges and sharded forwards -------------------------------------------------------------
 
-def _move(value: Any, device: torch.device | None) -> Any:
+def move_tensors(value: Any, device: torch.device | None) -> Any:
+    """``value`` with every tensor in it (lists, tuples, dicts, nested) moved to ``device`` (None: as is)."""
     if device is None:
         return value
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, (list, tuple)):
-        return type(value)(_move(v, device) for v in value)
+        return type(value)(move_tensors(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: _move(v, device) for k, v in value.items()}
+        return {k: move_tensors(v, device) for k, v in value.items()}
     return value
 
 
@@ -169,7 +170,7 @@ def merge_stats(
     for stats in lanes:
         for key, value in stats.items():
             if key not in out:
-                out[key] = _move(value, torch.device(device)) if device is not None else value
+                out[key] = move_tensors(value, torch.device(device)) if device is not None else value
             else:
                 out[key] = MERGERS[kinds[key]](out[key], value)
     return out

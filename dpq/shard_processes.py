@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dpq.distributed import ProcessSet, Topology
-from dpq.shard import _move
+from dpq.shard import move_tensors
 from dpq.split import contiguous_ranges
 
 __all__ = ["agree_lanes", "gather_in_sample_order", "global_ranges"]
@@ -57,15 +57,15 @@ def gather_in_sample_order(procs: ProcessSet, outputs: list[Any], extra: dict[st
     consecutive ranges. This rank's own results stay as they are; the others' arrive as exact
     copies on ``device`` (where the serial pass on this rank puts its results), dtypes kept."""
     cpu = torch.device("cpu")
-    parts = procs.all_gather_object((_move(outputs, cpu), _move(extra, cpu)))
+    parts = procs.all_gather_object((move_tensors(outputs, cpu), move_tensors(extra, cpu)))
     dest = torch.device(device)
     out: list[Any] = []
     merged: dict[str, list] | None = None
     for r, (outs, ext) in enumerate(parts):
         mine = r == procs.rank
-        out.extend(outputs if mine else _move(outs, dest))
+        out.extend(outputs if mine else move_tensors(outs, dest))
         if (extra if mine else ext) is not None:
             merged = merged if merged is not None else {}
             for k, v in (extra if mine else ext).items():
-                merged.setdefault(k, []).extend(v if mine else _move(v, dest))
+                merged.setdefault(k, []).extend(v if mine else move_tensors(v, dest))
     return out, merged

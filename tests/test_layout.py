@@ -150,6 +150,20 @@ def test_modules_export_only_what_they_define():
     assert _reexports(ast.parse("from x import a\ndef b(): pass\n__all__ = ['a', 'b']")) == ["a"]
 
 
+def _private_imports(tree: ast.Module) -> list[str]:
+    """``from <dpq module> import _name``: a module reaching into another's private names."""
+    return [f"{node.lineno} {a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            and (node.level or (node.module or "").startswith("dpq")) for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_no_module_imports_another_ones_private_names():
+    found = [f"{p.relative_to(DPQ.parent)}:{hit}" for p in sorted(DPQ.rglob("*.py"))
+             for hit in _private_imports(ast.parse(p.read_text()))]
+    assert not found, found
+    assert _private_imports(ast.parse("from dpq.shard import _move, ok\nfrom . import _x")) == ["1 _move", "2 _x"]
+
+
 def test_no_star_import():
     found = [f"{p.relative_to(DPQ.parent)}:{node.lineno}" for p in DPQ.rglob("*.py")
              for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ImportFrom)
