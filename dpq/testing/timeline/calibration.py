@@ -1,0 +1,133 @@
+"""What a GPU run measured, in the form the timeline model reads (``--calibration FILE``).
+
+``benchmarks/gpu_check.sh`` writes ``$OUT/calibration.json``; ``python -m benchmarks.gpu_report OUT``
+stores it as ``benchmarks/calibration/<card>-<date>.json``. The file holds raw measurements of one
+block on one GPU; the model derives its rates from them with its *own* counts for that block (the
+FLOPs of its matmuls and attention, the bytes of its weight-sized kernels, its ops per
+lane-iteration), so a rate means the same thing in the model as on the card. What the file does
+not measure (a key absent or null) leaves the model's stated figure in place: a calibration changes
+the figures it names and only those (``tests/test_timeline_calibration.py``).
+
+Schema ``dpq-calibration/1`` (JSON; times in the units their names say)::
+
+    {
+      "schema": "dpq-calibration/1",
+      "card": "NVIDIA H200",             # torch.cuda.get_device_name()
+      "gpu_class": "h200",               # the model's GPU class whose device rates it re-bases ("" = host only)
+      "date": "2026-12-04",              # UTC date of the run
+      "driver": "580.159.04", "torch": "2.11.0+cu130", "auto_round": "0.16.1",
+      "command": "bash benchmarks/gpu_check.sh",
+      "block": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128,
+                "seqlen": 2048, "group_size": 128, "bits": 4, "dtype": "bfloat16"},
+      "paths": {                         # one lane (auto-round's own tune of the block on cuda:0)
+        "compile": {                     # auto-round's default: torch.compile on
+          "8": {                         # samples per iteration: serial's batch ...
+            "iteration_ms": 61.0,        # wall time per steady iteration
+            "phases_ms": {               # GPU time per iteration by kernel class (the profiler)
+              "matmul": 30.1, "attention": 9.2, "qdq_forward": 1.1, "qdq_backward": 1.9,
+              "elementwise": 6.0, "optimizer_step": 0.4, "readback": 0.01},
+            "host_ms_per_iteration": 4.1,    # the issuing thread's CPU time per iteration
+            "launches_per_iteration": 190},  # kernel launches per iteration (the profiler)
+          "1": {...}},                   # ... and a lane's slice at 8 lanes
+        "eager": {"8": {...}, "1": {...}}},   # --disable_torch_compile
+      "compile_s": {"block": 41.0,       # first compile of the block's forward + backward (host seconds)
+                    "second_device": null},   # a second lane device's recompile (null: one GPU)
+      "dpq_world1_vs_serial": 1.01,      # dpq world 1 / auto-round serial, per iteration, compile on
+      "gemm_8192_tflops": 780.0,         # a plain 8192^3 bf16 torch.matmul
+      "copy_GBps": 4300.0                # a device-to-device copy, bytes read + written per second
+    }
+
+Every number is optional except ``schema``, ``card``, ``date`` and ``gpu_class``; the phases are the
+profiler's kernels classified by name and by the autograd phase they ran in (``benchmarks/gpu_check``
+says how). The model re-bases: the GPU class's matmul and attention rates (its FLOPs / the measured
+phase), its memory bandwidth (its weight-sized quantize-dequantize bytes / the measured qdq phases),
+the host's cost per op on each path (measured host time per iteration / the model's ops per
+lane-iteration) and the compile seconds; ``launches_per_iteration`` and ``iteration_ms`` are reported
+beside the model's own counts and times, not used to re-base.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["PHASES", "SCHEMA", "Calibration", "CalibrationError", "PathMeasurement"]
+
+SCHEMA = "dpq-calibration/1"
+PHASES = ("matmul", "attention", "qdq_forward", "qdq_backward", "elementwise", "optimizer_step", "readback")
+PATHS = ("compile", "eager")
+
+
+class CalibrationError(ValueError):
+    """A calibration file that does not follow the schema (the message names the key and the fix)."""
+
+
+@dataclass(frozen=True)
+class PathMeasurement:
+    """One path (compile or eager) at one batch on one lane."""
+
+    iteration_ms: float | None = None
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    host_ms_per_iteration: float | None = None
+    launches_per_iteration: float | None = None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    card: str
+    gpu_class: str
+    date: str
+    block: dict
+    paths: dict[str, dict[int, PathMeasurement]]  # path -> batch -> measurement
+    compile_s: dict[str, float | None]
+    source: str  # the file it was read from, or "fixture"
+    extra: dict = field(default_factory=dict)  # driver, torch, auto_round, command, dpq_world1_vs_serial, ...
+
+    @property
+    def label(self) -> str:
+        """``<card>-<date>``: what every calibrated table names."""
+        return f"{self.card.replace(' ', '_')}-{self.date}"
+
+    def measurement(self, path: str, batch: int) -> PathMeasurement | None:
+        return self.paths.get(path, {}).get(batch)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "fixture") -> Calibration:
+        if data.get("schema") != SCHEMA:
+            raise CalibrationError(f"{source}: schema is {data.get('schema')!r}, not {SCHEMA!r}. Fix: a file written "
+                                   f"by benchmarks/gpu_check.sh of this version")
+        for key in ("card", "date", "gpu_class"):
+            if not isinstance(data.get(key), str):
+                raise CalibrationError(f"{source}: {key!r} is missing or not a string. Fix: set it (the schema is in "
+                                       f"dpq/testing/timeline/calibration.py)")
+        paths: dict[str, dict[int, PathMeasurement]] = {}
+        for path, per_batch in (data.get("paths") or {}).items():
+            if path not in PATHS:
+                raise CalibrationError(f"{source}: unknown path {path!r}. Fix: one of {', '.join(PATHS)}")
+            paths[path] = {}
+            for batch, m in per_batch.items():
+                phases = dict(m.get("phases_ms") or {})
+                unknown = sorted(set(phases) - set(PHASES))
+                if unknown:
+                    raise CalibrationError(f"{source}: paths.{path}.{batch}: unknown phases {unknown}. Fix: the "
+                                           f"phases are {', '.join(PHASES)}")
+                paths[path][int(batch)] = PathMeasurement(
+                    iteration_ms=m.get("iteration_ms"), phases_ms=phases,
+                    host_ms_per_iteration=m.get("host_ms_per_iteration"),
+                    launches_per_iteration=m.get("launches_per_iteration"))
+        known = {"schema", "card", "date", "gpu_class", "block", "paths", "compile_s"}
+        return cls(card=data["card"], gpu_class=data["gpu_class"], date=data["date"],
+                   block=dict(data.get("block") or {}), paths=paths, compile_s=dict(data.get("compile_s") or {}),
+                   source=source,
+                   extra={k: v for k, v in data.items() if k not in known})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CalibrationError(f"{path}: cannot be read as JSON ({e}). Fix: the calibration.json a GPU check "
+                                   f"wrote, or a file under benchmarks/calibration/") from e
+        return cls.from_dict(data, source=str(path))
