@@ -473,7 +473,7 @@ def record_blocks(device: str, iters: int = 4, nsamples: int = 16, seqlen: int =
     from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
 
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
-    from tests.conftest import RecordedBlock
+    from dpq.testing.autoround_blocks import RecordedBlock
 
     recorded = []
     orig = SignRoundQuantizer.quantize_block

@@ -4,16 +4,16 @@
     .venv/bin/python -m benchmarks.timeline --world 8 --preset 8b-h100
     .venv/bin/python -m benchmarks.timeline --world 4 --legacy      # the data path before it was lane-local
 
-What it does (``tests/timeline_model.py`` says exactly which CUDA semantics are modelled):
+What it does (``dpq/testing/timeline/`` says exactly which CUDA semantics are modelled):
 
-1. records the embedded model's first block as auto-round tunes it (``tests/timeline_scenarios.py``);
+1. records the embedded model's first block as auto-round tunes it (``dpq/testing/timeline/scenarios.py``);
 2. measures the issuing thread's host cost per op on this machine: dpq's issue time per
    lane-iteration (``TuneEngine.issue_s``) on a launch-bound block (hidden 128, 8 x 8 tokens, one
    intra-op thread), divided by the ops the issuing thread queues per lane-iteration there;
 3. runs that block's tune through the auto-round adapter (``dpq.autoround.enable``: auto-round's
    ``block_forward`` and ``_get_loss``) on ``--world`` logical GPUs, recording every op;
 4. replays the record with each kernel's FLOPs and bytes scaled to the preset's block class and
-   timed on its GPU class (stated figures, ``tests/timeline_model.py``'s ``BLOCKS``/``GPUS``), and
+   timed on its GPU class (stated figures, ``dpq/testing/timeline/``'s ``BLOCKS``/``GPUS``), and
    prints, per iteration, every host sync with the code that caused it, the lanes' compute
    overlap ((sum of lane busy - union) / (sum - max): 1 = side by side, 0 = one after another) and
    how many lanes one issuing thread keeps busy; writes a PNG of one steady iteration (a row per
@@ -41,8 +41,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from tests.timeline_model import BLOCKS, GPUS, Timeline, TimelineModel, simulate  # noqa: E402
-from tests.timeline_scenarios import LEGACY, record_block, recorded_class, run_adapter, run_api  # noqa: E402
+from dpq.testing.timeline.record import TimelineModel  # noqa: E402
+from dpq.testing.timeline.replay import BLOCKS, GPUS, Timeline, simulate  # noqa: E402
+from dpq.testing.timeline.scenarios import LEGACY, record_block, recorded_class, run_adapter, run_api  # noqa: E402
 
 PRESETS = {"70b-3090": ("70b", "3090"), "8b-h100": ("8b", "h100")}
 MACHINES = [("4 x 3090-class, PCIe", "3090", 4), ("8 x H100-class, NVLink", "h100", 8)]  # --table
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--block", choices=sorted(BLOCKS), help="the target block class (overrides the preset's)")
     p.add_argument("--gpu", choices=sorted(GPUS), help="the GPU class (overrides the preset's)")
     p.add_argument("--pool", choices=("home", "host", "spread"), default="home",
-                   help="where the calibration pool lives (scenario docstring in tests/timeline_scenarios.py)")
+                   help="where the calibration pool lives (scenario docstring in dpq/testing/timeline/scenarios.py)")
     p.add_argument("--path", choices=("adapter", "api"), default="adapter",
                    help="the auto-round adapter (enable()) or dpq.parallel_tune")
     p.add_argument("--iters", type=int, default=3, help="iterations recorded (the first also stages per-block data)")

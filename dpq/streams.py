@@ -69,7 +69,7 @@ R8  Every host wait has a deadline (:func:`wait_events`): the host polls the eve
 
 Lane methods whose name says "current" must be called outside every :meth:`Lane.issue`
 context: inside one, the current stream would be that lane's. ``tests/stream_checker.py``
-checks all of this on CPU lanes with logical streams and vector clocks; ``tests/timeline_model.py``
+checks all of this on CPU lanes with logical streams and vector clocks; ``dpq/testing/timeline/``
 replays an iteration on logical devices with CUDA's copy and host-sync semantics (R6, R7).
 
 Streams are the run's (:meth:`Backend.run_stream`): every lane, communication lane and side

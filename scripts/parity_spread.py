@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tests.conftest  # noqa: E402  (applies DPQ_TEST_CPU_BF16 here and for subprocesses)
+from dpq.testing.autoround_blocks import record_autoround_blocks  # noqa: E402
 from tests import mutants, parity_stats  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def run_engine(seeds, worlds, mutant):
     from tests import test_parity as tp
 
     torch.set_num_threads(1)
-    blocks = tests.conftest.record_autoround_blocks(iters=30, nsamples=32, seqlen=64, batch_size=8)
+    blocks = record_autoround_blocks(iters=30, nsamples=32, seqlen=64, batch_size=8)
     for world in [1, *worlds]:
         with pytest.MonkeyPatch.context() as mp:
             if world > 1 and mutant:

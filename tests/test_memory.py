@@ -14,8 +14,8 @@ import torch
 
 from dpq import mirror, tune_loop
 from dpq.session import SessionConfig, run
+from dpq.testing.timeline.record import TimelineModel
 from tests.test_distributed import Block, make_task
-from tests.timeline_model import TimelineModel
 
 
 @pytest.mark.parametrize("fail", [False, True])
@@ -83,7 +83,7 @@ def test_nested_tensors_are_mirrored_onto_the_lane():
     home's device; the mirror's copy is on the lane's (logical) device now, aliases intact."""
     from dpq.mirror import ReplicaSet
     from dpq.streams import make_lanes
-    from tests.timeline_model import TimelineModel
+    from dpq.testing.timeline.record import TimelineModel
 
     block = Block()
     deep = torch.arange(6.0)
@@ -180,7 +180,7 @@ def test_the_plan_prices_what_every_lane_allocates(monkeypatch, compute):
     the best-iteration snapshots; a mirror's has no snapshot."""
     from dpq import session
     from dpq.plan import MARGIN
-    from tests.timeline_scenarios import record_block, run_adapter
+    from dpq.testing.timeline.scenarios import record_block, run_adapter
 
     world, seen = 3, {}
     real_run = session.run

@@ -18,8 +18,8 @@ import torch
 
 import dpq
 from dpq.autoround import tune as dp_tune
+from dpq.testing.autoround_blocks import RecordedBlock, record_autoround_blocks
 from tests import mutants, parity_stats
-from tests.conftest import RecordedBlock, record_autoround_blocks
 
 
 def serial_run(rec: RecordedBlock, monkeypatch, restore: bool = True) -> tuple[dict, list[float], list[list[int]]]:

@@ -1,8 +1,8 @@
-"""The CUDA timeline model (``tests/timeline_model.py``) on the real tune: one host sync per iteration
+"""The CUDA timeline model (``dpq/testing/timeline/``) on the real tune: one host sync per iteration
 (the loss readback), the lanes side by side, every lane's data lane-local, in one process and under
 torchrun; and the mutations that prove the model sees each of these.
 
-The scenarios (``tests/timeline_scenarios.py``) replay the embedded model's first block, recorded from
+The scenarios (``dpq/testing/timeline/scenarios.py``) replay the embedded model's first block, recorded from
 auto-round's own run, through the auto-round adapter (``enable()``: auto-round's ``block_forward`` and
 ``_get_loss``) or ``dpq.parallel_tune`` on logical GPUs. Durations: the 70B-class block on 3090-class
 GPUs (``benchmarks/timeline.py``'s default), where one thread's issue cost is small next to a lane's
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpq.testing.timeline.replay import BLOCKS, GPUS, simulate
+from dpq.testing.timeline.scenarios import record_block, recorded_class, run_adapter, run_api
 from tests.processes import worker_context
-from tests.timeline_model import BLOCKS, GPUS, simulate
-from tests.timeline_scenarios import record_block, recorded_class, run_adapter, run_api
 
 HOST_PER_OP_S = 5e-6
 OVERLAP = 0.9  # the issue's bound; the fixed data path gives >= 0.99 at worlds 2-8, the legacy one 0.65

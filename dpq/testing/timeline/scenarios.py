@@ -1,4 +1,4 @@
-"""The timeline model's scenarios: a real auto-round block tuned on logical GPUs (``tests/timeline_model.py``).
+"""The timeline model's scenarios: a real auto-round block tuned on logical GPUs (``dpq.testing.timeline.record``).
 
 :func:`record_block` runs auto-round's own ``quantize()`` on the embedded model (``dpq/data``) and
 records the first block's ``quantize_block`` call; :func:`run_adapter` replays that call through
@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from tests.timeline_model import HOST, BlockClass, TimelineModel, device_of_place
+from dpq.testing.timeline.record import TimelineModel, device_of_place
+from dpq.testing.timeline.replay import BlockClass
 
 RECORD_SEQLEN = 61  # prime: an activation's element count is a multiple of it, a weight-shaped tensor's never
 RECORD_SAMPLES = 16
@@ -47,10 +48,10 @@ def recorded_class() -> BlockClass:
 
 @functools.cache
 def record_block(iters: int = 4):
-    """The embedded model's first block as auto-round tunes it (a ``tests.conftest.RecordedBlock``)."""
+    """The embedded model's first block as auto-round tunes it (a ``dpq.testing.autoround_blocks.RecordedBlock``)."""
     from dpq.demo.embedded import load_embedded_model
     from dpq.demo.model import calibration_samples
-    from tests.conftest import record_autoround_blocks
+    from dpq.testing.autoround_blocks import record_autoround_blocks
 
     model, tok = load_embedded_model()
     model.model.layers = model.model.layers[:1]
@@ -221,5 +222,5 @@ def _mutated(model: TimelineModel, names: Sequence[str]) -> Iterator[None]:
             restore.pop()()
 
 
-__all__ = ["HOST", "LEGACY", "MUTATIONS", "RECORD_SEQLEN", "lane_devices", "record_block", "recorded_class",
+__all__ = ["LEGACY", "MUTATIONS", "RECORD_SEQLEN", "lane_devices", "record_block", "recorded_class",
            "run_adapter", "run_api"]
