@@ -1,34 +1,37 @@
-"""One iteration of the real tune, replayed with CUDA's semantics on logical GPUs: host syncs, lane overlap.
+"""The CUDA timeline model's runs: one iteration of the real tune replayed on logical GPUs (modeled, not measured).
 
-    .venv/bin/python -m benchmarks.timeline --world 4
-    .venv/bin/python -m benchmarks.timeline --world 8 --preset 8b-h100
-    .venv/bin/python -m benchmarks.timeline --world 4 --legacy      # the data path before it was lane-local
+    .venv/bin/python -m benchmarks.timeline --table                    # the modeled speedup table, both paths
+    .venv/bin/python -m benchmarks.timeline --world 4                  # one world: syncs, overlap, a PNG
+    .venv/bin/python -m benchmarks.timeline --world 8 --preset 8b-h100 --eager
+    .venv/bin/python -m benchmarks.timeline --table --calibration benchmarks/calibration/NVIDIA_H200-2026-12-04.json
 
-What it does (``dpq/testing/timeline/`` says exactly which CUDA semantics are modelled):
+What it does (``dpq/testing/timeline/`` says exactly what is modelled and from what):
 
-1. records the embedded model's first block as auto-round tunes it (``dpq/testing/timeline/scenarios.py``);
-2. measures the issuing thread's host cost per op on this machine: dpq's issue time per
-   lane-iteration (``TuneEngine.issue_s``) on a launch-bound block (hidden 128, 8 x 8 tokens, one
-   intra-op thread), divided by the ops the issuing thread queues per lane-iteration there;
-3. runs that block's tune through the auto-round adapter (``dpq.autoround.enable``: auto-round's
-   ``block_forward`` and ``_get_loss``) on ``--world`` logical GPUs, recording every op;
-4. replays the record with each kernel's FLOPs and bytes scaled to the preset's block class and
-   timed on its GPU class (stated figures, ``dpq/testing/timeline/``'s ``BLOCKS``/``GPUS``), and
-   prints, per iteration, every host sync with the code that caused it, the lanes' compute
-   overlap ((sum of lane busy - union) / (sum - max): 1 = side by side, 0 = one after another) and
-   how many lanes one issuing thread keeps busy; writes a PNG of one steady iteration (a row per
-   host thread and per stream) and a JSON report.
+1. records a tiny bf16 Llama block as auto-round tunes it (``scenarios.record_block``), with auto-round's
+   default torch.compile on (``compile``: each compiled region as the kernels inductor generates
+   for it) or off (``--eager``: ``--disable_torch_compile``);
+2. runs that block's tune through the auto-round adapter (``dpq.autoround.enable``) on W logical
+   GPUs, recording every op, and replays the record with CUDA's semantics, every size scaled to
+   the target block by its role (``shapes.RoleMap``), the exchange laid out in dpq's buckets for
+   the target's tensors (``buckets``), priced on a GPU class and a server host whose figures are
+   sourced (``devices``) or measured by a GPU run (``--calibration``; default: the newest file in
+   ``benchmarks/calibration/``, ``--calibration none`` for the stated figures);
+3. prints per iteration every host sync with the code that caused it and the lanes' overlap
+   ((sum of lane busy - union) / (sum - max)); writes a PNG of one steady iteration and a JSON;
+   ``--table`` instead prints the modeled speedups of 8B/32B/70B-class blocks on 4 x RTX 3090
+   (PCIe) and 8 x H100 (NVLink) on both paths, each row with where an iteration goes, and ends
+   with ``timeline_table path=compile speedup_3090_w4_70b=<x> speedup_h100_w8_70b=<y>
+   speedup_h100_w8_8b=<z> calibrated=<no|card-date>``.
 
-Presets: ``70b-3090`` (default: a 70B-class block on 3090-class GPUs over PCIe, where the issue cost
-is small next to each lane's compute, so a lane waiting for another shows as lost overlap) and
-``8b-h100`` (an 8B-class block on H100-class GPUs over NVLink, where the issuing thread's cost
-matters: read the lanes-per-thread line). Nothing here ran on a GPU. The last line is
-``host_syncs_per_iter=<n> lane_overlap=<x> world=<w>``.
+The issuing host's cost per op is a stated server-CPU figure (``devices.HOST``); this machine's own
+(a 2-core VM that also runs the kernels) is measured and printed beside it as an upper bound.
+The last line of a ``--world`` run is ``host_syncs_per_iter=<n> lane_overlap=<x> world=<w>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,18 +44,30 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from dpq.testing.timeline.calibration import Calibration, block_shape, counts_of, rebase  # noqa: E402
+from dpq.testing.timeline.devices import GPUS, HOST, GpuClass, HostCosts  # noqa: E402
 from dpq.testing.timeline.record import TimelineModel  # noqa: E402
-from dpq.testing.timeline.replay import BLOCKS, GPUS, Timeline, simulate  # noqa: E402
-from dpq.testing.timeline.scenarios import LEGACY, record_block, recorded_class, run_adapter, run_api  # noqa: E402
+from dpq.testing.timeline.replay import BREAKDOWN, Pricing, Timeline, simulate  # noqa: E402
+from dpq.testing.timeline.roofline import roofline  # noqa: E402
+from dpq.testing.timeline.scenarios import LEGACY, record_block, run_adapter, run_api  # noqa: E402
+from dpq.testing.timeline.shapes import BLOCKS, RECORDED  # noqa: E402
 
-PRESETS = {"70b-3090": ("70b", "3090"), "8b-h100": ("8b", "h100")}
-MACHINES = [("4 x 3090-class, PCIe", "3090", 4), ("8 x H100-class, NVLink", "h100", 8)]  # --table
+PRESETS = {"70b-3090": ("70b", "3090"), "8b-h100": ("8b", "h100"), "70b-h100": ("70b", "h100")}
+MACHINES = [("4 x RTX 3090 (PCIe)", "3090", 4), ("8 x H100 (NVLink)", "h100", 8)]  # --table
+PATHS = ("compile", "eager")
+ITERS_PER_BLOCK = 200  # auto-round's default iters: what a block's compile is amortised over
 PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:green", "exchange": "tab:orange", "step": "tab:purple",
-                "readback": "tab:red", "pin": "tab:gray", "": "tab:gray"}
+                "grads": "tab:olive", "readback": "tab:red", "pin": "tab:gray", "": "tab:gray"}
+CALIBRATIONS = ROOT / "benchmarks" / "calibration"
+
+
+# -- the host cost this CPU measures (reported as an upper bound) ----------------------------------
 
 
 def measure_host_per_op(world: int, iters: int = 20) -> tuple[float, dict]:
-    """Seconds of the issuing thread per op it queues, on this machine (module docstring, 2)."""
+    """Seconds of the issuing thread per op it queues, on this machine: dpq's issue time per
+    lane-iteration on a launch-bound block (hidden 128, 8 x 8 tokens, one intra-op thread), eager,
+    divided by the ops it queues there. On this CPU that includes running the kernels themselves."""
     import copy
 
     import dpq
@@ -90,6 +105,45 @@ def _tensors(value) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_flatten
 
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+# -- the host and GPU figures: stated, overridden, calibrated ---------------------------------------
+
+
+def load_calibration(spec: str) -> Calibration | None:
+    """``none``, a file, or ``auto``: the newest file in benchmarks/calibration/ (by name: <card>-<date>)."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        files = sorted(CALIBRATIONS.glob("*.json"), key=lambda p: p.stem.rsplit("-", 3)[-3:])
+        return Calibration.load(files[-1]) if files else None
+    return Calibration.load(spec)
+
+
+def host_costs(host_per_op_us: float | None) -> HostCosts:
+    """The stated host, or every cost scaled so that an eager op costs ``host_per_op_us``."""
+    if host_per_op_us is None:
+        return HOST
+    k = host_per_op_us * 1e-6 / HOST.eager_op_s
+    return HOST.rebased(eager_op_s=HOST.eager_op_s * k, compiled_kernel_s=HOST.compiled_kernel_s * k,
+                        compiled_extern_s=HOST.compiled_extern_s * k, region_call_s=HOST.region_call_s * k,
+                        wait_s=HOST.wait_s * k)
+
+
+def calibrated(cal: Calibration | None, gpu_key: str, host: HostCosts,
+               one_lane: dict[str, TimelineModel]) -> tuple[GpuClass, HostCosts, list[str]]:
+    """The GPU class and host, re-based by ``cal`` (the model's own counts: its 1-lane records of
+    each path replayed on the calibration's block)."""
+    gpu = GPUS[gpu_key]
+    if cal is None:
+        return gpu, host, []
+    shape = block_shape(cal)
+    counts = {path: counts_of(simulate(model, Pricing(RECORDED, shape, gpu, host)))
+              for path, model in one_lane.items()}
+    return rebase(cal, gpu_key, gpu, host, counts)
+
+
+# -- one world ----------------------------------------------------------------------------------
 
 
 def summary_lines(tl: Timeline, world: int) -> list[str]:
@@ -143,7 +197,7 @@ def plot(tl: Timeline, path: Path, title: str) -> None:
             if bars:
                 ax.broken_barh(bars, (y - 0.4, 0.8), color=colors[kind], label=kind)
     ax.set_yticks(range(len(names)), list(reversed(names)))
-    ax.set_xlabel("ms (modelled)")
+    ax.set_xlabel("ms (modeled)")
     ax.set_title(title, fontsize=9)
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=False))
@@ -154,24 +208,113 @@ def plot(tl: Timeline, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def speedup_table(rec, host_per_op: float, iters: int) -> list[str]:
-    """Modelled iteration time per world and the speedup over one lane, for every machine and block
-    class (the record of each world made once, replayed per class)."""
-    worlds = sorted({1, 2, 4, 8})
-    models = {w: run_adapter(rec, w, iters=iters) for w in worlds}
-    out = ["| machine | block | ms/iter, 1 lane | ms/iter, all lanes | speedup (all lanes) | best W (speedup) "
-           "| lane overlap | lanes per thread | host syncs/iter |",
-           "|---|---|---:|---:|---:|---|---:|---:|---:|"]
+# -- the table ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    machine: str
+    gpu: str
+    lanes: int
+    block: str
+    path: str
+    per_iter: dict[int, float]  # world -> seconds per steady iteration
+    timelines: dict[int, Timeline]
+    compiles: dict[int, int]  # world -> compiles a run pays on the issuing thread (lane devices x slice shapes)
+    host: HostCosts
+    roof: dict[str, float]
+
+    def compile_s(self, world: int) -> float:
+        n = self.compiles[world]
+        return self.host.compile_s + (n - 1) * self.host.recompile_s if n else 0.0
+
+    def speedup(self) -> float:
+        return self.per_iter[1] / self.per_iter[self.lanes]
+
+    def best(self) -> int:
+        return min(self.per_iter, key=self.per_iter.get)
+
+    def run_s(self, world: int, layers: int) -> float:
+        """A whole model's tune: every block's iterations, and every compile once."""
+        return layers * ITERS_PER_BLOCK * self.per_iter[world] + self.compile_s(world)
+
+
+def compiles_per_run(model: TimelineModel) -> int:
+    """The block-forward compiles a run pays on GPUs: one per lane device and slice shape (dynamo
+    guards on the device and, static, on the shape), once per run: blocks of one shape reuse them."""
+    return len({(place, lead) for name, place, lead in model.region_calls if name == "block_forward"}) or 0
+
+
+def table(records: dict[tuple[str, int], TimelineModel], cal: Calibration | None, host: HostCosts,
+          paths: tuple[str, ...]) -> tuple[list[Row], list[str]]:
+    rows, notes = [], []
     for mname, gpu_key, lanes in MACHINES:
-        for bkey in ("8b", "32b", "70b"):
-            tls = {w: simulate(models[w], recorded_class(), BLOCKS[bkey], GPUS[gpu_key], host_per_op)
-                   for w in worlds if w <= lanes}
-            per_iter = {w: sum(it.seconds for it in tl.steady()) / len(tl.steady()) for w, tl in tls.items()}
-            best = min(per_iter, key=per_iter.get)
-            tl = tls[lanes]
-            out.append(f"| {mname} | {BLOCKS[bkey].name} | {per_iter[1] * 1e3:.0f} | {per_iter[lanes] * 1e3:.0f} "
-                       f"| {per_iter[1] / per_iter[lanes]:.2f}x | {best} ({per_iter[1] / per_iter[best]:.2f}x) "
-                       f"| {tl.lane_overlap():.2f} | {tl.lanes_per_thread():.1f} | {tl.syncs_per_iteration()} |")
+        one_lane = {p: records[(p, 1)] for p in paths}
+        gpu, host_k, cal_notes = calibrated(cal, gpu_key, host, one_lane)
+        notes += [f"{mname}: {n}" for n in cal_notes]
+        for path in paths:
+            for bkey in ("8b", "32b", "70b"):
+                block = BLOCKS[bkey]
+                pricing = Pricing(RECORDED, block, gpu, host_k)
+                worlds = sorted(w for p, w in records if p == path and w <= lanes)
+                tls = {w: simulate(records[(path, w)], pricing) for w in worlds}
+                rows.append(Row(mname, gpu_key, lanes, bkey, path, {w: tl.seconds_per_iteration() for w, tl in
+                                                                      tls.items()}, tls,
+                                {w: compiles_per_run(records[(path, w)]) if path == "compile" else 0 for w in worlds},
+                                host_k, roofline(block, gpu)))
+    return rows, notes
+
+
+def table_lines(rows: list[Row]) -> list[str]:
+    out = []
+    for path in PATHS:
+        sel = [r for r in rows if r.path == path]
+        if not sel:
+            continue
+        label = "torch.compile on (auto-round's default)" if path == "compile" else "eager (--disable_torch_compile)"
+        out += ["", f"### {label}", "",
+                "| machine | block | ms/iter, 1 lane | ms/iter, all lanes | speedup, all lanes | best W (speedup) | "
+                "compile s per run, 1 lane / all | whole run, compiles amortised | lane overlap | lanes per thread | "
+                "host syncs/iter |",
+                "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+        for r in sel:
+            tl, layers = r.timelines[r.lanes], BLOCKS[r.block].layers
+            whole = r.run_s(1, layers) / r.run_s(r.lanes, layers)
+            out.append(f"| {r.machine} | {BLOCKS[r.block].name} | {r.per_iter[1] * 1e3:.1f} | "
+                       f"{r.per_iter[r.lanes] * 1e3:.1f} | {r.speedup():.2f}x | {r.best()} "
+                       f"({r.per_iter[1] / r.per_iter[r.best()]:.2f}x) | {r.compile_s(1):.0f} / "
+                       f"{r.compile_s(r.lanes):.0f} | {whole:.2f}x | {tl.lane_overlap():.2f} | "
+                       f"{tl.lanes_per_thread():.1f} | {tl.syncs_per_iteration()} |")
+        out += ["", f"Where an iteration goes ({label}; ms per iteration, lane 0's device time by class; wire: its "
+                    "collectives; exposed: collectives while no lane computes; host: the issuing thread per "
+                    "lane-iteration; roofline: the analytic 1-lane time, dpq/testing/timeline/roofline.py):", "",
+                "| machine | block | lanes | " + " | ".join(BREAKDOWN) + " | wire | exposed | host/lane-iter | "
+                "iteration | roofline |", "|---|---|---:|" + "---:|" * (len(BREAKDOWN) + 5)]
+        for r in sel:
+            for w in sorted({1, r.lanes}):
+                b = r.timelines[w].breakdown()
+                roof = f"{r.roof['total'] * 1e3:.1f}" if w == 1 else ""
+                out.append(f"| {r.machine} | {r.block} | {w} | " + " | ".join(f"{b[k] * 1e3:.2f}" for k in BREAKDOWN)
+                           + f" | {b['exchange_wire'] * 1e3:.2f} | {b['exchange_exposed'] * 1e3:.2f} | "
+                             f"{b['host_per_lane_iteration'] * 1e3:.2f} | {b['iteration'] * 1e3:.1f} | {roof} |")
+    return out
+
+
+def final_line(rows: list[Row], cal: Calibration | None) -> str:
+    pick = {(r.gpu, r.lanes, r.block): r.speedup() for r in rows if r.path == "compile"}
+    return (f"timeline_table path=compile speedup_3090_w4_70b={pick[('3090', 4, '70b')]:.2f} "
+            f"speedup_h100_w8_70b={pick[('h100', 8, '70b')]:.2f} speedup_h100_w8_8b={pick[('h100', 8, '8b')]:.2f} "
+            f"calibrated={cal.label if cal else 'no'}")
+
+
+def record_worlds(paths: tuple[str, ...], worlds: tuple[int, ...], iters: int) -> dict[tuple[str, int], TimelineModel]:
+    out = {}
+    for path in paths:
+        rec = record_block(compile=path == "compile")
+        for w in worlds:
+            t0 = time.perf_counter()
+            out[(path, w)] = run_adapter(rec, w, iters=iters)
+            print(f"recorded {path} world {w} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     return out
 
 
@@ -181,66 +324,79 @@ def main(argv=None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default="70b-3090")
     p.add_argument("--block", choices=sorted(BLOCKS), help="the target block class (overrides the preset's)")
     p.add_argument("--gpu", choices=sorted(GPUS), help="the GPU class (overrides the preset's)")
+    p.add_argument("--eager", action="store_true", help="auto-round with --disable_torch_compile (default: compile on)")
     p.add_argument("--pool", choices=("home", "host", "spread"), default="home",
-                   help="where the calibration pool lives (scenario docstring in dpq/testing/timeline/scenarios.py)")
+                   help="where the calibration pool lives (dpq/testing/timeline/scenarios.py)")
     p.add_argument("--path", choices=("adapter", "api"), default="adapter",
                    help="the auto-round adapter (enable()) or dpq.parallel_tune")
     p.add_argument("--iters", type=int, default=3, help="iterations recorded (the first also stages per-block data)")
     p.add_argument("--host-per-op-us", type=float, default=None,
-                   help="the issuing thread's host cost per op in microseconds (default: measured here)")
+                   help="price the issuing host so that an eager op costs this (every host cost scaled alike; "
+                        "default: the stated server-CPU figures of dpq/testing/timeline/devices.py)")
+    p.add_argument("--calibration", default="auto",
+                   help="a calibration.json a GPU check wrote, 'auto' (the newest in benchmarks/calibration/) "
+                        "or 'none'")
     p.add_argument("--legacy", action="store_true",
                    help="the data path before it was lane-local: host masks copied in _get_loss, samples copied "
                         "on the pool device's current stream")
     p.add_argument("--table", action="store_true",
-                   help="instead: the modelled speedup table for 4 x 3090-class and 8 x H100-class machines and "
-                        "8B/32B/70B-class blocks (worlds 1, 2, 4, 8 recorded once each)")
+                   help="instead: the modeled speedup table, 4 x RTX 3090 and 8 x H100, 8B/32B/70B-class blocks, "
+                        "both paths (worlds 1, 2, 4, 8 recorded once each)")
     p.add_argument("--out", default=os.environ.get("OUT", "out/timeline"))
     args = p.parse_args(argv)
     if not 1 <= args.world <= 16:
         p.error("--world must be 1..16 (the recorded block has 16 samples, 8 per iteration)")
-    block_key, gpu_key = PRESETS[args.preset]
-    block, gpu = BLOCKS[args.block or block_key], GPUS[args.gpu or gpu_key]
-    from benchmarks.report import _busy_cpu_seconds
-
-    t0, mine0, busy0 = time.perf_counter(), time.process_time(), _busy_cpu_seconds()
-    if args.host_per_op_us is None:
-        host_per_op, calibration = measure_host_per_op(args.world)
-    else:
-        host_per_op, calibration = args.host_per_op_us * 1e-6, {"given": True}
-    rec = record_block()
+    cal = load_calibration(args.calibration)
+    host = host_costs(args.host_per_op_us)
+    t0 = time.perf_counter()
+    measured, measured_info = measure_host_per_op(min(args.world, 8))
+    print(f"modeled, not measured on a GPU. Host: {host.eager_op_s * 1e6:.1f} us per eager op, "
+          f"{host.compiled_kernel_s * 1e6:.1f} us per compiled kernel, {host.region_call_s * 1e6:.0f} us per compiled "
+          f"graph call ({'stated server-CPU figures' if args.host_per_op_us is None else '--host-per-op-us'}); this "
+          f"machine measured {measured * 1e6:.1f} us per eager op (an upper bound: {measured_info}). Calibration: "
+          f"{cal.label + ' (' + cal.source + ')' if cal else 'none'}")
     if args.table:
-        print(f"modelled (not measured on a GPU); host {host_per_op * 1e6:.2f} us per op measured here "
-              f"({calibration}); {args.iters} iterations recorded per world, the steady ones averaged")
-        print("\n".join(speedup_table(rec, host_per_op, args.iters)))
+        paths = ("eager",) if args.eager else PATHS
+        records = record_worlds(paths, (1, 2, 4, 8), args.iters)
+        rows, notes = table(records, cal, host, paths)
+        for n in notes:
+            print(f"calibrated: {n}")
+        print("\n".join(table_lines(rows)))
+        print(f"({time.perf_counter() - t0:.0f} s)")
+        print(final_line(rows, cal) if "compile" in paths else "timeline_table path=eager")
         return 0
+    block_key, gpu_key = PRESETS[args.preset]
+    path = "eager" if args.eager else "compile"
+    rec = record_block(compile=not args.eager)
+    one = {path: run_adapter(rec, 1, iters=args.iters)} if cal else {}
+    gpu, host, notes = calibrated(cal, args.gpu or gpu_key, host, one)
+    for n in notes:
+        print(f"calibrated: {n}")
+    block = BLOCKS[args.block or block_key]
     run = run_adapter if args.path == "adapter" else run_api
     model = run(rec, args.world, pool=args.pool, iters=args.iters, mutations=LEGACY if args.legacy else ())
-    tl = simulate(model, recorded_class(), block, gpu, host_per_op)
-    label = (f"{args.path} path, world {args.world}, pool on {args.pool}{', legacy data path' if args.legacy else ''}"
-             f"; {block.name} on {gpu.name}; host {host_per_op * 1e6:.2f} us per op")
+    tl = simulate(model, Pricing(RECORDED, block, gpu, host))
+    label = (f"{args.path} path, {path}, world {args.world}, pool on {args.pool}"
+             f"{', legacy data path' if args.legacy else ''}; {block.name} on {gpu.name}")
     print(f"timeline model: {label}")
     if model.violations:
         print(f"{len(model.violations)} device-mix violations (CUDA would raise), first: {model.violations[0]}")
     for line in summary_lines(tl, args.world):
         print(line)
     out = Path(args.out)
-    stem = f"timeline_w{args.world}_{args.preset}_{args.pool}{'_legacy' if args.legacy else ''}"
-    plot(tl, out / f"{stem}.png", f"timeline model (modelled, not measured on a GPU): {label}")
+    stem = f"timeline_w{args.world}_{args.preset}_{path}_{args.pool}{'_legacy' if args.legacy else ''}"
+    plot(tl, out / f"{stem}.png", f"timeline model (modeled, not measured on a GPU): {label}")
     report = {
         "world": args.world, "preset": args.preset, "block": block.name, "gpu": gpu.name, "pool": args.pool,
-        "path": args.path, "legacy": args.legacy, "host_per_op_s": host_per_op, "calibration": calibration,
-        "host_syncs_per_iter": tl.syncs_per_iteration(), "lane_overlap": tl.lane_overlap(),
-        "lanes_per_thread": tl.lanes_per_thread(), "violations": model.violations,
+        "path": args.path, "compile": not args.eager, "legacy": args.legacy, "host": dataclasses.asdict(host),
+        "calibration": cal.label if cal else None, "host_syncs_per_iter": tl.syncs_per_iteration(),
+        "lane_overlap": tl.lane_overlap(), "lanes_per_thread": tl.lanes_per_thread(), "breakdown": tl.breakdown(),
+        "violations": model.violations,
         "iterations": [{"index": it.index, "seconds": it.seconds, "overlap": it.overlap, "lane_busy_s": it.lane_busy_s,
                         "issue_s": it.issue_s, "syncs": [{"what": s.what, "site": s.site, "stall_s": s.stall_s}
                                                          for s in it.syncs]} for it in tl.iterations],
     }
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    busy1 = _busy_cpu_seconds()
-    if busy0 is not None and busy1 is not None:  # the host cost per op was measured while this ran
-        share = max(0.0, (busy1 - busy0) - (time.process_time() - mine0)) / \
-            ((time.perf_counter() - t0) * (os.cpu_count() or 1))
-        print(f"other processes used {share:.0%} of the machine's CPU during this run")
     print(f"wrote {out / stem}.png and .json ({time.perf_counter() - t0:.0f} s)")
     print(f"host_syncs_per_iter={tl.syncs_per_iteration()} lane_overlap={tl.lane_overlap():.2f} world={args.world}")
     return 0

@@ -78,7 +78,7 @@ from dpq.comm_base import Communicator
 from dpq.sign_bits import SignBuffers, pack_signs, sign_groups, sign_padded_length, take, unpack_signs
 from dpq.streams import Lane
 
-__all__ = ["BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange"]
+__all__ = ["BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange", "bucket_layout"]
 
 
 class GradBuckets:
@@ -122,7 +122,7 @@ class GradBuckets:
         self.offsets = _reverse_offsets(sizes)
         self._views: list | None = None  # per lane: (buffer, each parameter's slot view), made once
         self.numel = sum(sizes)
-        self.bucket_params = _bucket_params(sizes, bucket_cap_elems)
+        self.bucket_params = bucket_layout(sizes, bucket_cap_elems)
         self.bucket_ranges = [_range_of(ids, self.offsets, sizes) for ids in self.bucket_params]
         self.bucket_of = [0] * len(sizes)  # parameter index -> its bucket
         for b, ids in enumerate(self.bucket_params):
@@ -224,7 +224,7 @@ def _reverse_offsets(sizes: Sequence[int]) -> list[int]:
     return offsets
 
 
-def _bucket_params(sizes: Sequence[int], cap: int) -> list[list[int]]:
+def bucket_layout(sizes: Sequence[int], cap: int) -> list[list[int]]:
     """Parameter indices per bucket, in buffer order (last parameter first)."""
     buckets: list[list[int]] = []
     current: list[int] = []

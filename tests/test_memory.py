@@ -194,7 +194,7 @@ def test_the_plan_prices_what_every_lane_allocates(monkeypatch, compute):
         return out
 
     monkeypatch.setattr(session, "run", tracked_run)
-    with _branch(record_block(), compute) as rec:
+    with _branch(record_block(compile=False), compute) as rec:
         model = run_adapter(rec, world, iters=3)
     plan = seen["plan"]
     assert model.violations == [] and plan.local_lanes == world and len(plan.lane_bytes) == world

@@ -75,7 +75,7 @@ class _Recorded(Exception):
 
 def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64, batch_size: int = 8,
                             stop_after: int | None = None, *, model=None, tokenizer=None, dataset=None,
-                            **ar_kwargs):
+                            enable_torch_compile: bool = False, **ar_kwargs):
     """Run ``AutoRound(...).quantize()`` on the tiny Llama (or ``model`` with ``tokenizer`` and
     ``dataset``) and record every block's call. ``stop_after``: stop the run once that many blocks
     are recorded (before the last one is tuned: for timing runs that need only the blocks, not
@@ -113,7 +113,7 @@ def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64
             tokenizer=build_tokenizer() if tokenizer is None else tokenizer,
             dataset=calibration_samples(nsamples, seqlen) if dataset is None else dataset,
             device_map="cpu",
-            enable_torch_compile=False,
+            enable_torch_compile=enable_torch_compile,
             iters=iters,
             nsamples=nsamples,
             seqlen=seqlen,

@@ -52,7 +52,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PHASES", "SCHEMA", "Calibration", "CalibrationError", "PathMeasurement"]
+__all__ = ["PHASES", "SCHEMA", "Calibration", "CalibrationError", "ModelCounts", "PathMeasurement", "block_shape",
+           "counts_of", "rebase"]
 
 SCHEMA = "dpq-calibration/1"
 PHASES = ("matmul", "attention", "qdq_forward", "qdq_backward", "elementwise", "optimizer_step", "readback")
@@ -131,3 +132,114 @@ class Calibration:
             raise CalibrationError(f"{path}: cannot be read as JSON ({e}). Fix: the calibration.json a GPU check "
                                    f"wrote, or a file under benchmarks/calibration/") from e
         return cls.from_dict(data, source=str(path))
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """What the model itself counts for one lane of the calibration's block, per steady iteration
+    (its 1-lane replay on that block: :func:`counts_of`)."""
+
+    matmul_flops: float
+    attention_flops: float
+    qdq_bytes: float  # the weight quantize-dequantize kernels, forward and backward
+    eager_ops: float  # eager kernels, copies and collectives, every host thread
+    compiled_kernels: float  # generated kernels of compiled graphs
+    compiled_externs: float  # extern calls (matmul, attention) of compiled graphs
+    region_calls: float  # compiled graph calls
+    launches: float  # every kernel launched
+
+
+def counts_of(timeline) -> ModelCounts:
+    """:class:`ModelCounts` of a 1-lane replay (a :class:`dpq.testing.timeline.replay.Timeline`)."""
+    from dpq.testing.timeline.replay import op_class
+
+    steady = {it.index for it in timeline.steady()}
+    n = len(steady)
+    pricing = timeline.pricing
+    c = {"matmul": 0.0, "attention": 0.0, "qdq": 0.0, "eager": 0, "kernels": 0, "externs": 0, "calls": 0,
+         "launches": 0}
+    for op in timeline.ops:
+        if op.iteration not in steady:
+            continue
+        cls = op_class(op)
+        if cls in ("matmul", "attention"):
+            c[cls] += pricing.flops(op)
+        elif cls in ("qdq_forward", "qdq_backward"):
+            c["qdq"] += pricing.scaled_bytes(op)
+        if op.kind == "call":
+            c["calls"] += 1
+        elif op.kind == "kernel" and op.region:
+            c["externs" if op.work != "elementwise" else "kernels"] += 1
+        elif op.kind in ("kernel", "copy", "collective"):
+            c["eager"] += 1
+        c["launches"] += op.kind == "kernel"
+    return ModelCounts(c["matmul"] / n, c["attention"] / n, c["qdq"] / n, c["eager"] / n, c["kernels"] / n,
+                       c["externs"] / n, c["calls"] / n, c["launches"] / n)
+
+
+def block_shape(cal: Calibration):
+    """The calibration's block as a :class:`dpq.testing.timeline.shapes.BlockShape`, at batch 8."""
+    from dpq.testing.timeline.shapes import BlockShape
+
+    b = cal.block
+    return BlockShape(f"the calibration's block ({cal.label})", hidden=int(b["hidden"]),
+                      intermediate=int(b["intermediate"]), heads=int(b["heads"]), kv_heads=int(b["kv_heads"]),
+                      head_dim=int(b["head_dim"]), seqlen=int(b.get("seqlen", 2048)),
+                      group_size=int(b.get("group_size", 128)))
+
+
+def rebase(cal: Calibration, gpu_key: str, gpu, host, counts: dict[str, ModelCounts]):
+    """``gpu`` and ``host`` with the figures ``cal`` measured put in their place (module docstring);
+    ``counts``: the model's own :class:`ModelCounts` per path at batch 8. Returns (gpu, host, notes)."""
+    notes: list[str] = []
+    gpu_figures: dict[str, float] = {}
+    host_figures: dict[str, float] = {}
+    label = cal.label
+
+    def seconds(path: str, phase: str) -> float | None:
+        m = cal.measurement(path, 8)
+        v = m.phases_ms.get(phase) if m is not None else None
+        return v / 1e3 if v else None
+
+    if cal.gpu_class == gpu_key:
+        path = "compile" if cal.measurement("compile", 8) is not None else "eager"
+        for figure, phase, work in (("matmul_flops", "matmul", counts[path].matmul_flops if path in counts else 0),
+                                    ("attention_flops", "attention",
+                                     counts[path].attention_flops if path in counts else 0)):
+            s = seconds(path, phase)
+            if s and work:
+                gpu_figures[figure] = work / s
+                notes.append(f"{figure} {work / s / 1e12:.0f} TFLOP/s ({label}: {phase} {s * 1e3:.2f} ms)")
+        qdq = [seconds(path, p) for p in ("qdq_forward", "qdq_backward")]
+        if all(qdq) and path in counts and counts[path].qdq_bytes:
+            gpu_figures["mem_bw"] = counts[path].qdq_bytes / sum(qdq)
+            notes.append(f"mem_bw {gpu_figures['mem_bw'] / 1e9:.0f} GB/s ({label}: quantize-dequantize "
+                         f"{sum(qdq) * 1e3:.2f} ms)")
+    eager_m, compile_m = cal.measurement("eager", 8), cal.measurement("compile", 8)
+    eager_op = host.eager_op_s
+    if eager_m is not None and eager_m.host_ms_per_iteration and "eager" in counts and counts["eager"].eager_ops:
+        eager_op = eager_m.host_ms_per_iteration / 1e3 / counts["eager"].eager_ops
+        host_figures.update(eager_op_s=eager_op, compiled_extern_s=eager_op)
+        notes.append(f"eager_op_s {eager_op * 1e6:.2f} us ({label}: eager host {eager_m.host_ms_per_iteration:.2f} "
+                     f"ms per iteration / {counts['eager'].eager_ops:.0f} ops)")
+    if compile_m is not None and compile_m.host_ms_per_iteration and "compile" in counts:
+        c = counts["compile"]
+        rest = compile_m.host_ms_per_iteration / 1e3 - c.eager_ops * eager_op - c.compiled_externs * eager_op
+        stated = c.compiled_kernels * host.compiled_kernel_s + c.region_calls * host.region_call_s
+        if stated > 0 and rest > 0:
+            scale = rest / stated
+            host_figures.update(compiled_kernel_s=host.compiled_kernel_s * scale,
+                                region_call_s=host.region_call_s * scale)
+            notes.append(f"compiled launch and graph-call costs x{scale:.2f} ({label}: compiled host "
+                         f"{compile_m.host_ms_per_iteration:.2f} ms per iteration)")
+    for key, figure in (("block", "compile_s"), ("second_device", "recompile_s")):
+        if cal.compile_s.get(key):
+            host_figures[figure] = float(cal.compile_s[key])
+            notes.append(f"{figure} {host_figures[figure]:.1f} s ({label})")
+    if gpu_figures:
+        gpu = gpu.rebased(**gpu_figures, calibrated=label,
+                          sources={**gpu.sources, **{k: f"calibrated: {label}" for k in gpu_figures}})
+    if host_figures:
+        host = host.rebased(**host_figures, calibrated=label,
+                            sources={**host.sources, **{k: f"calibrated: {label}" for k in host_figures}})
+    return gpu, host, notes

@@ -1,12 +1,13 @@
-"""A CUDA timeline model for CPU lanes: what an iteration of the real code would do on GPUs.
+"""The CUDA timeline model's recorder: the real code on CPU, every op booked as a GPU would run it.
 
 On CPU every copy is synchronous and every lane shares one device, so nothing a CPU test sees
 says whether, on GPUs, the lanes would run at the same time, or how often the host would stall.
-This model runs the real code path on CPU (``dpq.parallel_tune``, or the auto-round adapter with
-auto-round's own ``block_forward`` and ``_get_loss``) with the lanes on *logical accelerators*,
-records every op with its logical device, stream and issuing thread, and replays the record with
-CUDA's and PyTorch's semantics and per-op durations. Everything it finds is a property of the
-op sequence the code issues; nothing in it is a measurement of a GPU.
+:class:`TimelineModel` runs the real code path on CPU (``dpq.parallel_tune``, or the auto-round
+adapter with auto-round's own ``block_forward`` and ``_get_loss``, compiled or not) with the lanes
+on *logical accelerators*, and records every op with its logical device, stream and issuing thread,
+its FLOPs and the size of every tensor it touches (:mod:`dpq.testing.timeline.replay` times the
+record). Everything it finds is a property of the op sequence the code issues; nothing in it is a
+measurement of a GPU.
 
 How the real code is made to take its accelerator path on CPU:
 
@@ -18,15 +19,20 @@ How the real code is made to take its accelerator path on CPU:
   exchange's unpack) is the accelerator branch.
 * Places. Every storage has a place (host or a logical device): tensors made before the model
   are host memory unless :meth:`TimelineModel.place` puts them on a device; an op's outputs live
-  where its inputs do; a factory's where its ``device=`` says. A ``TorchFunctionMode`` makes
-  ``Tensor.device`` report the place (``cpu`` or ``cpu:k``), so every device comparison in dpq,
-  auto-round and transformers sees the logical devices, and intercepts ``Tensor.to``: a move to
-  the place a tensor already has is a no-op (as on CUDA), a move elsewhere is a real copy that
-  the model books as a transfer. An op whose tensors live on two devices is recorded as a
-  violation (CUDA raises "Expected all tensors to be on the same device"; 0-dim host scalars
-  are allowed, as on CUDA).
+  where its inputs do; a factory's where its ``device=`` says (one made by a lane's autograd node
+  on the real CPU: on that lane). A ``TorchFunctionMode`` makes ``Tensor.device`` report the place
+  (``cpu`` or ``cpu:k``), so every device comparison in dpq, auto-round and transformers sees the
+  logical devices, and intercepts ``Tensor.to``: a move to the place a tensor already has is a
+  no-op (as on CUDA), a move elsewhere is a real copy that the model books as a transfer. An op
+  whose tensors live on two devices is recorded as a violation (CUDA raises "Expected all tensors
+  to be on the same device"; 0-dim host scalars are allowed, as on CUDA).
+* Compiled regions (:mod:`dpq.testing.timeline.compiled`). A function auto-round compiles runs for
+  real without the recording's modes (and with logical devices shown to it as the real CPU); each
+  graph it calls is booked as the kernels inductor generated for it, on the lane's stream in the
+  forward and on autograd's thread for the lane in the backward (one autograd node: the lane's
+  gradients all appear when it ends), after one *call* op for the host's per-call work.
 
-CUDA semantics modelled (replayed by :func:`simulate`):
+CUDA semantics recorded (and replayed by :func:`dpq.testing.timeline.replay.simulate`):
 
 * each logical device has a current stream (per stream context, as ``torch.cuda.stream`` sets
   it for its stream's device only); a kernel runs on the current stream of the device its tensors
@@ -35,7 +41,8 @@ CUDA semantics modelled (replayed by :func:`simulate`):
   creation), issued by one host thread per device (autograd's device threads), concurrently with
   each other; the calling thread waits until every node was issued, and each device's stream
   current at the call waits for the leaf streams of that device; a gradient passed between nodes
-  on different streams makes the consumer wait for the producer (stream and host);
+  on different streams makes the consumer wait for the producer (stream and host); autograd's C++
+  nodes run without Python's GIL, a compiled backward's wrapper (Python) with it;
 * copies: host-to-device and device-to-host run on the device's current stream; from pageable
   memory, or with ``non_blocking=False``, the host waits until the copy (so everything queued
   before it on that stream) is done (PyTorch's ``memcpy_and_sync``); pinned + ``non_blocking``
@@ -48,22 +55,20 @@ CUDA semantics modelled (replayed by :func:`simulate`):
 * collectives (:class:`ModelNccl`, NCCL's semantics: one kernel per lane on its stream, issued
   in a group) end together, ``latency + wire bytes / link`` after the last member started;
   ``torch.distributed`` collectives (under torchrun) are one such kernel on the current stream,
-  the other ranks assumed to start at the same time; object collectives are host syncs.
+  the other ranks assumed to start at the same time; object collectives are host syncs;
+* what dpq's exchange does per gradient bucket is marked with the bucket (``Op.bucket``) and the
+  layout dpq built is kept (``TimelineModel.bucket_layout``), so the replay can lay the exchange
+  out in the target block's buckets (:mod:`dpq.testing.timeline.buckets`).
 
-Durations. Each kernel's FLOPs (``torch.utils.flop_counter``'s formulas) and bytes (its tensors)
-are scaled from the recorded block to a target block class (:class:`BlockClass`): an activation
-tensor (its element count a multiple of the recording's sequence length, chosen prime so no
-weight-shaped tensor is one) scales by tokens x hidden, a weight-shaped one by the linear
-parameters, a matmul's FLOPs by tokens x parameters; duration = max(FLOPs / throughput, bytes /
-memory bandwidth) + a launch floor, copies and collectives by bytes over their link
-(:class:`GpuClass`: stated figures, not measured here). The issuing threads' host cost per op is
-``host_per_op`` (measured on this machine by ``benchmarks/timeline.py``: dpq's own issue time
-per op on a launch-bound block) plus the GPU class's launch cost per kernel (stated).
+Sizes: each op keeps, per tensor, its element count, bytes and the samples it spans
+(:func:`lead_of`), which :class:`dpq.testing.timeline.shapes.RoleMap` turns into the target
+block's; matmuls keep torch's FLOPs, attention its own (:mod:`dpq.testing.timeline.work`).
 
 Not modelled: kernel concurrency limits on one device (kernels of different streams of one
 device are free to overlap), copy-engine and link contention, the caching allocator (its memory
-and its ``record_stream`` events), CUDA graphs, NCCL's internal streams and channels, and any
-real timing of a GPU. Stream *ordering* (races) is ``tests/stream_checker.py``'s job.
+and its ``record_stream`` events; a compiled region's buffers are not booked, only its outputs),
+CUDA graphs, NCCL's internal streams and channels, and any real timing of a GPU. Stream
+*ordering* (races) is ``tests/stream_checker.py``'s job.
 """
 
 from __future__ import annotations
@@ -75,28 +80,24 @@ import threading
 import traceback
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 import dpq.streams as dpq_streams
 from dpq.comm_base import CommunicatorBase, ordered_sum
+from dpq.testing.timeline.shapes import TensorMeta
+from dpq.testing.timeline.work import attention_flops, named_args, work_of
 
-__all__ = ["HOST", "ModelNccl", "Op", "TimelineModel", "device_of_place", "place_of_device"]
+__all__ = ["HOST", "ModelNccl", "Op", "TimelineModel", "device_of_place", "lead_of", "place_of_device", "without_modes"]
 
 HOST = None  # the place of host memory; devices are 1..N
 _DEVICE = torch.Tensor.device  # the getset descriptor whose __get__ the function mode answers
-_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::convolution",
-           "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
-           "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_cudnn_attention",
-           "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
-           "aten::_scaled_dot_product_efficient_attention_backward", "aten::_flash_attention_backward",
-           "aten::_efficient_attention_backward"}
 _HOST_READS = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
 _NODE_KEY = "dpq_timeline_stream"
 
@@ -132,9 +133,15 @@ class Op:
     deps: list[int] = field(default_factory=list)  # ops this one's start waits for (device side)
     host_after: int | None = None  # the host thread waits until this op was issued (autograd's ready queue)
     wait_for: int | None = None  # sync: the op the host waits for
-    flops: float = 0.0
-    bytes: float = 0.0
-    cls: str = "scalar"  # what its sizes scale with: act, weight, scalar
+    flops: float = 0.0  # matmul and attention kernels: their FLOPs at the recorded sizes
+    tensors: tuple[TensorMeta, ...] = ()  # what it reads and writes, at the recorded sizes (shapes.RoleMap scales)
+    work: str = "elementwise"  # kernels: matmul, attention or elementwise (dpq.testing.timeline.work)
+    wire_factor: float = 0.0  # collectives: bytes on the wire per byte of tensors[0]
+    region: str = ""  # kernels of a compiled region (dpq.testing.timeline.compiled): the region's name
+    gil: bool = True  # the issuing host thread holds Python's GIL for this op (autograd's C++ nodes do not)
+    bucket: int | None = None  # an op of the exchange of this gradient bucket (dpq.testing.timeline.buckets)
+    bucket_numel: int = 0  # that bucket's elements
+    fixed_scale: float | None = None  # a target bucket's copy of such an op: every size scales by this
     link: str = ""  # copies and collectives: h2d, d2h, d2d, nccl
     blocking: bool = False  # the host waits for this op to finish (a pageable or blocking copy)
     site: str = ""
@@ -142,6 +149,74 @@ class Op:
     phase: str = ""
     group: int | None = None  # collective: members of one group end together
     group_size: int = 1
+
+
+def lead_of(shape: tuple[int, ...], seqlen: int) -> int:
+    """The samples an activation spans, from its shape: ``[lead, seq, ...]``, ``[lead, heads, seq, ...]``
+    or flattened ``[lead x seq, ...]``; 0 when no dimension is a multiple of ``seqlen`` (not an activation)."""
+    if not shape or not any(d and d % seqlen == 0 for d in shape):
+        return 0
+    return shape[0] // seqlen if shape[0] % seqlen == 0 else shape[0]
+
+
+@contextlib.contextmanager
+def without_modes() -> Iterator[None]:
+    """No torch function or dispatch mode active (the recording's), restored afterwards."""
+    fmodes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        for mode in reversed(fmodes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def _accumulating_grad() -> bool:
+    """Autograd is adding a gradient into a leaf's ``.grad`` (its AccumulateGrad node runs)."""
+    node = torch._C._current_autograd_node()
+    return node is not None and "AccumulateGrad" in node.name()
+
+
+def _real_device(value):
+    """A logical device (``cpu:k``, as a device or a string) as the real one, anything else as it is."""
+    if isinstance(value, torch.device) and value.type == "cpu":
+        return torch.device("cpu")
+    if isinstance(value, str) and value.startswith("cpu:"):
+        return "cpu"
+    return value
+
+
+@contextlib.contextmanager
+def _modules_on_real_devices(values) -> Iterator[None]:
+    """Every attribute of a module in ``values`` (or of a submodule) naming a logical device names the
+    real one while a compiled region runs: dynamo would make a fake tensor on ``cpu:k`` of
+    ``x.to(self.device)`` (auto-round's wrappers keep ``device`` and ``output_device``), unlike the real CPU."""
+    saved = []
+    for value in values:
+        if isinstance(value, torch.nn.Module):
+            for m in value.modules():
+                for name, was in list(m.__dict__.items()):
+                    now = _real_device(was)
+                    if now is not was:
+                        saved.append((m, name, was))
+                        m.__dict__[name] = now
+    try:
+        yield
+    finally:
+        for m, name, was in saved:
+            m.__dict__[name] = was
+
+
+def _flops(func, work: str, args, kwargs, out) -> float:
+    """A matmul's FLOPs by torch's formula; attention's by :func:`dpq.testing.timeline.work.attention_flops`."""
+    if work == "attention":
+        named = named_args(func._schema, args, kwargs)
+        order = ("query", "key", "value") if "grad_out" not in named else ("grad_out", "query", "key", "value")
+        return attention_flops(func._schema.name, [tuple(named[k].shape) for k in order], bool(named.get("is_causal")))
+    if work != "matmul":
+        return 0.0
+    rule = flop_registry.get(func._overloadpacket)
+    return float(rule(*args, **kwargs, out_val=out)) if rule is not None else 0.0
 
 
 class ModelEvent:
@@ -261,14 +336,16 @@ class ModelNccl(CommunicatorBase):
         super().__init__(lanes)
         self.model = model if model is not None else TimelineModel.active
 
-    def _group(self, op: str, bufs_per_lane: list[list[torch.Tensor]], wire: int, compute: Callable[[], None]) -> None:
+    def _group(self, op: str, bufs_per_lane: list[list[torch.Tensor]], wire_factor: float,
+               compute: Callable[[], None]) -> None:
+        """``wire_factor``: a ring's bytes on the wire per lane, per byte of each lane's first buffer."""
         with self.model.paused():
             compute()
-        self.model.collective(op, [(lane, bufs) for lane, bufs in zip(self.lanes, bufs_per_lane, strict=True)], wire)
+        self.model.collective(op, [(lane, bufs) for lane, bufs in zip(self.lanes, bufs_per_lane, strict=True)],
+                              wire_factor)
 
     def _all_reduce(self, bufs):
-        n = bufs[0].numel() * bufs[0].element_size()
-        self._group("all_reduce", [[b] for b in bufs], 2 * n * (self.world - 1) // self.world,
+        self._group("all_reduce", [[b] for b in bufs], 2 * (self.world - 1) / self.world,
                     lambda: [b.copy_(s) for s in [ordered_sum(list(bufs), torch.empty_like(bufs[0]))] for b in bufs])
 
     def _reduce_scatter(self, send, recv):
@@ -279,7 +356,7 @@ class ModelNccl(CommunicatorBase):
                 ordered_sum([s[k * n:(k + 1) * n] for s in send], out)
 
         self._group("reduce_scatter", [[s, r] for s, r in zip(send, recv, strict=True)],
-                    n * recv[0].element_size() * (self.world - 1), compute)
+                    (self.world - 1) / self.world, compute)  # of the send buffer
 
     def _all_gather(self, send, recv):
         n = send[0].numel()
@@ -290,14 +367,14 @@ class ModelNccl(CommunicatorBase):
                     r[j * n:(j + 1) * n].copy_(s)
 
         self._group("all_gather", [[s, r] for s, r in zip(send, recv, strict=True)],
-                    n * send[0].element_size() * (self.world - 1), compute)
+                    self.world - 1, compute)  # of the send buffer (one lane's chunk)
 
     def _broadcast(self, bufs, root):
-        self._group("broadcast", [[b] for b in bufs], bufs[0].numel() * bufs[0].element_size(),
+        self._group("broadcast", [[b] for b in bufs], 1.0,
                     lambda: [b.copy_(bufs[root]) for k, b in enumerate(bufs) if k != root])
 
     def _reduce(self, bufs, root):
-        self._group("reduce", [[b] for b in bufs], bufs[0].numel() * bufs[0].element_size(),
+        self._group("reduce", [[b] for b in bufs], 1.0,
                     lambda: ordered_sum(list(bufs), bufs[root]))
 
 
@@ -400,6 +477,15 @@ class TimelineModel:
         self._paused = 0
         self._groups = itertools.count()
         self._restore: list[Callable[[], None]] = []
+        # compiled regions (dpq.testing.timeline.compiled): the region being run (name, place), graph calls
+        # so far, and per region call the forward graphs it ran (1 unless it graph-broke)
+        self._regions: list[tuple[str, int | None]] = []
+        self._graph_calls = 0
+        self.region_graphs: list[tuple[str, int]] = []
+        self.region_calls: list[tuple[str, int | None, int]] = []  # every region call: (name, place, lead samples)
+        self.compiles: list[tuple[str, float]] = []  # every dynamo compile while recording: (compile id, host s)
+        self.bucket_layout: tuple[list[int], int] | None = None  # the gradient buckets dpq built: sizes, cap
+        self._bucket: tuple[int, int] | None = None  # the bucket being exchanged: (index, elements)
 
     # -- places ----------------------------------------------------------------------------------
 
@@ -550,6 +636,8 @@ class TimelineModel:
         return f"autograd dev{s.place}" if s is not None else "main"
 
     def _add(self, op: Op) -> Op:
+        if self._bucket is not None and op.kind != "marker":
+            op.bucket, op.bucket_numel = self._bucket
         phase = op.phase or self._phase
         if self._window is not None and phase in ("", "forward"):
             phase = "backward"
@@ -573,20 +661,15 @@ class TimelineModel:
     def marker(self, name: str) -> None:
         self._add(self._new(name, "marker", thread="main"))
 
-    def _cls(self, tensors: Sequence[torch.Tensor]) -> str:
-        numels = [t.numel() for t in tensors]
-        if any(n > 1 and n % self.seqlen == 0 for n in numels):
-            return "act"
-        return "weight" if any(n > 1 for n in numels) else "scalar"
-
-    def _bytes(self, tensors: Sequence[torch.Tensor]) -> float:
-        return float(sum(t.numel() * t.element_size() for t in tensors))
+    def metas(self, tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
+        """Each tensor's (element count, bytes, lead samples): what shapes.RoleMap scales."""
+        return tuple((t.numel(), t.numel() * t.element_size(), lead_of(tuple(t.shape), self.seqlen)) for t in tensors)
 
     def device_read(self, t: torch.Tensor, what: str) -> None:
         """A host read of a device tensor: a blocking device-to-host copy on its device's current stream."""
         place = self.place_of(t)
         stream = self.current_stream(place)
-        op = self._add(self._new(what, "copy", stream=stream, link="d2h", bytes=self._bytes([t]), cls=self._cls([t]),
+        op = self._add(self._new(what, "copy", stream=stream, link="d2h", tensors=self.metas([t]),
                                  blocking=True, site=_site()))
         self._add(self._new(f"{what} (wait)", "sync", wait_for=op.id, site=op.site))
 
@@ -621,9 +704,9 @@ class TimelineModel:
         """Book a copy between two places (the physical CPU copy itself is not booked)."""
         self._places.pop(self._key(dst_t), None)
         self._book(dst_t, dst)
-        nbytes, cls = self._bytes([dst_t]), self._cls([dst_t])
+        metas = self.metas([dst_t])
         if src is HOST and dst is HOST:
-            self._add(self._new(what, "host", bytes=nbytes, cls=cls))
+            self._add(self._new(what, "host", tensors=metas))
             return
         if src is HOST or dst is HOST:
             device = dst if src is HOST else src
@@ -632,7 +715,7 @@ class TimelineModel:
             blocking = not (non_blocking and pinned)
             link = "h2d" if src is HOST else "d2h"
             op = self._add(self._new(f"{what} {link}{' pageable' if not pinned else ''}", "copy", stream=stream,
-                                     link=link, bytes=nbytes, cls=cls, blocking=blocking,
+                                     link=link, tensors=metas, blocking=blocking,
                                      site=_site() if blocking or not pinned else ""))
             if blocking:
                 self._add(self._new(f"{link} copy (host waits)", "sync", wait_for=op.id, site=op.site))
@@ -640,16 +723,17 @@ class TimelineModel:
         src_stream, dst_stream = self.current_stream(src), self.current_stream(dst)
         deps = [dst_stream.last] if dst_stream.last is not None else []
         op = self._add(self._new(f"{what} d2d dev{src}->dev{dst}", "copy", stream=src_stream, deps=deps, link="d2d",
-                                 bytes=nbytes, cls=cls, site=_site()))
+                                 tensors=metas, site=_site()))
         self._add(self._new("d2d barrier", "wait", stream=dst_stream, deps=[op.id]))
 
-    def collective(self, name: str, members, wire: int) -> None:
-        """One group: a kernel per (lane, buffers) on the lane's stream (:class:`ModelNccl`)."""
+    def collective(self, name: str, members, wire_factor: float) -> None:
+        """One group: a kernel per (lane, buffers) on the lane's stream (:class:`ModelNccl`); each
+        lane puts ``wire_factor`` x its first buffer's bytes on the wire."""
         gid = next(self._groups)
         for lane, bufs in members:
             stream = lane.stream if lane.stream is not None else self.current_stream(place_of_device(lane.device))
-            self._add(self._new(f"nccl {name}", "collective", stream=stream, link="nccl", bytes=float(wire),
-                                cls="weight" if self._cls(bufs) != "act" else "act", group=gid,
+            self._add(self._new(f"nccl {name}", "collective", stream=stream, link="nccl", tensors=self.metas(bufs[:1]),
+                                wire_factor=wire_factor, group=gid,
                                 group_size=len(members)))
 
     def on_op(self, func, args, kwargs, out) -> None:
@@ -680,13 +764,18 @@ class TimelineModel:
                 self._book(t, place_of_device(device))
             if place_of_device(device) is not HOST:
                 self._add(self._new(name, "kernel", stream=self.current_stream(place_of_device(device)),
-                                    bytes=self._bytes(outs), cls=self._cls(outs)))
+                                    tensors=self.metas(outs)))
             return
         places = {self.place_of(t) for t in ins}
         devs = {p for p in places if p is not HOST}
         host_big = [t for t in ins if self.place_of(t) is HOST and t.dim() > 0]
+        node = self._node_stream()
         if not ins:
             place = place_of_device(kwargs.get("device"))
+            if place is HOST and node is not None:
+                # made by an autograd node of a lane (a compiled backward's zero gradients, made on its
+                # forward's device, which the region ran as the real CPU): on that lane's device
+                place = node.place
         elif devs:
             place = min(devs)
             if len(devs) > 1 or host_big:
@@ -702,31 +791,92 @@ class TimelineModel:
                 self.device_read(ins[0], name.removeprefix("aten::") + "()")
             return
         if place is HOST:
-            self._add(self._new(name, "host", bytes=self._bytes(ins + outs), cls=self._cls(ins + outs)))
+            self._add(self._new(name, "host", tensors=self.metas(ins + outs)))
             return
         stream = self.current_stream(place)
-        flops = 0.0
-        rule = flop_registry.get(func._overloadpacket)
-        if rule is not None:
-            try:
-                flops = float(rule(*args, **kwargs, out_val=out))
-            except Exception:  # a formula that does not take this overload's arguments
-                flops = 0.0
-        op = self._new(name, "kernel", stream=stream, flops=flops, bytes=self._bytes(ins + outs),
-                       cls="matmul" if name in _MATMUL else self._cls(ins + outs))
-        if self._window is not None:
-            for t in ins:
-                producer = self._window_writes.get(self._key(t))
-                if producer is not None and producer.stream is not stream:
-                    op.deps.append(producer.id)  # autograd's InputBuffer: the consumer waits for the producer
-                    if producer.thread != op.thread:
-                        op.host_after = producer.id
-            written = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i < len(schema.arguments)
-                       and schema.arguments[i].alias_info is not None and schema.arguments[i].alias_info.is_write]
-            for t in outs + written:
-                self._window_writes[self._key(t)] = op
-            self._window_streams.setdefault(self._window, {})[stream.sid] = stream
+        work = work_of(name)
+        op = self._new(name, "kernel", stream=stream, flops=_flops(func, work, args, kwargs, out), work=work,
+                       tensors=self.metas(ins + outs), phase="grads" if _accumulating_grad() else "")
+        op.gil = op.thread == "main"  # autograd's device threads run its C++ nodes without the GIL
+        written = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i < len(schema.arguments)
+                   and schema.arguments[i].alias_info is not None and schema.arguments[i].alias_info.is_write]
+        self._in_backward(op, op, ins, outs + written)
         self._add(op)
+
+    def _in_backward(self, first: Op, last: Op, ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        """Inside a backward call: ``first`` (the op that reads ``ins``) waits for each input's producer
+        on another stream, and ``last`` becomes the producer of ``outs``."""
+        if self._window is None:
+            return
+        for t in ins:
+            producer = self._window_writes.get(self._key(t))
+            if producer is not None and producer.stream is not first.stream:
+                first.deps.append(producer.id)  # autograd's InputBuffer: the consumer waits for the producer
+                if producer.thread != first.thread:
+                    first.host_after = producer.id
+        for t in outs:
+            self._window_writes[self._key(t)] = last
+        self._window_streams.setdefault(self._window, {})[last.stream.sid] = last.stream
+
+    # -- compiled regions (dpq.testing.timeline.compiled) --------------------------------------------
+
+    def region_name(self) -> str:
+        """The compiled region being run (its function's name), "" outside one."""
+        return self._regions[-1][0] if self._regions else ""
+
+    def run_region(self, name: str, compiled: Callable, args, kwargs):
+        """A compiled function called by the recorded code: it runs for real without the recording's
+        modes; each graph it calls is booked by :meth:`graph_call` on the current stream of the device
+        its tensors live on; its fresh outputs live there, and their autograd nodes (the compiled
+        backward) run on that stream."""
+        ins = _tensors((args, kwargs))
+        devs = {self.place_of(t) for t in ins} - {HOST}
+        place = min(devs) if devs else HOST
+        self.region_calls.append((name, place, max((lead_of(tuple(t.shape), self.seqlen) for t in ins), default=0)))
+        calls = self._graph_calls
+        self._regions.append((name, place))
+        # a logical device passed in (auto-round's block_forward takes the lane's) is the real CPU in here
+        args, kwargs = tree_map(_real_device, (args, kwargs))
+        try:
+            with without_modes(), _modules_on_real_devices([*args, *kwargs.values()]):
+                out = compiled(*args, **kwargs)
+        finally:
+            self._regions.pop()
+        self.region_graphs.append((name, self._graph_calls - calls))
+        outs = _tensors(out)
+        known = {self._key(t) for t in ins}
+        for t in outs:
+            if self._key(t) not in known:
+                self._places.pop(self._key(t), None)
+                self._book(t, place)
+        roots = [t.grad_fn for t in outs if t.grad_fn is not None]
+        if roots and torch.is_grad_enabled() and place is not HOST:
+            self.tag_nodes(roots, outs[0])
+        return out
+
+    def graph_call(self, graph, inputs, out) -> None:
+        """One call of a compiled graph (:class:`dpq.testing.timeline.compiled.CompiledGraph`): the host's
+        call, then its kernels on the stream of the region's lane (forward) or of the autograd node that
+        runs it (backward)."""
+        if self._regions:
+            name, place = self._regions[-1]
+        else:
+            node = self._node_stream()
+            name, place = (graph.region or "compiled backward"), (node.place if node is not None else HOST)
+        ins, outs = _tensors(inputs), _tensors(out)
+        for t in outs:
+            self._places.pop(self._key(t), None)
+            self._book(t, place)
+        if place is HOST:
+            return  # a compiled function on host memory: host work, not a lane's
+        self._graph_calls += 1
+        stream = self.current_stream(place)
+        self._add(self._new(f"{name}: {'backward' if graph.backward else 'forward'} graph call", "call",
+                            region=name))
+        ops = [self._add(self._new(k.name, "kernel", stream=stream, flops=k.flops, tensors=k.tensors, work=k.work,
+                                   region=name)) for k in graph.kernels]
+        if ops:
+            self._in_backward(ops[0], ops[-1], ins, outs)
 
     # -- install -----------------------------------------------------------------------------------
 
@@ -788,6 +938,7 @@ class TimelineModel:
 
         self._patch(session, "run_loop", run_loop)
         for owner, meth, phase in ((tl.TuneEngine, "step", "step"), (tl.TuneEngine, "_queue_readback", "readback"),
+                                   (dpq_exchange.GradBuckets, "attach", "grads"),
                                    (tl.TuneEngine, "_read_losses", "readback"),
                                    (dpq_exchange._Exchange, "exchange", "exchange"),
                                    (dpq_exchange.BackwardExchange, "__exit__", "exchange")):
@@ -803,6 +954,25 @@ class TimelineModel:
                 return real_serve(bx)
 
         self._patch(dpq_exchange.BackwardExchange, "serve", serve)
+
+        real_buckets_init = dpq_exchange.GradBuckets.__init__
+
+        def buckets_init(buckets, params_per_lane, bucket_cap_elems=2**22, lanes=None):
+            real_buckets_init(buckets, params_per_lane, bucket_cap_elems, lanes)
+            model.bucket_layout = ([p.numel() for p in buckets.params[0]], bucket_cap_elems)
+
+        self._patch(dpq_exchange.GradBuckets, "__init__", buckets_init)
+        real_exchange_bucket = dpq_exchange._Exchange.exchange_bucket
+
+        def exchange_bucket(policy, buckets, i, marks=None):
+            start, end = buckets.bucket_ranges[i]
+            outer, model._bucket = model._bucket, (i, end - start)
+            try:
+                return real_exchange_bucket(policy, buckets, i, marks)
+            finally:
+                model._bucket = outer
+
+        self._patch(dpq_exchange._Exchange, "exchange_bucket", exchange_bucket)
 
         real_autograd_backward = torch.autograd.backward
 
@@ -847,7 +1017,7 @@ class TimelineModel:
                 if place is not HOST:
                     stream = model.current_stream(place)
                     model._add(model._new(f"dist.{name}", "collective", stream=stream, link="nccl",
-                                          bytes=model._bytes(tensors[:1]), cls=model._cls(tensors[:1])))
+                                          tensors=model.metas(tensors[:1]), wire_factor=1.0))
                 return out
             return call
 
@@ -879,7 +1049,8 @@ class TimelineModel:
                     out = real(ops)
                 if place is not HOST:
                     model._add(model._new("dist.batch_isend_irecv", "collective", stream=model.current_stream(place),
-                                          link="nccl", bytes=sum(model._bytes([o.tensor]) for o in ops), cls="weight"))
+                                          link="nccl", tensors=model.metas([o.tensor for o in ops]),
+                                          wire_factor=1.0))
                 return out
 
             self._patch(dist, "batch_isend_irecv", batch)

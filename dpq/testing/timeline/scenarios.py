@@ -1,7 +1,8 @@
 """The timeline model's scenarios: a real auto-round block tuned on logical GPUs (``dpq.testing.timeline.record``).
 
-:func:`record_block` runs auto-round's own ``quantize()`` on the embedded model (``dpq/data``) and
-records the first block's ``quantize_block`` call; :func:`run_adapter` replays that call through
+:func:`record_block` runs auto-round's own ``quantize()`` on a tiny bf16 Llama of one layer whose every
+size stands for one role (:data:`dpq.testing.timeline.shapes.RECORDED`), with torch.compile on (auto-round's
+default) or off, and records the block's ``quantize_block`` call; :func:`run_adapter` replays that call through
 ``dpq.autoround.enable`` (the adapter: auto-round's wrapper, ``block_forward`` and ``_get_loss``)
 and :func:`run_api` through ``dpq.parallel_tune``, both inside a :class:`TimelineModel` with the
 block on logical device 1 and the pool where the scenario says:
@@ -26,41 +27,61 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from dpq.testing.timeline.compiled import capture
 from dpq.testing.timeline.record import TimelineModel, device_of_place
-from dpq.testing.timeline.replay import BlockClass
+from dpq.testing.timeline.shapes import RECORDED
 
-RECORD_SEQLEN = 61  # prime: an activation's element count is a multiple of it, a weight-shaped tensor's never
+RECORD_SEQLEN = RECORDED.seqlen  # prime: an activation's element count is a multiple of it, a weight's never
 RECORD_SAMPLES = 16
-RECORD_BATCH = 8
+RECORD_BATCH = RECORDED.batch
 
 
-def recorded_class() -> BlockClass:
-    """The embedded model's block as recorded (what the durations scale from)."""
-    import json
+@contextlib.contextmanager
+def bf16_cpu() -> Iterator[None]:
+    """auto-round's CPU device reports bf16 support: the model runs under bf16 autocast as on a GPU,
+    whatever this CPU's branch (the record models a GPU's run, not this CPU's)."""
+    from auto_round.utils.device_manager import get_ar_device
 
-    from dpq.demo.embedded import DATA_DIR
-
-    cfg = json.loads((DATA_DIR / "config.json").read_text())
-    kv = cfg["num_key_value_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    return BlockClass("the embedded model's block (recorded)", cfg["hidden_size"], cfg["intermediate_size"], kv,
-                      seqlen=RECORD_SEQLEN, batch=RECORD_BATCH)
+    cls = type(get_ar_device("cpu"))
+    real = cls.supports_bf16
+    cls.supports_bf16 = lambda self: True
+    try:
+        yield
+    finally:
+        cls.supports_bf16 = real
 
 
 @functools.cache
-def record_block(iters: int = 4):
-    """The embedded model's first block as auto-round tunes it (a ``dpq.testing.autoround_blocks.RecordedBlock``)."""
-    from dpq.demo.embedded import load_embedded_model
-    from dpq.demo.model import calibration_samples
+def record_block(compile: bool = True):
+    """The recorded block (:data:`dpq.testing.timeline.shapes.RECORDED`: a tiny bf16 Llama layer with
+    seeded weights) as auto-round tunes it, a ``dpq.testing.autoround_blocks.RecordedBlock``;
+    ``compile``: auto-round's default torch.compile on (its functions compiled under
+    :func:`dpq.testing.timeline.compiled.capture`), else ``--disable_torch_compile``."""
+    from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
     from dpq.testing.autoround_blocks import record_autoround_blocks
 
-    model, tok = load_embedded_model()
-    model.model.layers = model.model.layers[:1]
-    model.config.num_hidden_layers = 1
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:1]
-    data = calibration_samples(RECORD_SAMPLES, RECORD_SEQLEN, vocab_size=model.config.vocab_size)
-    return record_autoround_blocks(iters=iters, nsamples=RECORD_SAMPLES, seqlen=RECORD_SEQLEN,
-                                   batch_size=RECORD_BATCH, model=model, tokenizer=tok, dataset=data)[0]
+    shape = RECORDED
+    model = build_tiny_llama(TinyLlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                                             num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                                             num_hidden_layers=1)).to(torch.bfloat16)
+    data = calibration_samples(RECORD_SAMPLES, RECORD_SEQLEN)
+    with bf16_cpu(), (capture(RECORD_SEQLEN) if compile else contextlib.nullcontext()):
+        # auto-round compiles only from 10 iterations on; the replays set their own count
+        return record_autoround_blocks(iters=10, nsamples=RECORD_SAMPLES, seqlen=RECORD_SEQLEN,
+                                       batch_size=RECORD_BATCH, stop_after=1, model=model,
+                                       tokenizer=build_tokenizer(), dataset=data, enable_torch_compile=compile)[0]
+
+
+@functools.cache
+def recorded_run(compile: bool, world: int, iters: int = 2) -> TimelineModel:
+    """:func:`run_adapter` of :func:`record_block` at ``world``, made once per process (the tests and
+    the benchmarks that replay the same record share it)."""
+    return run_adapter(record_block(compile), world, iters=iters)
+
+
+def compiles(rec) -> bool:
+    """The record was made with auto-round's torch.compile on."""
+    return bool(rec.quantizer.compress_context.enable_torch_compile)
 
 
 def _pool_tensors(rec) -> list[list[torch.Tensor]]:
@@ -101,9 +122,15 @@ def _settings(rec, cache: str, iters: int) -> Iterator[None]:
     q.compress_context.cache_device = torch.device("cpu") if cache == "host" else torch.device("cpu", 1)
     q.iters = iters
     try:
-        yield
+        with bf16_cpu():
+            yield
     finally:
         device_manager.device, q.compress_context.cache_device, q.iters = saved
+
+
+def _compiled(rec) -> contextlib.AbstractContextManager:
+    """Compiled functions booked as inductor's kernels while replaying a compile-on record."""
+    return capture(RECORD_SEQLEN) if compiles(rec) else contextlib.nullcontext()
 
 
 def lane_devices(world: int) -> list[str]:
@@ -119,7 +146,7 @@ def run_adapter(rec, world: int, *, pool: str = "home", cache: str | None = None
 
     block = rec.fresh_block()
     cache = cache or ("host" if pool == "host" else "device")
-    with TimelineModel(world, seqlen=RECORD_SEQLEN) as model, _settings(rec, cache, iters), \
+    with _compiled(rec), TimelineModel(world, seqlen=RECORD_SEQLEN) as model, _settings(rec, cache, iters), \
             _mutated(model, mutations):
         model.place(block, "cpu:1")
         _place_pool(model, rec, pool, world)
@@ -139,7 +166,7 @@ def run_api(rec, world: int, *, pool: str = "home", iters: int = 4, mutations: S
     saved = q.iters
     q.iters = iters
     try:
-        with TimelineModel(world, seqlen=RECORD_SEQLEN) as model, _mutated(model, mutations):
+        with _compiled(rec), TimelineModel(world, seqlen=RECORD_SEQLEN) as model, _mutated(model, mutations):
             model.place(block, "cpu:1")
             _place_pool(model, rec, pool, world)
             rec.restore_rng()
@@ -222,5 +249,5 @@ def _mutated(model: TimelineModel, names: Sequence[str]) -> Iterator[None]:
             restore.pop()()
 
 
-__all__ = ["LEGACY", "MUTATIONS", "RECORD_SEQLEN", "lane_devices", "record_block", "recorded_class",
-           "run_adapter", "run_api"]
+__all__ = ["LEGACY", "MUTATIONS", "RECORD_SEQLEN", "bf16_cpu", "compiles", "lane_devices", "record_block",
+           "recorded_run", "run_adapter", "run_api"]

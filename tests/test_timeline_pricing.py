@@ -1,0 +1,253 @@
+"""The timeline model prices the block it claims to: every size scaled by its role, matmuls and
+attention by their FLOPs, the exchange in dpq's buckets for the target's tensors, the default path
+compiled, a calibration re-basing only what it measured; and the mutations that show each check sees
+what it is there for.
+
+The records are the 1- and 2-lane compile-on runs (``scenarios.recorded_run``), replayed on every
+target block and GPU class (``shapes.BLOCKS``, ``devices.GPUS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dpq.exchange import bucket_layout
+from dpq.testing.timeline.calibration import Calibration, ModelCounts, rebase
+from dpq.testing.timeline.devices import GPUS, HOST
+from dpq.testing.timeline.replay import Pricing, op_class, simulate
+from dpq.testing.timeline.roofline import roofline
+from dpq.testing.timeline.scenarios import recorded_run
+from dpq.testing.timeline.shapes import BLOCKS, RECORDED, RoleMap
+
+ITERS = 2
+CASES = [(b, g) for b in BLOCKS for g in ("3090", "h100")]
+
+
+@pytest.fixture(scope="module")
+def one_lane():
+    return recorded_run(True, 1, ITERS)
+
+
+@pytest.fixture(scope="module")
+def two_lanes():
+    return recorded_run(True, 2, ITERS)
+
+
+def replay(model, block: str, gpu: str, **pricing):
+    return simulate(model, Pricing(RECORDED, BLOCKS[block], GPUS[gpu], pricing.pop("host", HOST)))
+
+
+# -- sizes ------------------------------------------------------------------------------------------
+
+
+def test_timeline_recorded_sizes_have_one_role_each():
+    for block in BLOCKS.values():
+        assert RoleMap(RECORDED, block).collisions() == []
+
+
+def test_timeline_role_collisions_are_found():
+    """Mutant: a recorded block whose key/value width equals the group size (the embedded model's
+    128): a [kv, in/128] scale would be priced as a norm's [hidden] weight."""
+    bad = dataclasses.replace(RECORDED, hidden=256, intermediate=640, heads=4, kv_heads=2, head_dim=64)
+    assert RoleMap(bad, BLOCKS["70b"]).collisions()
+
+
+def test_timeline_every_compute_tensor_has_a_role(two_lanes):
+    """Nothing the lanes compute is priced by the fallback ratio (the exchange's buffers are re-laid
+    out per target bucket instead)."""
+    pricing = Pricing(RECORDED, BLOCKS["70b"], GPUS["h100"], HOST)
+    tl = simulate(two_lanes, pricing)
+    assert pricing.roles.unmapped == {}, pricing.roles.unmapped
+    assert any(op.fixed_scale for op in tl.ops), "the exchange was not laid out per target bucket"
+
+
+# -- matmuls, attention, the roofline ----------------------------------------------------------------
+
+
+def check_matmul_time(tl, block: str, gpu: str) -> None:
+    matmul = tl.breakdown()["matmul"]
+    expected = BLOCKS[block].matmul_flops() / GPUS[gpu].matmul_flops
+    assert abs(matmul - expected) <= 0.01 * expected, (matmul, expected)
+
+
+def check_attention_time(tl, block: str, gpu: str) -> None:
+    attention = tl.breakdown()["attention"]
+    expected = BLOCKS[block].attention_flops() / GPUS[gpu].attention_flops
+    assert abs(attention - expected) <= 0.01 * expected, (attention, expected)
+
+
+@pytest.mark.parametrize("block, gpu", CASES)
+def test_timeline_one_lane_matmuls_and_attention_are_flops_over_rate(one_lane, block, gpu):
+    tl = replay(one_lane, block, gpu)
+    check_matmul_time(tl, block, gpu)
+    check_attention_time(tl, block, gpu)
+
+
+@pytest.mark.parametrize("block, gpu", CASES)
+def test_timeline_one_lane_is_within_ten_percent_of_the_roofline(one_lane, block, gpu):
+    model_s = replay(one_lane, block, gpu).seconds_per_iteration()
+    roof = roofline(BLOCKS[block], GPUS[gpu])["total"]
+    assert abs(model_s - roof) <= 0.1 * roof, (model_s, roof)
+
+
+def test_timeline_attention_at_zero_flops_fails(one_lane, monkeypatch):
+    """Mutant: attention priced by its bytes (0 FLOPs, as torch's registry has it for the CPU kernels)."""
+    real = Pricing.flops
+    monkeypatch.setattr(Pricing, "flops", lambda self, op: 0.0 if op.work == "attention" else real(self, op))
+    with pytest.raises(AssertionError):
+        check_attention_time(replay(one_lane, "70b", "h100"), "70b", "h100")
+
+
+def test_timeline_every_kernel_is_priced(one_lane, two_lanes):
+    """A matmul or attention kernel carries its FLOPs; anything else is memory-bound by design
+    (elementwise, priced by its bytes), and every kernel has bytes."""
+    for model in (one_lane, two_lanes):
+        for op in model.ops:
+            if op.kind != "kernel":
+                continue
+            assert (op.flops > 0) == (op.work in ("matmul", "attention")), (op.name, op.work, op.flops)
+            assert sum(b for _, b, _ in op.tensors) > 0 or op.work == "elementwise", op.name
+
+
+# -- the exchange in the target's buckets ------------------------------------------------------------
+
+
+def check_buckets(tl, model, block: str) -> None:
+    sizes, cap = model.bucket_layout
+    target = [RoleMap(RECORDED, BLOCKS[block]).target_numel(n, 0) for n in sizes]
+    expected = [sum(target[i] for i in ids) for ids in bucket_layout(target, cap)]
+    assert tl.buckets == expected
+    assert sum(tl.buckets) == sum(BLOCKS[block].tuned_numels())
+    groups = {op.group for op in tl.ops if op.iteration == 1 and op.kind == "collective"}
+    assert len(groups) == 2 * len(expected)  # the sign exchange: a reduce-scatter and an all-gather per bucket
+
+
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+def test_timeline_exchange_has_the_target_blocks_buckets(two_lanes, block):
+    tl = replay(two_lanes, block, "h100")
+    check_buckets(tl, two_lanes, block)
+    if block == "70b":  # each weight-shaped value over the 2^22 cap alone, the scales in four
+        assert len(tl.buckets) == 11
+
+
+def test_timeline_one_bucket_for_every_block_fails(two_lanes, monkeypatch):
+    """Mutant: the recorded block's single bucket kept for the target (the model before this change)."""
+    monkeypatch.setattr("dpq.testing.timeline.replay.target_buckets",
+                        lambda layout, roles: [sum(roles.target_numel(n, 0) for n in layout[0])])
+    with pytest.raises(AssertionError):
+        check_buckets(replay(two_lanes, "70b", "h100"), two_lanes, "70b")
+
+
+# -- the default path is the compiled one -------------------------------------------------------------
+
+
+def check_compiled(model) -> None:
+    """Each lane's block forward is one compiled region: a graph call on the issuing thread, its
+    backward one more on autograd's thread for the lane, inductor's kernels between."""
+    calls = [op for op in model.ops if op.iteration == 1 and op.kind == "call"]
+    assert calls and {op.region for op in calls} == {"block_forward"}, {op.region for op in calls}
+    assert {op.thread for op in calls} == {"main", "autograd dev1"}
+    assert [n for name, n in model.region_graphs if name == "block_forward"] == \
+        [1] * sum(name == "block_forward" for name, _ in model.region_graphs), "the block forward graph-broke"
+    region = [op for op in model.ops if op.iteration == 1 and op.region]
+    assert any(op.work == "matmul" for op in region) and any(op.work == "elementwise" for op in region)
+
+
+def test_timeline_default_record_is_compile_on(one_lane):
+    import inspect
+
+    from benchmarks import timeline as bench
+    from dpq.testing.timeline import scenarios
+
+    assert inspect.signature(scenarios.record_block).parameters["compile"].default is True
+    assert bench.PATHS[0] == "compile"
+    check_compiled(one_lane)
+
+
+def test_timeline_compile_off_in_the_default_fails():
+    """Mutant: the eager record where the default's is expected."""
+    with pytest.raises(AssertionError):
+        check_compiled(recorded_run(False, 1, ITERS))
+
+
+def test_timeline_compiled_gradients_appear_when_the_region_ends(two_lanes):
+    """A compiled region is one autograd node: no lane's gradient is accumulated before that lane's
+    compiled backward has issued its last kernel."""
+    ops = [op for op in two_lanes.ops if op.iteration == 1 and op.stream is not None]
+    streams = {op.stream.sid for op in ops if op.region and op.phase == "backward"}
+    assert len(streams) == 2
+    for stream in streams:
+        region_ends = max(op.id for op in ops if op.region and op.phase == "backward" and op.stream.sid == stream)
+        grads = [op.id for op in ops if op.phase == "grads" and op.stream.sid == stream
+                 and op.thread.startswith("autograd")]
+        assert grads and min(grads) > region_ends
+
+
+# -- calibration ------------------------------------------------------------------------------------
+
+COUNTS = {"compile": ModelCounts(matmul_flops=2.0e13, attention_flops=2.0e12, qdq_bytes=4.0e9, eager_ops=80,
+                                 compiled_kernels=60, compiled_externs=24, region_calls=2, launches=140),
+          "eager": ModelCounts(matmul_flops=2.0e13, attention_flops=2.0e12, qdq_bytes=4.0e10, eager_ops=900,
+                               compiled_kernels=0, compiled_externs=0, region_calls=0, launches=900)}
+
+
+def fixture(**paths) -> Calibration:
+    return Calibration.from_dict({"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200",
+                                  "date": "2026-12-04", "block": {"hidden": 4096, "intermediate": 14336,
+                                                                  "heads": 32, "kv_heads": 8, "head_dim": 128},
+                                  "paths": paths})
+
+
+def changed(a, b) -> set[str]:
+    return {f.name for f in dataclasses.fields(a) if f.name not in ("sources", "calibrated")
+            and getattr(a, f.name) != getattr(b, f.name)}
+
+
+def test_timeline_calibration_changes_what_it_measured_only():
+    gpu, host = GPUS["h200"], HOST
+    cal = fixture(compile={"8": {"phases_ms": {"matmul": 40.0}}})
+    g, h, notes = rebase(cal, "h200", gpu, host, COUNTS)
+    assert changed(gpu, g) == {"matmul_flops"} and changed(host, h) == set() and len(notes) == 1
+    assert g.matmul_flops == pytest.approx(2.0e13 / 0.040) and g.calibrated == "NVIDIA_H200-2026-12-04"
+    cal = fixture(eager={"8": {"host_ms_per_iteration": 9.0}})
+    g, h, _ = rebase(cal, "h200", gpu, host, COUNTS)
+    assert changed(gpu, g) == set() and changed(host, h) == {"eager_op_s", "compiled_extern_s"}
+    assert h.eager_op_s == pytest.approx(9.0e-3 / 900)
+    g, h, notes = rebase(cal, "h100", gpu, host, COUNTS)  # another class: only the host's figures
+    assert changed(gpu, g) == set() and "eager_op_s" in changed(host, h)
+
+
+def test_timeline_calibration_moves_the_table(tmp_path, one_lane, two_lanes):
+    """A calibration file read by benchmarks/timeline.py changes the figures it measures."""
+    from benchmarks import timeline as bench
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"schema": "dpq-calibration/1", "card": "NVIDIA H100", "gpu_class": "h100",
+                                "date": "2026-12-04", "block": {"hidden": 4096, "intermediate": 14336, "heads": 32,
+                                                                "kv_heads": 8, "head_dim": 128},
+                                "paths": {"compile": {"8": {"phases_ms": {"matmul": 80.0}}}}}))
+    records = {("compile", 1): one_lane, ("compile", 2): two_lanes}
+    plain, _ = bench.table(records, None, HOST, ("compile",))
+    cal, notes = bench.table(records, bench.load_calibration(str(path)), HOST, ("compile",))
+    by = {(r.gpu, r.block): r for r in plain}
+    for r in cal:
+        assert (r.per_iter[1] != by[(r.gpu, r.block)].per_iter[1]) == (r.gpu == "h100"), (r.gpu, r.block)
+    assert any("matmul_flops" in n for n in notes)
+
+
+def test_timeline_breakdown_adds_up(two_lanes):
+    """Every class of lane 0's device time is counted once (the classes never overlap on its stream)."""
+    tl = replay(two_lanes, "70b", "h100")
+    steady = tl.steady()
+    lane0 = tl.lane_streams[0]
+    for it in steady:
+        ops = [op for op in tl.ops if op.iteration == it.index and op.kind == "kernel" and op.stream is not None
+               and op.stream.sid in lane0]
+        assert all(op_class(op) is not None for op in ops)
+        assert sum(it.lane0.values()) == pytest.approx(sum(tl.end[op.id] - tl.start[op.id] for op in ops
+                                                           + [o for o in tl.ops if o.iteration == it.index
+                                                              and o.kind == "copy" and o.stream is not None
+                                                              and o.stream.sid in lane0]))
