@@ -216,3 +216,32 @@ def test_calibration_of_an_h200_run_loads():
     assert cal.compile_s == {"block": 41.0, "second_device": None}
     assert cal.block["head_dim"] == 128 and cal.extra["dpq_world1_vs_serial"] == 1.01
     assert cal.extra["gemm_8192_tflops"] == 780.0
+
+
+def test_gpu_report_writes_the_rows_and_stores_the_calibration(tmp_path, capsys):
+    from benchmarks import gpu_report
+
+    run = tmp_path / "out"
+    run.mkdir()
+    steps = h200_steps()
+    steps["lanes"]["result"]["worlds"] = {"2": {"timed": {"median_ms": 70.0}, "one_lane_ms": 61.0,
+                                                "per_lane_undivided_ms": 9.0}}
+    (run / "calibration.json").write_text(json.dumps(summary.calibration(steps, "2026-12-04")))
+    (run / "summary.json").write_text(json.dumps({
+        "dry_run": False, "core_only": False, "date_utc": "2026-12-04T10:00:00Z", "steps": steps,
+        "proofs": {verdicts.ONE_SYNC: "passed", verdicts.NOT_SERIALIZED: "not proven: launch-bound"}}))
+    docs = tmp_path / "PERFORMANCE.md"
+    docs.write_text(f"# Performance\n\n## Measured on a GPU\n\nintro\n\n{gpu_report.NONE_YET}## The one-GPU check\n")
+    args = [str(run), "--write", "--docs", str(docs), "--calibration-dir", str(tmp_path / "calibration")]
+    assert gpu_report.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "**NVIDIA H200**, driver 580.159.04" in printed and "| compile, batch 8: ms / iteration" in printed
+    assert "| 61 | paths |" in printed and "| 70 vs 61; 9 | lanes |" in printed
+    text = docs.read_text()
+    assert gpu_report.NONE_YET not in text
+    assert text.index("## Measured on a GPU") < text.index("<!-- gpu_report: NVIDIA_H200-2026-12-04 -->") \
+        < text.index("## The one-GPU check")
+    stored = tmp_path / "calibration" / "NVIDIA_H200-2026-12-04.json"
+    assert Calibration.load(stored).measurement("compile", 8).iteration_ms == 61.0
+    assert gpu_report.main(args) == 0  # the same run again replaces its rows
+    assert docs.read_text() == text
