@@ -6,8 +6,9 @@ on the GPU with that id and their ``stream``, ``user_annotation`` for the marks,
 autograd's ``Sequence number``), not a card's output.
 
 The good run, per iteration (times in microseconds, 10 ms an iteration): the issuing thread (tid 1)
-launches lane 0's forward on stream 7 (matmul, attention, an eager quantize-dequantize inside the
-``QDQ`` mark, elementwise) and then lane 1's on stream 20 while lane 0's kernels still run; the
+launches lane 0's forward (inside a ``FORWARD`` mark) on stream 7 (matmul, attention, an eager
+quantize-dequantize inside the ``QDQ`` mark, elementwise) and then lane 1's on stream 20 while lane
+0's kernels still run; the
 backward call (``BACKWARD``) hands over to autograd's device thread (tid 2), which launches matmuls
 and the backward of the quantize-dequantize (a cpu_op whose sequence number is the forward's); the
 readback copies each lane's losses to the host (DtoH) and the issuing thread waits once
@@ -73,6 +74,7 @@ def world2_run(iterations: int = 2, *, sync_in_iteration: int | None = None, ser
     for it in range(iterations):
         launch = t + 10.0
         for lane, stream in enumerate(LANE_STREAMS):
+            b.mark(trace.FORWARD, launch - 1, 70.0)
             for name, dt, dur in FORWARD:
                 if "round" in name:  # the eager quantize-dequantize, inside its mark
                     b.mark(trace.QDQ, launch + dt - 5, 30.0)

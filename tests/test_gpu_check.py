@@ -28,9 +28,10 @@ from tests import gpu_recordings
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = "skipped: no CUDA (dry run)"
-# The dry run against the calibration on the 2-core VM: ~2.7x (dry run ~10.5 s of CPU: three processes
-# import torch and auto-round, two tune the tiny block; calibration ~3.9 s)
-RELATIVE_BOUND = 5.0
+# The dry run against the calibration on the 2-core VM, busy with other work: 2.7x-4.2x (dry run
+# 10.5-15 s of CPU: three processes import torch and auto-round, two tune the tiny block eight times;
+# calibration 3.6-3.9 s)
+RELATIVE_BOUND = 6.0
 
 
 def test_gpu_check_dry_run(tmp_path):

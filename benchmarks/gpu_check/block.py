@@ -184,6 +184,7 @@ def _instrument(quantizer, spec: RunSpec, marks: _Marks, identical: dict) -> Ite
             stack.enter_context(_patched(tune_loop.TuneEngine, "_backward", lambda real: _marked(
                 marks, trace.BACKWARD, real)))
             stack.enter_context(_patched(tune_loop.TuneEngine, "_wait", lambda real: _marked(marks, trace.WAIT, real)))
+            stack.enter_context(_patched(tune_loop.TuneEngine, "__init__", lambda real: _forward_marked(marks, real)))
             stack.enter_context(_patched(mirror.ReplicaSet, "check_identical", lambda real: _counted(
                 real, identical)))
         if not spec.compile:  # eager only: a mark inside a compiled region would break its graph
@@ -196,6 +197,14 @@ def _marked(marks: _Marks, name: str, real):
         with marks.record(name):
             return real(*a, **k)
     return call
+
+
+def _forward_marked(marks: _Marks, real_init):
+    """TuneEngine's lane loss (each lane's forward and loss, issued under the lane's stream) inside a
+    ``FORWARD`` mark."""
+    def init(engine, replicas, lane_loss, *a, **k):
+        real_init(engine, replicas, _marked(marks, trace.FORWARD, lane_loss), *a, **k)
+    return init
 
 
 def _counted(real, identical: dict):
@@ -223,6 +232,8 @@ def tune_block(model_template, shape: BlockShape, spec: RunSpec, device: str,
     from dpq.demo.model import build_tokenizer, calibration_samples
 
     cuda = device.startswith("cuda")
+    if spec.compile:
+        import torch._dynamo  # CompileWatch counts compiles only once dynamo is imported
     result = TuneResult(spec=asdict(spec))
     marks = _Marks(spec, trace_to, cuda)
     identical = {"steps": 0, "checked": 0, "mismatch": None}

@@ -32,7 +32,7 @@ def _plan(dry_run: bool, device: str) -> dict:
     few = {"warmup": 1, "timed": 1} if dry_run else {"warmup": 2, "timed": 3}
     worlds = (2,) if dry_run else (2, 4)
     return {
-        "rounds": [(None, 1), (1, None)],  # serial then dpq, dpq then serial
+        "rounds": [(None, 1)] if dry_run else [(None, 1), (1, None)],  # serial then dpq, dpq then serial
         "one_lane": lambda world: RunSpec(compile=c, batch=batch, world=world, devices=(device,), **few),
         "debug": {w: RunSpec(compile=c, batch=batch, world=w, devices=(device,) * w, debug_identical=True, warmup=0,
                              timed=2 if dry_run else 3) for w in worlds},

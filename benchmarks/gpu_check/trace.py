@@ -6,8 +6,9 @@ so the verdicts built on them are unit-tested on CPU with recorded traces.
 The run marks its own sections with ``torch.profiler.record_function`` (the ``MARK`` names below, on
 the issuing thread): ``START`` once when the profiler starts, ``STEP`` around each optimizer step
 (an iteration ends where its step ends), ``BACKWARD`` around the backward call, ``WAIT`` around dpq's
-readback wait, ``QDQ`` around each weight quantize-dequantize (eager runs only: under torch.compile
-it is fused into the block's graph and the mark would break that graph).
+readback wait, ``FORWARD`` around each lane's forward and loss (dpq's lane loss), ``QDQ`` around each
+weight quantize-dequantize (eager runs only: under torch.compile it is fused into the block's graph
+and the mark would break that graph).
 
 Which events are which (Kineto's categories): ``cuda_runtime`` and ``cuda_driver`` events are API
 calls on the host, on the thread that made them, carrying a ``correlation`` id; ``kernel``,
@@ -37,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MARK = "gpu_check/"
-START, STEP, BACKWARD, WAIT, QDQ = (MARK + n for n in ("start", "step", "backward", "readback_wait", "qdq"))
+START, STEP, BACKWARD, WAIT, QDQ, FORWARD = (MARK + n for n in ("start", "step", "backward", "readback_wait", "qdq",
+                                                                "lane_forward"))
 HOST_CATS = ("cuda_runtime", "cuda_driver")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # API calls that block the calling thread until the device has done work (cudaFree and
@@ -68,10 +70,9 @@ class Event:
 
 @dataclass
 class LaneForward:
-    """One stream's part of an iteration's forward section (kernels the issuing thread launched
-    before the backward call): when the host issued it and when the GPU finished it."""
+    """One lane's forward in an iteration (the kernels launched inside its ``FORWARD`` mark, the
+    k-th mark being lane k's): when the host issued it and when the GPU finished it."""
 
-    stream: object
     first_launch: float
     last_launch: float
     gpu_end: float
@@ -168,8 +169,8 @@ def _qdq_backward_ops(events: list[Event], qdq_marks: list[Event]) -> list[Event
     forward = {e.args.get("Sequence number") for e in events if e.cat == "cpu_op" and "Sequence number" in e.args
                and any(m.tid == e.tid and m.ts <= e.ts <= m.end for m in qdq_marks)}
     forward.discard(None)
-    return [e for e in events if e.cat == "cpu_op" and e.args.get("Sequence number") in forward
-            and "Fwd thread id" in e.args and e.tid != next((m.tid for m in qdq_marks), None)] if forward else []
+    issuing = next((m.tid for m in qdq_marks), None)
+    return [e for e in events if e.cat == "cpu_op" and e.tid != issuing and e.args.get("Sequence number") in forward]
 
 
 def analyze(events: list[Event]) -> list[Iteration]:
@@ -178,7 +179,7 @@ def analyze(events: list[Event]) -> list[Iteration]:
     iters = iterations(events)
     if not iters:
         return []
-    by_name = {name: marks(events, name) for name in (STEP, BACKWARD, WAIT, QDQ)}
+    by_name = {name: marks(events, name) for name in (STEP, BACKWARD, WAIT, QDQ, FORWARD)}
     issuing = by_name[STEP][0].tid
     qdq_back = _qdq_backward_ops(events, by_name[QDQ])
     host = [e for e in events if e.cat in HOST_CATS]
@@ -201,7 +202,7 @@ def analyze(events: list[Event]) -> list[Iteration]:
         it = which(w.ts)
         if it is not None:
             it.readback_waits += 1
-    forwards: dict[int, dict[object, LaneForward]] = {}
+    forwards: dict[int, LaneForward] = {}  # id(FORWARD mark) -> the lane's forward
     for k in (e for e in events if e.cat in GPU_CATS):
         launch = launch_of.get(k.args.get("correlation"))
         it = which(launch.ts if launch is not None else k.ts)
@@ -210,23 +211,18 @@ def analyze(events: list[Event]) -> list[Iteration]:
         if k.cat == "kernel":
             it.launches += 1
         it.phases_ms[classify(k, launch, issuing, by_name, qdq_back)] += k.dur / 1e3
-        if launch is not None and launch.tid == issuing and k.cat == "kernel" and _before_backward(
-                launch.ts, it, by_name[BACKWARD]):
-            stream = k.args.get("stream", k.tid)
-            lane = forwards.setdefault(id(it), {}).setdefault(stream, LaneForward(stream, launch.ts, launch.ts, k.end))
-            lane.first_launch, lane.last_launch = min(lane.first_launch, launch.ts), max(lane.last_launch, launch.ts)
-            lane.gpu_end = max(lane.gpu_end, k.end)
+        lane = _within(by_name[FORWARD], launch.tid, launch.ts) if launch is not None and k.cat == "kernel" else None
+        if lane is not None:
+            f = forwards.setdefault(id(lane), LaneForward(launch.ts, launch.ts, k.end))
+            f.first_launch, f.last_launch = min(f.first_launch, launch.ts), max(f.last_launch, launch.ts)
+            f.gpu_end = max(f.gpu_end, k.end)
     for it in iters:
-        it.lane_forwards = sorted(forwards.get(id(it), {}).values(), key=lambda f: f.first_launch)
+        it.lane_forwards = [forwards[id(m)] for m in by_name[FORWARD]
+                            if it.start <= m.ts < it.end and id(m) in forwards]
         waited = sum(e.dur for e in host if e.tid == issuing and e.name in BLOCKING and it.start <= e.ts < it.end)
         waited += sum(w.dur for w in by_name[WAIT] if it.start <= w.ts < it.end)
         it.host_ms = max(0.0, (it.end - it.start - waited) / 1e3)
     return iters
-
-
-def _before_backward(ts: float, it: Iteration, backward: list[Event]) -> bool:
-    first = next((b.ts for b in backward if it.start <= b.ts < it.end), it.end)
-    return ts < first
 
 
 def summarize(iters: list[Iteration]) -> dict:

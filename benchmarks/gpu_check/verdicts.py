@@ -54,7 +54,7 @@ def host_does_not_serialize_lanes(iterations: list[dict]) -> str:
     for k, it in enumerate(iterations):
         lanes = it["lane_forwards"]
         if len(lanes) < 2:
-            return f"not proven: iteration {k} shows {len(lanes)} lane stream(s) in its forward"
+            return f"not proven: iteration {k} shows {len(lanes)} lane forward(s) with GPU kernels"
         for a, b in itertools.pairwise(lanes):
             if b["first_launch"] >= a["gpu_end"]:
                 (caught_up if a["gpu_end"] - a["last_launch"] < CAUGHT_UP_US else bad).append(k)
