@@ -1,31 +1,39 @@
 #!/usr/bin/env bash
-# dpq's one-GPU validation for a lent single-H200 machine (the `device` tool). UNTESTED ON A GPU:
-# written against the torch / CuPy / NCCL APIs without a GPU to run it on; only --dry-run has run.
+# dpq's one-GPU check for a lent single-H200 machine (the `device` tool). PREPARED, NOT YET RUN ON A
+# GPU: written against the torch, CuPy and NCCL APIs without a GPU to run it on; only --dry-run has run.
 #
-#   bash benchmarks/gpu_check.sh            # from anywhere; outputs under $OUT (else out/gpu_check)
-#   bash benchmarks/gpu_check.sh --dry-run  # CPU only (~7 s of CPU): what needs CUDA says "skipped: no CUDA (dry run)"
+#   bash benchmarks/gpu_check.sh                 # on the GPU machine: core steps, then the rest (420 s of budgets)
+#   bash benchmarks/gpu_check.sh --core          # the core steps only (240 s): the rerun that still fits
+#   bash benchmarks/gpu_check.sh --dry-run       # CPU only: CUDA steps say "skipped: no CUDA (dry run)"
+#   bash benchmarks/gpu_check.sh --fetch-wheels  # here, with the package index: the pinned wheels into .whl/
 #
-# The plan (steps, time budgets, what each proves) is benchmarks/gpu_check.py's PLAN, printed first;
-# each step runs under its own timeout and the budgets add up to less than the 8 minutes a lent GPU
-# allows (give the device tool timeout_s=540). A failed versions step (a missing wheel) stops the
-# run there. summary.json lists, per property, "passed", "failed: ..." or "not proven: ..." (what
-# this machine cannot show, e.g. NCCL send/recv between two ranks on NCCL < 2.30, is never "passed").
-# Outputs under $OUT (at most 4 files): summary.json (every step: status, rc, seconds, result, and the
-# proofs), gpu_check.log (all steps' output), trace_world2.json.gz (the profiler trace).
+# The plan (steps, budgets, what each proves) is printed first; its last line is
+# `gpu_check_plan core_s=<n> total_s=<m>`. Each step runs under its own timeout (a dry run gets four
+# times as long). A failed versions step (a missing wheel) stops the run there. Outputs under $OUT
+# (else out/gpu_check), four files: summary.json (every step and proof: "passed", "failed: ..." or
+# "not proven: ..."), calibration.json (dpq-calibration/1, for the timeline model), gpu_check.log,
+# trace_world2.json.gz. `python -m benchmarks.gpu_report $OUT --write` puts the figures into
+# docs/PERFORMANCE.md and the calibration under benchmarks/calibration/.
 #
-# The H200 image has CUDA torch, CuPy (cupy-cuda13x) and NCCL (nvidia-nccl-cu13), no network, and
-# lacks auto-round and some of its pure-Python needs. Bring them as wheels in .whl/ (ignored; name
-# it in the device tool's `carry`), made on a machine with pip:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     auto-round==0.16.1 datasets dill multiprocess pydantic pydantic-core annotated-types typing-inspection
-# (the modules auto-round imported in a CPU run that the image's package list lacks; step a) names
-# any module still missing and stops). HF_HUB_OFFLINE=1: nothing is fetched.
+# The H200 image has CUDA torch 2.11, CuPy and NCCL, no network, and lacks auto-round and some of its
+# pure-Python needs: benchmarks/gpu_wheels.txt pins them (tests/test_gpu_wheels.py resolves the set
+# offline against the image's package list). Bring them in .whl/ (ignored; name it in the device
+# tool's `carry`): `bash benchmarks/gpu_check.sh --fetch-wheels` here, then on the device tool:
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=450)
+# and, if that run fails or overruns, a rerun of the core set: timeout_s=270 with --core.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY=""
-[ "${1:-}" = "--dry-run" ] && DRY="--dry-run"
+DRY="" CORE=""
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY="--dry-run" ;;
+    --core) CORE="--core" ;;
+    --fetch-wheels)
+      PY="${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
+      exec "$PY" -m benchmarks.gpu_check.wheels fetch --dest .whl ;;
+    *) echo "unknown argument: $arg (see the top of $0)" >&2; exit 2 ;;
+  esac
+done
 OUT="${OUT:-out/gpu_check}"
 mkdir -p "$OUT"
 PY="${PY:-python3}"
@@ -49,16 +57,14 @@ if [ -z "$DRY" ] && ! "$PY" -c "import auto_round" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-"$PY" benchmarks/gpu_check.py plan 2>&1 | tee -a "$LOG"
+"$PY" -m benchmarks.gpu_check plan $CORE 2>&1 | tee -a "$LOG"
 
-step() {  # step NAME SECONDS: gpu_check.py NAME under a timeout; output appended to the log
+step() {  # step NAME SECONDS: one step under a timeout; output appended to the log
   local name=$1 limit=$2
-  # the budgets are the H200's; a dry run on a shared CPU machine gets four times as long (its CPU
-  # time is what the suite holds to a bound)
   [ -n "$DRY" ] && limit=$((limit * 4))
   echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
   local t0=$SECONDS
-  timeout -k 5 "$limit" "$PY" benchmarks/gpu_check.py "$name" --state "$STATE" --out "$OUT" $DRY </dev/null 2>&1 \
+  timeout -k 5 "$limit" "$PY" -m benchmarks.gpu_check "$name" --state "$STATE" --out "$OUT" $DRY </dev/null 2>&1 \
     | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   echo "$rc $limit $((SECONDS - t0))" >"$STATE/$name.rc"
@@ -76,8 +82,8 @@ while read -r name limit; do
   if ! step "$name" "$limit" && [ "$name" = versions ]; then
     stopped="the versions step failed: see its missing wheels"
   fi
-done < <("$PY" benchmarks/gpu_check.py plan --names)
-"$PY" benchmarks/gpu_check.py summarize --state "$STATE" --out "$OUT" $DRY 2>&1 | tee -a "$LOG"
+done < <("$PY" -m benchmarks.gpu_check plan --names $CORE)
+"$PY" -m benchmarks.gpu_check summarize --state "$STATE" --out "$OUT" $DRY $CORE 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
-echo "summary: $OUT/summary.json (exit $rc)"
+echo "summary: $OUT/summary.json, calibration: $OUT/calibration.json (exit $rc)"
 exit "$rc"

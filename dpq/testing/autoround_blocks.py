@@ -75,11 +75,12 @@ class _Recorded(Exception):
 
 def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64, batch_size: int = 8,
                             stop_after: int | None = None, *, model=None, tokenizer=None, dataset=None,
-                            enable_torch_compile: bool = False, **ar_kwargs):
+                            device_map: str = "cpu", **ar_kwargs):
     """Run ``AutoRound(...).quantize()`` on the tiny Llama (or ``model`` with ``tokenizer`` and
     ``dataset``) and record every block's call. ``stop_after``: stop the run once that many blocks
     are recorded (before the last one is tuned: for timing runs that need only the blocks, not
-    auto-round's own run of them)."""
+    auto-round's own run of them). ``device_map``: auto-round's (the GPU check records on
+    ``cuda:0``); torch.compile stays off unless ``ar_kwargs`` turns it on."""
     from auto_round import AutoRound
     from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
 
@@ -112,14 +113,13 @@ def record_autoround_blocks(iters: int = 4, nsamples: int = 16, seqlen: int = 64
             model,
             tokenizer=build_tokenizer() if tokenizer is None else tokenizer,
             dataset=calibration_samples(nsamples, seqlen) if dataset is None else dataset,
-            device_map="cpu",
-            enable_torch_compile=enable_torch_compile,
+            device_map=device_map,
             iters=iters,
             nsamples=nsamples,
             seqlen=seqlen,
             batch_size=batch_size,
             seed=42,
-            **ar_kwargs,
+            **{"enable_torch_compile": False, **ar_kwargs},
         )
         ar.quantize()
     except _Recorded:

@@ -38,7 +38,7 @@ Schema ``dpq-calibration/1`` (JSON; times in the units their names say)::
     }
 
 Every number is optional except ``schema``, ``card``, ``date`` and ``gpu_class``; the phases are the
-profiler's kernels classified by name and by the autograd phase they ran in (``benchmarks/gpu_check``
+profiler's kernels classified by name and by the autograd phase they ran in (``benchmarks/gpu_check/trace.py``
 says how). The model re-bases: the GPU class's matmul and attention rates (its FLOPs / the measured
 phase), its memory bandwidth (its weight-sized quantize-dequantize bytes / the measured qdq phases),
 the host's cost per op on each path (measured host time per iteration / the model's ops per

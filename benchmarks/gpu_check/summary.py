@@ -1,0 +1,103 @@
+"""The run's two outputs: ``summary.json`` (every step's status, budget, seconds and result, and
+every proof's verdict) and ``calibration.json`` (schema ``dpq-calibration/1``,
+``dpq/testing/timeline/calibration.py``: what the paths and lanes steps measured, for the timeline
+model). A proof whose step did not run, failed before its verdict or timed out reads "not proven",
+never "passed"."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from benchmarks.gpu_check.block import BlockShape
+from benchmarks.gpu_check.common import SKIP_DRY, any_failed
+from benchmarks.gpu_check.plan import PLAN, budgets
+from dpq.testing.timeline.calibration import SCHEMA
+
+PASSING = ("passed", SKIP_DRY)
+GPU_CLASSES = {"H200": "h200", "H100": "h100", "3090": "3090"}  # the timeline model's classes, by card name
+PHASES_NOTE = ("GPU time per iteration by kernel class (benchmarks/gpu_check/trace.py); under torch.compile the "
+               "quantize-dequantize phases are inductor's kernels whose names hold 'round' (an approximation), "
+               "eagerly they are the kernels launched inside the wrapper's quantize-dequantize and its backward")
+
+
+def gpu_class(card: str) -> str:
+    return next((c for key, c in GPU_CLASSES.items() if key in card), "")
+
+
+def read_steps(state: Path, core_only: bool = False) -> dict[str, dict]:
+    """Each planned step's entry: its result file, its exit code and seconds from the shell."""
+    steps = {}
+    for step in (s for s in PLAN if s.core or not core_only):
+        f, rc_file = state / f"{step.name}.json", state / f"{step.name}.rc"
+        entry = json.loads(f.read_text()) if f.exists() else {}
+        if rc_file.exists():
+            rc, budget, secs = rc_file.read_text().split()
+            entry.update(rc=int(rc) if rc.lstrip("-").isdigit() else rc, limit_s=int(budget), seconds=float(secs),
+                         timed_out=rc in ("124", "137"))
+            if not f.exists():
+                entry["status"] = "timed out" if entry["timed_out"] else (
+                    "skipped: versions failed" if rc == "skipped" else "failed (no result written)")
+        else:
+            entry.setdefault("status", "not run")
+        steps[step.name] = entry
+    return steps
+
+
+def proofs_of(steps: dict[str, dict]) -> dict[str, str]:
+    proofs = {}
+    for step in (s for s in PLAN if s.name in steps):
+        entry = steps[step.name]
+        got = (entry.get("result") or {}).get("proofs") or {}
+        for p in step.proofs:
+            proofs[p] = got.get(p) or f"not proven: the {step.name} step {entry.get('status', 'did not run')}"
+    return proofs
+
+
+def calibration(steps: dict[str, dict], date: str) -> dict:
+    """calibration.json from the versions, paths and lanes steps' results (what they did not
+    measure is absent: the model keeps its own figure there)."""
+    v = (steps.get("versions") or {}).get("result") or {}
+    p = (steps.get("paths") or {}).get("result") or {}
+    lanes = (steps.get("lanes") or {}).get("result") or {}
+    card = v.get("card", "unknown")
+    out: dict = {"schema": SCHEMA, "card": card, "gpu_class": gpu_class(card), "date": date,
+                 "driver": v.get("driver"), "torch": v.get("torch"), "auto_round": v.get("auto_round"),
+                 "command": "bash benchmarks/gpu_check.sh", "phases_note": PHASES_NOTE}
+    if p.get("shape"):
+        out["block"] = BlockShape(**p["shape"]).as_calibration()
+    paths: dict = {}
+    compile_s = None
+    for run in (p.get("runs") or {}).values():
+        spec, prof = run["spec"], run.get("profile") or {}
+        path = "compile" if spec["compile"] else "eager"
+        paths.setdefault(path, {})[str(spec["batch"])] = {
+            "iteration_ms": run.get("median_ms"), "phases_ms": prof.get("phases_ms", {}),
+            "host_ms_per_iteration": prof.get("host_ms_per_iteration"),
+            "launches_per_iteration": prof.get("launches_per_iteration")}
+        if spec["compile"] and compile_s is None:
+            compile_s = run.get("compile_s")
+    out["paths"] = paths
+    out["compile_s"] = {"block": compile_s, "second_device": None}  # one GPU: no second lane device
+    out["dpq_world1_vs_serial"] = lanes.get("dpq_world1_vs_serial")
+    out.update(p.get("ceilings") or {})
+    return out
+
+
+def summarize(state: Path, out: Path, dry_run: bool, core_only: bool = False) -> int:
+    steps = read_steps(state, core_only)
+    proofs = proofs_of(steps)
+    ok = all(e.get("status") in PASSING for e in steps.values()) and not any_failed(proofs)
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    core_s, total_s = budgets(core_only)
+    summary = {"dry_run": dry_run, "passed": ok, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "core_only": core_only, "budget_s": {"core": core_s, "total": total_s}, "proofs": proofs,
+               "steps": steps}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "calibration.json").write_text(json.dumps(calibration(steps, date), indent=1, default=str))
+    print(json.dumps({k: v.get("status") for k, v in steps.items()}, indent=1))
+    print("proofs:")
+    for name, v in proofs.items():
+        print(f"  {name}: {v.splitlines()[0][:200]}")
+    return 0 if ok else 1
