@@ -135,8 +135,12 @@ def test_timeline_exchange_has_the_target_blocks_buckets(two_lanes, block):
 
 def test_timeline_one_bucket_for_every_block_fails(two_lanes, monkeypatch):
     """Mutant: the recorded block's single bucket kept for the target (the model before this change)."""
-    monkeypatch.setattr("dpq.testing.timeline.replay.target_buckets",
-                        lambda layout, roles: [sum(roles.target_numel(n, 0) for n in layout[0])])
+    from dpq.testing.timeline.buckets import TargetBucket
+
+    def one_bucket(layout, roles):
+        return [TargetBucket(sum(roles.target_numel(n, 0) for n in layout[0]), tuple(range(len(layout[0]))))]
+
+    monkeypatch.setattr("dpq.testing.timeline.replay.target_buckets", one_bucket)
     with pytest.raises(AssertionError):
         check_buckets(replay(two_lanes, "70b", "h100"), two_lanes, "70b")
 

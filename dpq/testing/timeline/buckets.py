@@ -1,31 +1,40 @@
 """The exchange laid out for the target block: dpq's own bucketing of the target's tuned tensors.
 
-The recorded block's tuned tensors fill one gradient bucket; a large block's fill many (every
+The recorded block's tuned tensors are small; a large block's fill many buckets (every
 weight-shaped ``value`` of a 70B-class layer is over the cap by itself), and each bucket is a
-sequence of host calls, kernels and collectives of its own. The record marks the ops of every
-bucket the exchange issues (``Op.bucket``) and the layout dpq built (``TimelineModel.bucket_layout``:
-each tuned tensor's element count, in order, and the cap). Here the target's tuned tensors (the
-recorded ones, each mapped to its role in the target block) are bucketed by dpq's own
-:func:`dpq.exchange.bucket_layout` with the same cap, and each iteration's run of bucket ops is
-replaced by one copy of the first recorded bucket's ops per target bucket, each copy's tensors and
-wire bytes scaled to its bucket's size (``Op.fixed_scale``). Every bucket runs the same code
-(``dpq.exchange._Exchange.exchange_bucket``), so the copies are what the exchange would issue.
+sequence of host calls, kernels and collectives of its own, waiting for its tensors' gradients. The
+record holds one bucket per tuned tensor (``TimelineModel.bucket_layout``: each tensor's element
+count, in dpq's order, and the cap dpq asked for), each bucket's ops marked (``Op.bucket``). Here
+the target's tuned tensors (the recorded ones, each mapped to its role in the target block) are
+bucketed by dpq's own :func:`dpq.exchange.bucket_layout` with that cap; each target bucket joins
+consecutive recorded ones, and is replayed as one copy of the ops of its member issued last (whose
+collectives waited for the last of its tensors' gradients), every size and wire byte scaled to the
+target bucket (``Op.fixed_scale``); its other members' ops go. Every bucket runs the same code
+(``dpq.exchange._Exchange.exchange_bucket``), so the copies are what the exchange would issue, and
+the time each can start is what the target's bucket would wait for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from dataclasses import dataclass
 
 from dpq.exchange import bucket_layout
 from dpq.testing.timeline.record import Op
 from dpq.testing.timeline.shapes import RoleMap
 
-__all__ = ["expand", "target_buckets"]
+__all__ = ["TargetBucket", "expand", "target_buckets"]
 
 
-def target_buckets(layout: tuple[list[int], int] | None, roles: RoleMap) -> list[int] | None:
-    """Element counts of the target's buckets (None: the record exchanged nothing)."""
+@dataclass(frozen=True)
+class TargetBucket:
+    numel: int  # the target's elements in it
+    members: tuple[int, ...]  # the recorded buckets (one tuned tensor each) it joins
+
+
+def target_buckets(layout: tuple[list[int], int] | None, roles: RoleMap) -> list[TargetBucket] | None:
+    """The target's buckets in dpq's buffer order (None: the record exchanged nothing)."""
     if layout is None:
         return None
     sizes, cap = layout
@@ -35,12 +44,14 @@ def target_buckets(layout: tuple[list[int], int] | None, roles: RoleMap) -> list
         if t is None:
             raise ValueError(f"a tuned tensor of {n} elements has no role in {roles.target.name}")
         mapped.append(t)
-    return [sum(mapped[i] for i in ids) for ids in bucket_layout(mapped, cap)]
+    recorded = {ids[0]: b for b, ids in enumerate(bucket_layout(sizes, 1))}  # tensor -> its recorded bucket
+    return [TargetBucket(sum(mapped[i] for i in ids), tuple(recorded[i] for i in ids))
+            for ids in bucket_layout(mapped, cap)]
 
 
-def expand(ops: list[Op], buckets: list[int] | None) -> list[Op]:
-    """``ops`` with each run of bucket ops replaced by one scaled copy of its first bucket per target
-    bucket, renumbered (a reference to a replaced op now names its copy in the last bucket)."""
+def expand(ops: list[Op], buckets: list[TargetBucket] | None) -> list[Op]:
+    """``ops`` with each run of bucket ops replaced by the target's buckets (module docstring),
+    renumbered (a reference to a dropped op names the copy that stands for its bucket)."""
     if buckets is None:
         return ops
     out: list[Op] = []
@@ -53,24 +64,32 @@ def expand(ops: list[Op], buckets: list[int] | None) -> list[Op]:
             new_id[ops[i].id] = out[-1].id
             i += 1
             continue
-        run_end = i
-        while run_end < len(ops) and ops[run_end].bucket is not None:
-            run_end += 1
-        first = [op for op in ops[i:run_end] if op.bucket == ops[i].bucket]
-        recorded = first[0].bucket_numel
-        for numel in buckets:
+        end = i
+        while end < len(ops) and ops[end].bucket is not None:
+            end += 1
+        by_bucket: dict[int, list[Op]] = {}
+        for op in ops[i:end]:
+            by_bucket.setdefault(op.bucket, []).append(op)
+        stand_ins = []
+        for target in buckets:
+            present = [b for b in target.members if b in by_bucket]
+            if present:  # the member issued last: its collectives wait for the bucket's last gradients
+                rep = max(present, key=lambda b: by_bucket[b][0].id)
+                stand_ins.append((by_bucket[rep][0].id, rep, target))
+        for _, rep, target in sorted(stand_ins, key=lambda x: x[0]):
             local: dict[int, int] = {}
             group_ids: dict[int, int] = {}
-            for op in first:
-                copy = _renumbered(op, len(out), new_id, local, scale=numel / recorded)
+            for op in by_bucket[rep]:
+                copy = _renumbered(op, len(out), new_id, local, scale=target.numel / op.bucket_numel)
                 if op.group is not None:
                     copy.group = group_ids.setdefault(op.group, next(groups))
                 local[op.id] = copy.id
                 out.append(copy)
             new_id.update(local)
-        for op in ops[i:run_end]:  # the later buckets' ops: references to them go to the last copy
-            new_id.setdefault(op.id, new_id[first[-1].id])
-        i = run_end
+            for member in target.members:  # references to the dropped members' ops: this copy's last op
+                for op in by_bucket.get(member, []):
+                    new_id.setdefault(op.id, local[by_bucket[rep][-1].id])
+        i = end
     return out
 
 

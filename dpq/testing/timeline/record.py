@@ -56,9 +56,10 @@ CUDA semantics recorded (and replayed by :func:`dpq.testing.timeline.replay.simu
   in a group) end together, ``latency + wire bytes / link`` after the last member started;
   ``torch.distributed`` collectives (under torchrun) are one such kernel on the current stream,
   the other ranks assumed to start at the same time; object collectives are host syncs;
-* what dpq's exchange does per gradient bucket is marked with the bucket (``Op.bucket``) and the
-  layout dpq built is kept (``TimelineModel.bucket_layout``), so the replay can lay the exchange
-  out in the target block's buckets (:mod:`dpq.testing.timeline.buckets`).
+* dpq's gradient buckets are built with one tuned tensor each while recording (so a bucket's
+  collectives wait for exactly its tensor's gradients), what the exchange does per bucket is marked
+  with it (``Op.bucket``) and the cap dpq asked for is kept (``TimelineModel.bucket_layout``): the
+  replay lays the exchange out in the target block's buckets (:mod:`dpq.testing.timeline.buckets`).
 
 Sizes: each op keeps, per tensor, its element count, bytes and the samples it spans
 (:func:`lead_of`), which :class:`dpq.testing.timeline.shapes.RoleMap` turns into the target
@@ -958,7 +959,9 @@ class TimelineModel:
         real_buckets_init = dpq_exchange.GradBuckets.__init__
 
         def buckets_init(buckets, params_per_lane, bucket_cap_elems=2**22, lanes=None):
-            real_buckets_init(buckets, params_per_lane, bucket_cap_elems, lanes)
+            # recorded with one tuned tensor per bucket (each bucket's ops then wait for exactly its
+            # tensor's gradients), the cap dpq asked for kept for laying out the target's buckets
+            real_buckets_init(buckets, params_per_lane, 1, lanes)
             model.bucket_layout = ([p.numel() for p in buckets.params[0]], bucket_cap_elems)
 
         self._patch(dpq_exchange.GradBuckets, "__init__", buckets_init)

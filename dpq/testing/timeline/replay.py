@@ -4,21 +4,27 @@ Semantics (what :func:`simulate` holds to): each host thread issues its ops in r
 op costing the host what :class:`dpq.testing.timeline.devices.HostCosts` says for its kind; ops that
 hold Python's GIL (everything the issuing thread does, and the compiled backward's Python on
 autograd's device threads) take it in turn, autograd's C++ nodes do not; a kernel starts when its
-stream is free, its issuing thread has issued it and every op it waits for has ended; members of a
-collective group end together, ``latency + wire bytes / link`` after the last one started; a sync
-stalls the host until the op it waits for has ended. Durations: a matmul's FLOPs at the class's GEMM
+stream is free, its issuing thread has issued it, every op it waits for has ended and its device
+runs no other kernel (the block's kernels each fill the GPU, so two streams' kernels share it rather
+than run side by side: a kernel takes the earliest gap the device's others leave); collectives
+(NCCL's few channels) and copies (the copy engines) run beside kernels; members of a collective group
+end together, ``latency + wire bytes / link`` after the last one started; a sync stalls the host until
+the op it waits for has ended. Durations: a matmul's FLOPs at the class's GEMM
 rate, attention's at its attention rate, anything else by its bytes at the memory bandwidth, each
 at least the kernel floor; copies by bytes over their link. Sizes are the target block's
 (:class:`dpq.testing.timeline.shapes.RoleMap`), the exchange laid out per target bucket
 (:mod:`dpq.testing.timeline.buckets`).
 
-Not modelled: kernel concurrency limits on one device, copy-engine and link contention, the
-caching allocator, NCCL's internal channels, CUDA graphs, clocks and temperature.
+Not modelled: a small kernel sharing the GPU with a large one, NCCL's kernels slowing the compute
+beside them, copy-engine and link contention, the caching allocator, CUDA graphs, clocks and
+temperature.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import bisect
+import heapq
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from dpq.testing.timeline.buckets import expand, target_buckets
@@ -153,7 +159,7 @@ class Timeline:
     iterations: list[IterationSummary]
     lane_streams: list[set[int]]
     pricing: Pricing
-    buckets: list[int] | None
+    buckets: list[int] | None  # the target's buckets' element counts
 
     def steady(self) -> list[IterationSummary]:
         """The iterations after the first (which also brings each lane's per-block constants)."""
@@ -193,19 +199,44 @@ class Timeline:
 
 
 def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
-    """Replay the record with CUDA's semantics (module docstring) as ``pricing`` says."""
+    """Replay the record with CUDA's semantics (module docstring) as ``pricing`` says.
+
+    The host issues in record order; the devices run what was issued in time order (an event-driven
+    pass: the earliest op that can start goes first, one kernel at a time per device). The host waits
+    at a sync for a device op, and the devices wait for the host's issue, so the two passes repeat
+    until every sync's wait stays put."""
     buckets = target_buckets(model.bucket_layout, pricing.roles)
     ops = expand(model.ops, buckets)
-    host: dict[str, float] = defaultdict(float)
-    gil_free = 0.0
-    issue: dict[int, float] = {}
-    start: dict[int, float] = {}
+    device_ops = [op for op in ops if op.stream is not None and op.kind in ("kernel", "copy", "collective", "wait")]
+    duration = {op.id: pricing.device_s(op) for op in device_ops}
+    host_cost = {op.id: pricing.host_s(op) for op in ops}
     end: dict[int, float] = {}
-    stream_end: dict[int, float] = defaultdict(float)
-    pending: dict[int, list[tuple[Op, float]]] = defaultdict(list)
+    waits: list[float] | None = None
+    for _ in range(12):
+        issue, host_end, syncs, waited = _host_pass(ops, host_cost, end)
+        start, end = _device_pass(device_ops, issue, duration)
+        if waits is not None and all(abs(a - b) <= 1e-12 for a, b in zip(waits, waited, strict=True)):
+            break
+        waits = waited
+    end = {**host_end, **end}
+    lane_streams = [{lane.stream.sid} if lane.stream is not None else set() for lane in model.lanes]
+    iterations = _summaries(ops, issue, start, end, syncs, lane_streams)
+    return Timeline(ops, issue, start, end, iterations, lane_streams, pricing,
+                    None if buckets is None else [b.numel for b in buckets])
+
+
+def _host_pass(ops: list[Op], cost: dict[int, float], device_end: dict[int, float]):
+    """Every op's issue time, host ops' ends, the sync points and what each waited for, with the
+    devices' end times of the last device pass (none yet: no host wait)."""
+    host: dict[str, float] = defaultdict(float)
+    gil = Busy()  # Python's GIL: one holder at a time
+    issue: dict[int, float] = {}
+    host_end: dict[int, float] = {}
+    issued_end = 0.0  # the latest device end among the ops issued so far (a device-wide sync waits for it)
     bw_begin = None
     bw_threads: set[str] = set()
     syncs: list[Sync] = []
+    waited_for: list[float] = []
     last_op_since_sync = True
     for op in ops:
         th = op.thread
@@ -215,7 +246,7 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
             elif op.name == "bw_end":
                 host["main"] = max([host["main"], *(host[t] for t in bw_threads)])
                 bw_begin = None
-            issue[op.id] = end[op.id] = host["main"]
+            issue[op.id] = host_end[op.id] = host["main"]
             continue
         if th != "main" and bw_begin is not None and th not in bw_threads:
             bw_threads.add(th)
@@ -223,44 +254,120 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
         if op.host_after is not None:
             host[th] = max(host[th], issue.get(op.host_after, 0.0))
         if op.kind == "sync":
-            waited = end.get(op.wait_for, 0.0) if op.wait_for is not None else max(stream_end.values(), default=0.0)
+            waited = device_end.get(op.wait_for, 0.0) if op.wait_for is not None else issued_end
+            waited_for.append(waited)
             stall = max(0.0, waited - host[th])
             if last_op_since_sync:
                 syncs.append(Sync(op.iteration, op.site, op.name, stall))
             elif syncs:
                 syncs[-1].stall_s += stall
             host[th] = max(host[th], waited)
-            issue[op.id] = end[op.id] = host[th]
+            issue[op.id] = host_end[op.id] = host[th]
             last_op_since_sync = False
             continue
         last_op_since_sync = True
-        begin = max(host[th], gil_free) if op.gil else host[th]
-        host[th] = begin + pricing.host_s(op)
-        if op.gil:
-            gil_free = host[th]
+        begin = gil.place(host[th], cost[op.id]) if op.gil else host[th]
+        host[th] = begin + cost[op.id]
         issue[op.id] = host[th]
         if op.kind in ("host", "call"):
-            end[op.id] = host[th]
-            continue
-        sid = op.stream.sid
-        ready = max([host[th], stream_end[sid], *(end.get(d, 0.0) for d in op.deps)])
+            host_end[op.id] = host[th]
+        else:
+            issued_end = max(issued_end, device_end.get(op.id, 0.0))
+    return issue, host_end, syncs, waited_for
+
+
+def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, float]):
+    """Start and end of every device op: each stream in order, an op once issued and once every op it
+    waits for ended, a collective's members together, a kernel when its device runs no other; the
+    earliest op that can start goes first."""
+    queues: dict[int, deque[Op]] = defaultdict(deque)
+    for op in ops:
+        queues[op.stream.sid].append(op)
+    known = {op.id for op in ops}
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    stream_free: dict[int, float] = defaultdict(float)
+    device_free: dict[int, float] = defaultdict(float)
+    waiting: dict[int, list[int]] = defaultdict(list)  # op -> the streams whose head waits for it
+    groups: dict[int, dict[int, tuple[float, int]]] = defaultdict(dict)  # group -> member -> (ready, stream)
+    # (start, ready, op, stream); a group: (start, start, -1 - group, -1). Of kernels that could start at
+    # once the one ready longest goes first (a device takes pending work from its streams in turn).
+    heap: list[tuple[float, float, int, int]] = []
+
+    def consider(sid: int) -> None:
+        if not queues[sid]:
+            return
+        op = queues[sid][0]
+        missing = [d for d in op.deps if d in known and d not in end]
+        if missing:
+            waiting[missing[0]].append(sid)
+            return
+        ready = max([issue[op.id], stream_free[sid], *(end.get(d, issue.get(d, 0.0)) for d in op.deps)])
         if op.group is not None:
-            pending[op.group].append((op, ready))
-            stream_end[sid] = float("inf")  # nothing after it on this stream can start before the group ends
-            if len(pending[op.group]) < op.group_size:
-                continue
-            members = pending.pop(op.group)
-            t0 = max(r for _, r in members)
-            for member, r in members:
-                start[member.id], end[member.id] = r, t0 + pricing.device_s(member)
-                stream_end[member.stream.sid] = end[member.id]
+            members = groups[op.group]
+            members[op.id] = (ready, sid)
+            if len(members) == op.group_size:
+                t0 = max(r for r, _ in members.values())
+                heapq.heappush(heap, (t0, t0, -1 - op.group, -1))
+            return
+        at = max(ready, device_free[op.stream.place]) if op.kind == "kernel" else ready
+        heapq.heappush(heap, (at, ready, op.id, sid))
+
+    def finished(op: Op, sid: int) -> None:
+        queues[sid].popleft()
+        stream_free[sid] = end[op.id]
+        consider(sid)
+        for other in waiting.pop(op.id, []):
+            consider(other)
+
+    for sid in list(queues):
+        consider(sid)
+    while heap:
+        at, ready, oid, sid = heapq.heappop(heap)
+        if sid == -1:  # a collective group: every member ready, they end together
+            members = groups.pop(-1 - oid)
+            by_id = {queues[s][0].id: queues[s][0] for _, s in members.values()}
+            for mid, (ready, _) in members.items():
+                start[mid], end[mid] = ready, at + duration[mid]
+            for mid, (_, msid) in members.items():
+                finished(by_id[mid], msid)
             continue
-        start[op.id] = ready
-        end[op.id] = ready + pricing.device_s(op)
-        stream_end[sid] = end[op.id]  # a blocking copy's host wait is the sync op recorded after it
-    lane_streams = [{lane.stream.sid} if lane.stream is not None else set() for lane in model.lanes]
-    iterations = _summaries(ops, issue, start, end, syncs, lane_streams)
-    return Timeline(ops, issue, start, end, iterations, lane_streams, pricing, buckets)
+        op = queues[sid][0]
+        if op.kind == "kernel":
+            if device_free[op.stream.place] > at:  # another kernel took the device meanwhile
+                heapq.heappush(heap, (device_free[op.stream.place], ready, oid, sid))
+                continue
+            device_free[op.stream.place] = at + duration[oid]
+        start[oid], end[oid] = at, at + duration[oid]
+        finished(op, sid)
+    return start, end
+
+
+class Busy:
+    """A resource one user holds at a time (the GIL, a device's SMs): its busy intervals, in time order.
+    Ops arrive in record order, not in time order (autograd's threads and the lanes' streams run side
+    by side), so a later op may take a gap an earlier one left."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def place(self, t: float, duration: float) -> float:
+        """Book ``duration`` at the earliest time >= ``t`` the resource is free that long; its start."""
+        if duration <= 0:
+            return t
+        i = max(0, bisect.bisect_right(self.starts, t) - 1)
+        while i < len(self.starts):
+            if self.ends[i] <= t:
+                i += 1
+                continue
+            if self.starts[i] >= t + duration:
+                break
+            t = self.ends[i]
+            i += 1
+        self.starts.insert(i, t)
+        self.ends.insert(i, t + duration)
+        return t
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
