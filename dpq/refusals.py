@@ -19,21 +19,21 @@ __all__ = [
     "OUTPUTS_NOT_TENSORS", "OVERLAP_WHILE_OFF", "PARALLEL_OFF", "PASS_DICT_POOL", "PASS_DIST_ACTIVE",
     "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME", "RTN_ON_META", "RUN_STOPPED",
     "SIGN_STEP_UPSTREAM_CHANGED", "TASKS_UNDER_TORCHRUN", "UNSTAGED_FOR_RESUME", "accelerator_shared",
-    "auto_fewest_lanes", "auto_lanes_for_samples", "auto_round_missing", "auto_round_unsupported",
-    "auto_shared_device", "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world",
-    "block_already_quantized", "block_already_wrapped", "block_no_linear", "block_on_devices", "block_spans_devices",
-    "cancelled", "cancelled_after_move", "collection_lane_failed", "custom_backward", "device_index_too_large",
-    "device_missing", "dispatch_hooks", "forward_replaced", "group_start_failed", "home_alone", "inference_tensors",
-    "jobs_differ", "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure",
-    "lanes_hung", "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index",
-    "on_meta", "others_count", "others_device", "others_empty", "others_not_pairs", "others_on_meta", "outputs_count",
+    "auto_fewest_lanes", "auto_lanes_for_samples", "auto_round_missing", "auto_round_unsupported", "auto_shared_device",
+    "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized",
+    "block_already_wrapped", "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled",
+    "cancelled_after_move", "collection_lane_failed", "custom_backward", "device_index_too_large", "device_missing",
+    "dispatch_hooks", "forward_replaced", "group_start_failed", "home_alone", "inference_tensors", "jobs_differ",
+    "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung",
+    "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "on_meta",
+    "others_count", "others_device", "others_empty", "others_not_pairs", "others_on_meta", "outputs_count",
     "outputs_shape", "parallel_timeout_bad", "pass_lane_failed_rerun", "patch_mismatch", "pool_device", "pool_dtype",
     "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over",
     "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first",
     "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_is_dir", "report_unwritable",
-    "rtn_override", "samples_mismatched", "serial_every_rank", "setting_differs", "setting_type", "symbol_differs",
-    "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
-    "unused_devices", "weights_span", "world_size_without_launcher", "worlds_differ",
+    "rtn_override", "samples_mismatched", "serial_every_rank", "setting_differs", "setting_type", "staging_leftovers",
+    "symbol_differs", "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks",
+    "unsupported_home", "unused_devices", "weights_span", "world_size_without_launcher", "worlds_differ",
 ]
 
 
@@ -402,6 +402,14 @@ def cancelled(cause: str) -> str:
 def cancelled_after_move(cause: str) -> str:
     return (f"the run was cancelled ({cause}) while its finished model was being moved into --output_dir: that move "
             "completed, so --output_dir holds the whole new model. Fix: none needed; the model is complete")
+
+
+def staging_leftovers(folders: Sequence[str]) -> str:
+    """Staging folders (dpq.staging) of runs into the same --output_dir that were killed before they could
+    remove them, each holding part of a model."""
+    return (f"runs into this --output_dir that were killed left part of their output in {', '.join(folders)} (never "
+            "a complete model; dpq removes such a folder by itself only when it holds nothing). Fix: remove them "
+            "(rm -r) to free the space; --output_dir itself is not affected")
 
 
 RUN_STOPPED = ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process, "
