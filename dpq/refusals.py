@@ -25,15 +25,16 @@ __all__ = [
     "cancelled_after_move", "collection_lane_failed", "custom_backward", "device_index_too_large", "device_missing",
     "dispatch_hooks", "forward_replaced", "group_start_failed", "home_alone", "inference_tensors", "jobs_differ",
     "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung",
-    "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "on_meta",
-    "others_count", "others_device", "others_empty", "others_not_pairs", "others_on_meta", "outputs_count",
-    "outputs_shape", "parallel_timeout_bad", "pass_lane_failed_rerun", "patch_mismatch", "pool_device", "pool_dtype",
-    "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over",
-    "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first",
-    "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_is_dir", "report_unwritable",
-    "rtn_override", "samples_mismatched", "serial_every_rank", "setting_differs", "setting_type", "staging_leftovers",
-    "symbol_differs", "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks",
-    "unsupported_home", "unused_devices", "weights_span", "world_size_without_launcher", "worlds_differ",
+    "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "not_a_folder",
+    "on_meta", "others_count", "others_device", "others_empty", "others_not_pairs", "others_on_meta", "output_is_file",
+    "outputs_count", "outputs_shape", "parallel_timeout_bad", "pass_lane_failed_rerun", "patch_mismatch",
+    "place_unwritable", "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta",
+    "pool_spread_devices", "pool_spread_over", "processes_outnumber_samples", "rank_cancelled", "rank_failure",
+    "rank_raised", "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent",
+    "report_in_output", "report_is_dir", "report_not_written", "rtn_override", "samples_mismatched",
+    "serial_every_rank", "setting_differs", "setting_type", "staging_leftovers", "symbol_differs", "symbol_missing",
+    "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home", "unused_devices",
+    "weights_span", "world_size_without_launcher", "worlds_differ",
 ]
 
 
@@ -389,8 +390,41 @@ def report_is_dir(path: str, suggestion: str) -> str:
         f"{suggestion}"
 
 
-def report_unwritable(path: str, why: str) -> str:
-    return f"--parallel_report {path} cannot be written ({why}). {_REPORT_FIX}"
+_OUTPUT_FIX = "Fix: --output_dir with a folder this user can write (it is made if missing)"
+
+
+def _place_fix(flag: str) -> str:
+    """The fix for a place ``flag`` (--output_dir, else --parallel_report) cannot write."""
+    return _OUTPUT_FIX if flag == "--output_dir" else _REPORT_FIX
+
+
+def not_a_folder(flag: str, path: str, blocker: str) -> str:
+    """``blocker``: the existing file on ``path``'s way where a folder must be."""
+    return f"{flag} {path}: {blocker} is a file, not a folder, so nothing can be made under it. {_place_fix(flag)}"
+
+
+def place_unwritable(flag: str, path: str, where: str) -> str:
+    """``where``: the file, or the nearest existing folder, that this user cannot write."""
+    return f"{flag} {path} cannot be written: this user may not write {where}. {_place_fix(flag)}"
+
+
+def report_in_output(path: str, output_dir: str) -> str:
+    return (f"--parallel_report {path} is inside --output_dir {output_dir}, where auto-round saves the model: the "
+            "report would overwrite one of the model's files (e.g. its config.json) or be replaced by the save. Fix: "
+            f"a path outside it, e.g. --parallel_report {output_dir.rstrip('/') or '.'}.dpq_report.json")
+
+
+def output_is_file(path: str) -> str:
+    return (f"--output_dir {path} is an existing file, not a folder: auto-round saves the model into a folder there. "
+            "Fix: another --output_dir, or move that file away")
+
+
+def report_not_written(path: str, why: str, model_complete: bool) -> str:
+    """The report could not be written at the run's end (checked at start; the place may have changed since)."""
+    model = ("the model is complete and in place (exit status 0)" if model_complete else
+             "the run's own failure is said above")
+    return (f"--parallel_report {path} could not be written ({why}); {model}. Fix: a --parallel_report in a folder "
+            "with room that this user can write, next time")
 
 
 def cancelled(cause: str) -> str:

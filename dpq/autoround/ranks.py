@@ -134,6 +134,8 @@ def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders,
     after this save, or, inside :func:`quantize_and_save`, once they are moved into place."""
     cfg, procs = current_run(), run_processes()
     save = _original(owner, "save_quantized")
+    if cfg is not None:
+        cfg.at = "save"  # a failure from here on stopped in the save (the report's "where")
     if procs is None or cfg is None or cfg.rank0_saving:
         return save(self, output_dir, format, inplace, return_folders=return_folders, **kwargs)
     import torch.distributed as dist
