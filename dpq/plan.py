@@ -70,6 +70,8 @@ class PlanRequest:
     price: BlockPrice | None = None
     processes: int = 1  # torchrun: the processes the lanes' exchange spans (home stages their rows)
     overlap: bool = False  # the exchange on a communication stream per lane (its allocator pool)
+    pool_samples: int | None = None  # the calibration samples there are (None: not known); caps samples_per_iter
+    caller: str = "cli"  # how a refusal's fix names settings: "cli" (auto-round-dp's flags) or "api" (parallel_tune)
 
 
 @dataclass(frozen=True)
@@ -511,7 +513,7 @@ def resolve(request: PlanRequest) -> Plan:
         [DeviceEntry(str(d), d) for d in _default_devices(world, home)]
     if world != "auto" and len(entries) > world and given:
         unused = ", ".join(e.raw for e in entries[world:])
-        notes.append(refusals.unused_devices(world, len(entries), unused))
+        notes.append(refusals.unused_devices(world, len(entries), unused, request.caller))
     listed = entries if world == "auto" else entries[:world]
     problems: dict = {}
     lane_problems = [(k, p) for k, e in enumerate(listed) if (p := _entry_problem(k, e, home, problems))]
@@ -521,10 +523,11 @@ def resolve(request: PlanRequest) -> Plan:
     devices = [e.device for k, e in enumerate(listed) if k not in bad]
     named = [e.raw.strip() for e in entries if e.raw.strip()]
     if world != "auto" and len(named) < world:
-        reasons.append(refusals.too_few_devices(world, named, given))
+        reasons.append(refusals.too_few_devices(world, named, given, request.caller))
     n = world if world != "auto" else len(devices)
     if n > request.samples_per_iter:
-        reasons.append(refusals.too_few_samples(n, request.samples_per_iter))
+        reasons.append(refusals.too_few_samples(n, request.samples_per_iter, request.pool_samples or 0,
+                                                request.caller))
     n = min(n, len(devices), max(1, request.samples_per_iter))
     if home.type == "hpu" and n > 1:
         reasons.append(refusals.HPU_MULTI_LANE)

@@ -113,21 +113,42 @@ def unsupported_home(device_type: str) -> str:
             "of those (--device_map), or --parallel_quantization off")
 
 
-def unused_devices(world: int, given: int, unused: str) -> str:
+# How a fix names a setting, for whoever asked (dpq.plan.PlanRequest.caller): auto-round-dp's flags (also
+# what enable() and auto-round's own arguments are called), or dpq.parallel_tune's arguments.
+_NAMES = {
+    "cli": {"world": "--parallel_quantization", "devices": "--parallel_devices", "batch": "--batch_size"},
+    "api": {"world": "world=", "devices": "devices=", "batch": "batch_size="},
+}
+
+
+def _named(caller: str) -> dict[str, str]:
+    return _NAMES.get(caller, _NAMES["cli"])
+
+
+def unused_devices(world: int, given: int, unused: str, caller: str = "cli") -> str:
     return (f"world {world} runs on the first {world} of the {given} lane devices given; {unused} not used. "
-            f"Fix: --parallel_quantization {given} to use them all")
+            f"Fix: {_named(caller)['world']} {given} to use them all")
 
 
-def too_few_devices(world: int, named: Sequence[str], given: bool) -> str:
-    n = len(named)
+def too_few_devices(world: int, named: Sequence[str], given: bool, caller: str = "cli") -> str:
+    n, arg = len(named), _named(caller)
     return (f"world {world} needs {world} lane devices but {n} {'was' if n == 1 else 'were'} "
             f"{'given' if given else 'found'}{' (' + ', '.join(named) + ')' if named else ''}. Fix: "
-            "--parallel_devices with one device per lane (e.g. cpu,cpu or 0,1), or a smaller --parallel_quantization")
+            f"{arg['devices']} with one device per lane (e.g. cpu,cpu or 0,1), or a smaller {arg['world']}")
 
 
-def too_few_samples(lanes: int, samples: int) -> str:
-    return (f"{lanes} lanes but only {samples} samples per iteration (batch_size x gradient_accumulate_steps): "
-            "every lane needs at least one sample. Fix: a smaller world or a larger --batch_size")
+def too_few_samples(lanes: int, samples: int, pool: int = 0, caller: str = "cli") -> str:
+    """``samples`` per iteration: the smaller of ``pool`` (the calibration samples there are; 0: not
+    known) and batch_size x gradient_accumulate_steps; the fix raises the one that limits it."""
+    arg = _named(caller)
+    if pool and pool <= samples:  # the calibration data is the limit, whatever the batch size
+        limit = (f"the calibration data has {pool} sample{'s' if pool != 1 else ''}" if caller != "api" else
+                 f"inputs holds {pool} sample{'s' if pool != 1 else ''}")
+        more = f"--nsamples {lanes} or more" if caller != "api" else f"at least {lanes} inputs (one tensor each)"
+    else:
+        limit, more = "batch_size x gradient_accumulate_steps", f"{arg['batch']} {lanes} or more"
+    return (f"{lanes} lanes but only {samples} sample{'s' if samples != 1 else ''} per iteration ({limit}): every "
+            f"lane needs at least one sample. Fix: {more}, or a smaller {arg['world']} (at most {samples})")
 
 
 DEVICES_WHILE_OFF = ("lane devices were given but parallel quantization is off, so they would be ignored. "

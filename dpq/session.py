@@ -93,6 +93,7 @@ class SessionConfig:
     # --parallel_timeout: how long the host waits for an iteration's work (dpq.tune_loop: the watchdog)
     # and, across processes, a collective for the other ranks (the process group's timeout).
     timeout: float = DEFAULT_TIMEOUT_S
+    caller: str = "cli"  # how a refusal's fix names settings (dpq.plan.PlanRequest.caller)
 
     def __post_init__(self) -> None:
         self.world = validate_world(self.world)
@@ -196,6 +197,7 @@ class BlockTask:
     start: Callable[[LaneRun], TuneSpec | None]
     finish: Callable[[LoopOutcome | None, LaneRun], object]
     samples_per_iter: int
+    pool_samples: int | None = None  # the calibration samples there are (a refusal names the limit)
     home: torch.device | str | None = None
     pure_sign: bool = False
     mirror_bytes: int | None = None
@@ -235,6 +237,7 @@ class BlockRun:
 def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
     """The block's plan (raises :class:`dpq.plan.PlanRefused` for an explicit world it cannot serve)."""
     return resolve(PlanRequest(world=config.world, devices=config.devices, samples_per_iter=task.samples_per_iter,
+                               pool_samples=task.pool_samples, caller=config.caller,
                                home=task.home, extra_reasons=list(task.extra_reasons),
                                mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign, price=task.price,
                                processes=config.processes.size if config.processes is not None else 1,

@@ -528,3 +528,16 @@ def test_two_threads_tune_as_they_would_one_after_the_other(tiny_block):
     random.setstate(state)
     tune_one(1)
     assert random.getstate() == state
+
+
+def test_too_few_inputs_names_parallel_tunes_arguments(tiny_block):
+    """Issue 31, item 8: ``parallel_tune`` with 2 inputs at world 4 said "Fix: a smaller world or a larger
+    --batch_size": a CLI flag, and not the limit (the 2 inputs, with batch_size 4)."""
+    _, inputs, _ = tiny_block
+    msg = _refused(tiny_block, r"every lane needs at least one sample", inputs=list(inputs[:2]), world=4,
+                   devices="cpu,cpu,cpu,cpu")
+    assert "4 lanes but only 2 samples per iteration (inputs holds 2 samples)" in msg, msg
+    assert "Fix: at least 4 inputs (one tensor each), or a smaller world= (at most 2)" in msg
+    assert "--" not in msg, msg  # no command-line flag in an API error
+    msg = _refused(tiny_block, r"world 3 needs 3", world=3, devices="cpu,cpu")
+    assert "Fix: devices= with one device per lane" in msg and "a smaller world=" in msg and "--" not in msg, msg

@@ -156,7 +156,7 @@ def test_cli_refusal_lists_every_reason_as_a_message(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     err = proc.stderr
     assert "Traceback" not in err, err[-3000:]
-    for needle in (f"{NO_SUCH_GPU} does not exist", "world 4 needs 4 lane devices", "4 lanes but only 1 samples",
+    for needle in (f"{NO_SUCH_GPU} does not exist", "world 4 needs 4 lane devices", "4 lanes but only 1 sample per",
                    "LFQ loss"):
         assert needle in err, (needle, err[-3000:])
     error = json.loads(report.read_text())["error"]

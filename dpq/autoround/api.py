@@ -337,7 +337,8 @@ def parallel_tune(
             if auto_world is None and world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
             config = session.SessionConfig(world=world, devices=devices, debug_identical=debug_identical,
-                                           auto_world=auto_world, overlap=overlap, timeout=float(timeout))
+                                           auto_world=auto_world, overlap=overlap, timeout=float(timeout),
+                                           caller="api")
             plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons
@@ -399,7 +400,7 @@ class _Task:
         s = self.settings
         per_iter = max(1, min(len(self.inputs), s.batch_size * s.gradient_accumulate_steps))
         return session.BlockTask(name="dpq.parallel_tune", block=self.block, start=self.start, finish=self.finish,
-                                 samples_per_iter=per_iter, home=self.home,
+                                 samples_per_iter=per_iter, pool_samples=len(self.inputs), home=self.home,
                                  pure_sign=is_pure_sign(s.optimizer_cls, s.momentum))
 
     def start(self, ran: session.LaneRun):
