@@ -23,18 +23,19 @@ __all__ = [
     "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized",
     "block_already_wrapped", "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled",
     "cancelled_after_move", "collection_lane_failed", "custom_backward", "device_index_too_large", "device_missing",
-    "dispatch_hooks", "forward_replaced", "group_start_failed", "home_alone", "inference_tensors", "jobs_differ",
-    "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung",
-    "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "not_a_folder",
-    "on_meta", "others_count", "others_device", "others_empty", "others_not_pairs", "others_on_meta", "output_is_file",
-    "outputs_count", "outputs_shape", "parallel_timeout_bad", "pass_lane_failed_rerun", "patch_mismatch",
-    "place_unwritable", "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta",
-    "pool_spread_devices", "pool_spread_over", "processes_outnumber_samples", "rank_cancelled", "rank_failure",
-    "rank_raised", "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent",
-    "report_in_output", "report_is_dir", "report_not_written", "rtn_override", "samples_mismatched",
-    "serial_every_rank", "setting_differs", "setting_type", "staging_leftovers", "symbol_differs", "symbol_missing",
-    "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home", "unused_devices",
-    "weights_span", "world_size_without_launcher", "worlds_differ",
+    "dispatch_hooks", "forward_replaced", "group_start_failed", "hidden_size_mismatch", "home_alone",
+    "inference_tensors", "jobs_differ", "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun",
+    "lane_failure", "lanes_hung", "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer",
+    "not_a_cpu_index", "not_a_folder", "on_meta", "others_count", "others_device", "others_empty", "others_not_pairs",
+    "others_on_meta", "output_is_file", "outputs_count", "outputs_shape", "parallel_timeout_bad",
+    "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable", "pool_device", "pool_dtype", "pool_nonfinite",
+    "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over", "processes_outnumber_samples",
+    "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable",
+    "ranks_drew_other_indices", "ranks_silent", "report_in_output", "report_is_dir", "report_not_written",
+    "rotary_length_mismatch", "rtn_override", "samples_mismatched", "serial_every_rank", "setting_differs",
+    "setting_type", "staging_leftovers", "symbol_differs", "symbol_missing", "too_few_devices", "too_few_samples",
+    "unknown_scheme", "unmergeable_hooks", "unsupported_home", "unused_devices", "weights_span",
+    "world_size_without_launcher", "worlds_differ",
 ]
 
 
@@ -298,6 +299,19 @@ INPUTS_NOT_TENSORS = "inputs must be a non-empty list of tensors. Fix: pass one 
 def samples_mismatched(shape0: Sequence[int], bad: Sequence[int], example: Sequence[int]) -> str:
     return (f"inputs have mismatched shapes: sample 0 is {tuple(shape0)} but samples {list(bad[:5])} differ "
             f"(e.g. {tuple(example)}). Fix: pad or truncate every sample to one sequence length")
+
+
+def hidden_size_mismatch(size: int, widths: Sequence[str]) -> str:
+    """``widths``: the input widths of the block's Linear layers (one of them takes the hidden states)."""
+    return (f"inputs have hidden size {size} (their last dimension), but none of the block's Linear layers takes "
+            f"{size} features (they take {', '.join(widths)}): these are not this block's inputs. Fix: pass the "
+            "hidden states that enter this block, e.g. captured with dpq.demo.model.capture_block_inputs or from "
+            "auto-round's cache")
+
+
+def rotary_length_mismatch(length: int, seq: int) -> str:
+    return (f"input_others['position_embeddings'] cover {length} positions but the inputs have {seq}. Fix: pass "
+            "the (cos, sin) pairs computed for these inputs' sequence length, or leave the key out")
 
 
 OUTPUTS_NOT_TENSORS = ("outputs must be a list of tensors. Fix: one reference output per input, or None to compute "

@@ -541,3 +541,14 @@ def test_too_few_inputs_names_parallel_tunes_arguments(tiny_block):
     assert "--" not in msg, msg  # no command-line flag in an API error
     msg = _refused(tiny_block, r"world 3 needs 3", world=3, devices="cpu,cpu")
     assert "Fix: devices= with one device per lane" in msg and "a smaller world=" in msg and "--" not in msg, msg
+
+
+def test_inputs_that_do_not_fit_the_block_are_refused_before_work(tiny_block):
+    """Issue 31, item 15: inputs of another hidden size raised torch's "The size of tensor a (256) must
+    match the size of tensor b (100)" from inside the run, not the list of problems with their fixes."""
+    _, inputs, _ = tiny_block
+    msg = _refused(tiny_block, r"inputs have hidden size 100", inputs=[torch.randn(*t.shape[:-1], 100) for t in inputs])
+    assert "none of the block's Linear layers takes 100 features (they take 256, " in msg, msg
+    short = [t[:, :16] for t in inputs]  # the rotary embeddings were computed for 32 positions
+    msg = _refused(tiny_block, r"position_embeddings'\] cover 32 positions but the inputs have 16", inputs=short)
+    assert "Fix: pass the (cos, sin) pairs computed for these inputs' sequence length" in msg
