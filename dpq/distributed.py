@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["JobMismatch", "ProcessSet", "RankFailure", "Topology", "agree", "agree_job", "peer_lost"]
+__all__ = ["JobMismatch", "ProcessSet", "RankFailure", "Topology", "agree", "agree_job", "in_collective", "peer_lost"]
 
 
 HEARTBEAT_S = 1.0  # rank 0's heartbeat period during a step the others wait for (ProcessSet.beat)
@@ -204,6 +205,11 @@ class ProcessSet:
         contact with it name the cancel."""
         self._report("cancelled", what)
 
+    def report_failure(self, text: str) -> None:
+        """This rank failed where it cannot go through :meth:`stop` (its main thread is stuck: the
+        iteration watchdog, :mod:`dpq.watchdog`, ends the process): the others name it and ``text``."""
+        self._report("raised", text)
+
     def cancelled_everywhere(self) -> bool:
         """:class:`dpq.cancel.Peers`: every rank has reported a cancel (the whole job was cancelled)."""
         keys = [self._key(r) for r in range(self.size)]
@@ -269,7 +275,19 @@ def peer_lost(err: BaseException) -> bool:
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    where = tb.tb_frame.f_code.co_filename.replace("\\", "/") if tb is not None else ""
+    return tb is not None and _calls_collectives(tb.tb_frame)
+
+
+def in_collective(thread_id: int) -> bool:
+    """Whether the thread ``thread_id`` is inside a collective now (its innermost Python frame is where
+    collectives are called, as for :func:`peer_lost`): waiting for the other ranks, not in work of
+    its own (the iteration watchdog, :mod:`dpq.watchdog`, leaves such a wait to the group's timeout)."""
+    frame = sys._current_frames().get(thread_id)  # documented in sys: the threads' current frames
+    return frame is not None and _calls_collectives(frame)
+
+
+def _calls_collectives(frame) -> bool:
+    where = frame.f_code.co_filename.replace("\\", "/")
     return "torch/distributed/" in where or where.endswith("dpq/process_group.py")
 
 

@@ -24,18 +24,18 @@ __all__ = [
     "block_already_wrapped", "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled",
     "cancelled_after_move", "collection_lane_failed", "custom_backward", "device_index_too_large", "device_missing",
     "dispatch_hooks", "forward_replaced", "group_start_failed", "hidden_size_mismatch", "home_alone",
-    "inference_tensors", "jobs_differ", "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun",
-    "lane_failure", "lanes_hung", "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer",
-    "not_a_cpu_index", "not_a_folder", "on_meta", "others_count", "others_device", "others_empty", "others_not_pairs",
-    "others_on_meta", "output_is_file", "outputs_count", "outputs_shape", "parallel_timeout_bad",
-    "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable", "pool_device", "pool_dtype", "pool_nonfinite",
-    "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over", "processes_outnumber_samples",
-    "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable",
-    "ranks_drew_other_indices", "ranks_silent", "report_in_output", "report_is_dir", "report_not_written",
-    "rotary_length_mismatch", "rtn_override", "samples_mismatched", "serial_every_rank", "setting_differs",
-    "setting_type", "staging_leftovers", "symbol_differs", "symbol_missing", "too_few_devices", "too_few_samples",
-    "unknown_scheme", "unmergeable_hooks", "unsupported_home", "unused_devices", "weights_span",
-    "world_size_without_launcher", "worlds_differ",
+    "hung_process_ends", "inference_tensors", "issuing_thread_hung", "jobs_differ", "lane0_not_home",
+    "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung", "malformed_device_entry",
+    "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "not_a_folder", "on_meta", "others_count",
+    "others_device", "others_empty", "others_not_pairs", "others_on_meta", "output_is_file", "outputs_count",
+    "outputs_shape", "parallel_timeout_bad", "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable",
+    "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices",
+    "pool_spread_over", "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised",
+    "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_in_output",
+    "report_is_dir", "report_not_written", "rotary_length_mismatch", "rtn_override", "samples_mismatched",
+    "serial_every_rank", "setting_differs", "setting_type", "staging_leftovers", "symbol_differs", "symbol_missing",
+    "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home", "unused_devices",
+    "weights_span", "world_size_without_launcher", "worlds_differ",
 ]
 
 
@@ -550,6 +550,30 @@ def lanes_hung(block: str, world: int, communicator: str, lanes: str, waited_s: 
             "no abort, a copy between devices has none either), so this process cannot use those GPUs again and the "
             "block could not be put back. Fix: restart the run; install CuPy's NCCL (pip install dpq[cuda12]), whose "
             "communicators can be aborted, or raise --parallel_timeout if the block's iterations are that slow")
+
+
+def issuing_thread_hung(block: str, world: int, doing: str, iteration: int, waited_s: float, timeout_s: float,
+                        communicator: str, aborted: bool) -> str:
+    """The iteration watchdog (dpq.watchdog): the issuing thread spent --parallel_timeout in one iteration
+    outside the waits that check their own deadline; ``doing``: where it was (e.g. "lane 0's forward");
+    ``aborted``: aborting the communicator ended work it may wait for (NCCL's abort)."""
+    comm = (f"the {communicator} communicators were aborted, which ends the collectives it may wait for" if aborted
+            else f"the {communicator} communicator has no queued work an abort could end")
+    return (f"{block} at world {world}: the issuing thread has been in {doing} (iteration {iteration}) for "
+            f"{waited_s:.1f} s, past --parallel_timeout {timeout_s:g} s, stuck where no check of its own runs (a "
+            f"device or NCCL call, a C library); {comm}. Fix: if an iteration of this block takes that long (a "
+            "first iteration's torch.compile, a large block on a slow device), raise --parallel_timeout; otherwise "
+            "see what the thread waits for (py-spy dump --pid <pid>; NCCL_DEBUG=WARN for NCCL) and rerun")
+
+
+def hung_process_ends(hung: str, grace_s: float) -> str:
+    """``hung``: :func:`issuing_thread_hung`'s text; the thread did not come back ``grace_s`` later, so the
+    command's process ends (the staging folder removed, the report written)."""
+    problem, _, fix = hung.partition(" Fix: ")
+    fix = fix or "raise --parallel_timeout if this block's iterations take that long"
+    return (f"{problem.rstrip('. ')}. It did not come back within {grace_s:g} s more and cannot be stopped from outside, so this "
+            "process ends (exit status 1): --output_dir is left as it was (what the run wrote was removed), and "
+            "--parallel_report, if given, names this block and the blocks finished before it. Fix: " + fix)
 
 
 # -- the installed auto-round (dpq.autoround.compat, dpq.autoround.patches) ----------------------
