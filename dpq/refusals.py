@@ -571,9 +571,10 @@ def hung_process_ends(hung: str, grace_s: float) -> str:
     command's process ends (the staging folder removed, the report written)."""
     problem, _, fix = hung.partition(" Fix: ")
     fix = fix or "raise --parallel_timeout if this block's iterations take that long"
-    return (f"{problem.rstrip('. ')}. It did not come back within {grace_s:g} s more and cannot be stopped from outside, so this "
-            "process ends (exit status 1): --output_dir is left as it was (what the run wrote was removed), and "
-            "--parallel_report, if given, names this block and the blocks finished before it. Fix: " + fix)
+    return (f"{problem.rstrip('. ')}. It did not come back within {grace_s:g} s more and cannot be stopped from "
+            "outside, so this process ends (exit status 1): --output_dir is left as it was (what the run wrote was "
+            "removed), and --parallel_report, if given, names this block and the blocks finished before it. Fix: "
+            + fix)
 
 
 # -- the installed auto-round (dpq.autoround.compat, dpq.autoround.patches) ----------------------
