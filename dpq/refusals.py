@@ -444,9 +444,10 @@ def place_unwritable(flag: str, path: str, where: str) -> str:
 
 
 def report_in_output(path: str, output_dir: str) -> str:
-    return (f"--parallel_report {path} is inside --output_dir {output_dir}, where auto-round saves the model: the "
-            "report would overwrite one of the model's files (e.g. its config.json) or be replaced by the save. Fix: "
-            f"a path outside it, e.g. --parallel_report {output_dir.rstrip('/') or '.'}.dpq_report.json")
+    return (f"--parallel_report {path} is where auto-round saves the model in --output_dir {output_dir} (its model "
+            "folder, or a model file's name): the report would overwrite one of the model's files (e.g. its "
+            "config.json) or be replaced by the save. Fix: a path outside the model's folder, e.g. --parallel_report "
+            f"{output_dir.rstrip('/') or '.'}/dpq_report.json")
 
 
 def output_is_file(path: str) -> str:

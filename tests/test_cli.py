@@ -96,20 +96,23 @@ def test_a_refused_run_makes_no_folder_for_its_report(capsys, tmp_path, monkeypa
 
 def test_a_report_inside_the_output_is_refused(capsys, tmp_path, monkeypatch):
     """Issue 31, item 5: ``--parallel_report <output>/data-w4g128/config.json`` overwrote the saved model's
-    config.json with the report (exit 0). Refused before the run, through a symlink to the output too."""
+    config.json with the report (exit 0). Refused before the run: in a folder inside the output (where
+    auto-round puts the model), through a symlink to it too, or under a model file's name in the output
+    itself; a report of its own name beside the model's folder is fine (a rerun keeps it)."""
     out = tmp_path / "out"
     (out / "data-w4g128").mkdir(parents=True)
     (out / "data-w4g128" / "config.json").write_text("{}")
     (tmp_path / "alias").symlink_to(out)
-    for report in (out / "data-w4g128" / "config.json", out / "new" / "r.json", tmp_path / "alias" / "r.json"):
+    for report in (out / "data-w4g128" / "config.json", out / "new" / "r.json", tmp_path / "alias" / "m" / "r.json",
+                   out / "config.json", out / "model.safetensors"):
         err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "1", "--parallel_report",
                              str(report), "--output_dir", str(out))
-        assert f"--parallel_report {report} is inside --output_dir {out}" in err, err
-        assert f"Fix: a path outside it, e.g. --parallel_report {out}.dpq_report.json" in err
+        assert f"--parallel_report {report} is where auto-round saves the model in --output_dir {out}" in err, err
+        assert f"Fix: a path outside the model's folder, e.g. --parallel_report {out}/dpq_report.json" in err
     from dpq.autoround.outputs import path_errors
 
-    assert path_errors(str(tmp_path / "r.json"), str(out)) == []  # beside it: fine
-    assert path_errors(str(tmp_path / "new" / "r.json"), str(out)) == []
+    for fine in (tmp_path / "r.json", tmp_path / "new" / "r.json", out / "dpq_report.json"):  # beside the model
+        assert path_errors(str(fine), str(out)) == []
     assert not (tmp_path / "new").exists() and not (tmp_path / "r.json").exists()  # the check creates nothing
 
 

@@ -4,8 +4,9 @@ its report (written at every end of a run).
 :func:`path_errors` checks ``--output_dir`` and ``--parallel_report`` when the arguments are
 parsed, on the rank that writes them, and creates, changes and deletes nothing: a path with a
 file where a folder must be, a place this user cannot write, an ``--output_dir`` that is an
-existing file, a report inside ``--output_dir`` (where the save would overwrite it or it one of the
-model's files, e.g. ``config.json``). Symlinks are followed: a report path that is a symlink (even
+existing file, a report where the save writes (in the model's folder inside ``--output_dir``, or
+under a model file's name in it: the save would overwrite it, or it one of the model's files, e.g.
+``config.json``). Symlinks are followed: a report path that is a symlink (even
 to a file not there yet) is written at its target, the link left as it is.
 
 :class:`RunReport` writes the report once, whatever ended the run: success, a failure (its
@@ -28,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dpq import cancel, refusals
+from dpq.staging import WEIGHT_SUFFIXES
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "RunReport", "error_of", "output_dir_of", "path_errors", "run_records"]
 
@@ -45,8 +47,19 @@ def output_dir_of(rest: list[str]) -> str:
         return DEFAULT_OUTPUT_DIR
 
 
-def _within(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
+# files a save may write straight into --output_dir (a diffusion pipeline, a gguf file); the weights by suffix
+_MODEL_FILES = frozenset({"config.json", "quantization_config.json", "generation_config.json", "model_index.json",
+                          "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
+
+
+def _where_the_model_goes(report: Path, output: Path) -> bool:
+    """Whether the report at ``report`` (a real path) would be where the save writes: ``output`` itself,
+    inside one of its folders (auto-round's model folder, ``<model>-w4g128``), or directly in it under
+    a model file's name. A report of another name directly in ``output`` is the user's choice: a
+    rerun keeps it (dpq.staging merges)."""
+    if report == output or output in report.parent.parents:
+        return True
+    return report.parent == output and (report.name in _MODEL_FILES or report.name.endswith(WEIGHT_SUFFIXES))
 
 
 def _place_error(flag: str, path: str) -> str | None:
@@ -68,7 +81,7 @@ def _report_errors(path: str, output_dir: str) -> list[str]:
     real = Path(os.path.realpath(path))
     if real.is_dir():
         return [refusals.report_is_dir(path, str(Path(path) / "dpq_report.json"))]
-    if _within(real, Path(os.path.realpath(output_dir))):
+    if _where_the_model_goes(real, Path(os.path.realpath(output_dir))):
         return [refusals.report_in_output(path, output_dir)]
     if real.exists():
         return [] if os.access(real, os.W_OK) else [refusals.place_unwritable("--parallel_report", path, str(real))]
