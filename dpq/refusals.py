@@ -23,8 +23,8 @@ __all__ = [
     "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized",
     "block_already_wrapped", "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled",
     "cancelled_after_move", "collection_lane_failed", "custom_backward", "device_index_too_large", "device_missing",
-    "dispatch_hooks", "forward_replaced", "group_start_failed", "hidden_size_mismatch", "home_alone",
-    "hung_process_ends", "inference_tensors", "issuing_thread_hung", "jobs_differ", "lane0_not_home",
+    "dispatch_hooks", "empty_device_list", "forward_replaced", "group_start_failed", "hidden_size_mismatch",
+    "home_alone", "hung_process_ends", "inference_tensors", "issuing_thread_hung", "jobs_differ", "lane0_not_home",
     "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung", "malformed_device_entry",
     "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "not_a_folder", "on_meta", "others_count",
     "others_device", "others_empty", "others_not_pairs", "others_on_meta", "output_is_file", "outputs_count",
@@ -45,8 +45,27 @@ def _list(names: Sequence[str], limit: int = 3) -> str:
 
 # -- the world and the lane devices (dpq.plan) ----------------------------------------------------
 
-_DEVICE_LIST_FIX = "Fix: --parallel_devices with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
-EMPTY_DEVICE_LIST = f"the lane device list is empty. {_DEVICE_LIST_FIX}"
+# How a fix names a setting, for whoever asked (dpq.plan.PlanRequest.caller): auto-round-dp's flags (also
+# what enable() and auto-round's own arguments are called), or dpq.parallel_tune's arguments.
+_NAMES = {
+    "cli": {"world": "--parallel_quantization", "devices": "--parallel_devices", "batch": "--batch_size"},
+    "api": {"world": "world=", "devices": "devices=", "batch": "batch_size="},
+}
+
+
+def _named(caller: str) -> dict[str, str]:
+    return _NAMES.get(caller, _NAMES["cli"])
+
+
+def _device_list_fix(caller: str = "cli") -> str:
+    return f"Fix: {_named(caller)['devices']} with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
+
+
+def empty_device_list(caller: str = "cli") -> str:
+    return f"the lane device list is empty. {_device_list_fix(caller)}"
+
+
+EMPTY_DEVICE_LIST = empty_device_list()
 PARALLEL_OFF = ("parallel quantization is off. Fix: --parallel_quantization auto (or a world N) to tune blocks on "
                 "lanes")
 ONE_LANE = "only one lane available. Fix: --parallel_devices with one device per lane (e.g. 0,1 or cpu,cpu)"
@@ -61,24 +80,24 @@ SIGN_STEP_UPSTREAM_CHANGED = ("dpq: auto-round's SignSGD source differs from the
                               "install a checked auto-round (0.16.1 or 0.17.0.dev20261026)")
 
 
-def bad_world(world: object) -> str:
-    return (f"world must be 'off', 'auto' or an integer >= 1, got {world!r}. "
-            "Fix: pass e.g. --parallel_quantization 2 (or auto, or off).")
+def bad_world(world: object, caller: str = "cli") -> str:
+    example = "world=2 (or 'auto')" if caller == "api" else "--parallel_quantization 2 (or auto, or off)"
+    return f"world must be 'off', 'auto' or an integer >= 1, got {world!r}. Fix: pass e.g. {example}."
 
 
-def device_index_too_large(spec: object, item: str, index: int, limit: int) -> str:
+def device_index_too_large(spec: object, item: str, index: int, limit: int, caller: str = "cli") -> str:
     return (f"lane device list {spec!r}: {item!r} names device index {index}, above {limit}: torch keeps a device "
-            f"index in 8 bits, so it would silently become another device. {_DEVICE_LIST_FIX}")
+            f"index in 8 bits, so it would silently become another device. {_device_list_fix(caller)}")
 
 
-def malformed_device_entry(spec: object, item: object) -> str:
+def malformed_device_entry(spec: object, item: object, caller: str = "cli") -> str:
     """``item``: the entry as written (a string, or e.g. a float)."""
     if isinstance(item, str) and not item.strip():
         what = "an empty entry (two commas, or a comma at an end)"
     else:
         what = f"{item.strip()!r} is not a device" if isinstance(item, str) else f"{item!r} is not a device"
     return (f"lane device list {spec!r}: {what}. A lane device is an index (0), a type (cpu) or type:index "
-            f"(cuda:1). {_DEVICE_LIST_FIX}")
+            f"(cuda:1). {_device_list_fix(caller)}")
 
 
 def no_accelerator_for_index(raw: str) -> str:
@@ -90,15 +109,16 @@ def not_a_cpu_index(device: str) -> str:
     return f"lane device {device}: the CPU is one device (cpu or cpu:0). Fix: write cpu, e.g. cpu,cpu"
 
 
-def device_missing(problem: str) -> str:
+def device_missing(problem: str, caller: str = "cli") -> str:
     """``problem``: what the device query found (e.g. 'cuda:99 does not exist ...')."""
-    return f"{problem}. {_DEVICE_LIST_FIX}"
+    return f"{problem}. {_device_list_fix(caller)}"
 
 
-def lane0_not_home(device: str, home: str) -> str:
+def lane0_not_home(device: str, home: str, caller: str = "cli") -> str:
+    example = (f"devices='{home},...' (or move the block, block.to(...))" if caller == "api" else
+               f"--parallel_devices {home},... (or move the model with --device_map)")
     return (f"lane 0 is {device}, but the block is on {home}: lane 0 is the block itself (no copy), so the lane "
-            f"device list must start with the block's device. Fix: list {home} first, e.g. --parallel_devices "
-            f"{home},... (or move the model with --device_map)")
+            f"device list must start with the block's device. Fix: list {home} first, e.g. {example}")
 
 
 def lane_does_not_fit(lane: int, device: str, price: int, margin: float, free: int, *, home: bool = False) -> str:
@@ -112,18 +132,6 @@ def lane_does_not_fit(lane: int, device: str, price: int, margin: float, free: i
 def unsupported_home(device_type: str) -> str:
     return (f"home device type {device_type!r} is not supported (cuda, xpu, hpu, cpu). Fix: load the model on one "
             "of those (--device_map), or --parallel_quantization off")
-
-
-# How a fix names a setting, for whoever asked (dpq.plan.PlanRequest.caller): auto-round-dp's flags (also
-# what enable() and auto-round's own arguments are called), or dpq.parallel_tune's arguments.
-_NAMES = {
-    "cli": {"world": "--parallel_quantization", "devices": "--parallel_devices", "batch": "--batch_size"},
-    "api": {"world": "world=", "devices": "devices=", "batch": "batch_size="},
-}
-
-
-def _named(caller: str) -> dict[str, str]:
-    return _NAMES.get(caller, _NAMES["cli"])
 
 
 def unused_devices(world: int, given: int, unused: str, caller: str = "cli") -> str:

@@ -99,7 +99,7 @@ class SessionConfig:
     caller: str = "cli"  # how a refusal's fix names settings (dpq.plan.PlanRequest.caller)
 
     def __post_init__(self) -> None:
-        self.world = validate_world(self.world)
+        self.world = validate_world(self.world, self.caller)
 
     def watchdog_s(self) -> float:
         """The readback's deadline: the timeout in one process; across processes a little less

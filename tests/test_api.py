@@ -552,3 +552,14 @@ def test_inputs_that_do_not_fit_the_block_are_refused_before_work(tiny_block):
     short = [t[:, :16] for t in inputs]  # the rotary embeddings were computed for 32 positions
     msg = _refused(tiny_block, r"position_embeddings'\] cover 32 positions but the inputs have 16", inputs=short)
     assert "Fix: pass the (cos, sin) pairs computed for these inputs' sequence length" in msg
+
+
+def test_world_and_device_errors_name_parallel_tunes_arguments(tiny_block):
+    """Issue 31 ("API errors name API arguments"): a bad world and a lane device that does not exist said
+    "--parallel_quantization" and "--parallel_devices" to a Python caller."""
+    msg = _refused(tiny_block, r"world must be 'off', 'auto' or an integer >= 1", world=0)
+    assert "Fix: pass e.g. world=2 (or 'auto')" in msg and "--" not in msg, msg
+    msg = _refused(tiny_block, r"cuda:99 does not exist", world=2, devices=["cpu", "cuda:99"])
+    assert "Fix: devices= with entries like" in msg and "--" not in msg, msg
+    msg = _refused(tiny_block, r"'gpu' is not a device", world=2, devices="cpu,gpu")
+    assert "--" not in msg, msg
