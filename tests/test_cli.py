@@ -288,15 +288,13 @@ def rerun(tmp_path_factory) -> dict:
     """One successful run into an output that holds an earlier model with the user's own file in its
     folder, beside two staging folders of killed runs (one with a partial shard, one empty), its
     report sent to /dev/full (the write fails at the end, ENOSPC)."""
-    from dpq.staging import OWNER
-
     tmp = tmp_path_factory.mktemp("rerun")
     before = earlier_model(tmp / "out")
     model_dir = next((tmp / "out").iterdir())
     (model_dir / "inner_notes.txt").write_text("the user's")
     for name, files in ((".out.dpq-partial-dead0001", ("x.safetensors",)), (".out.dpq-partial-dead0002", ())):
         (tmp / name).mkdir()
-        for f in (OWNER, *files):
+        for f in (".dpq-owner", *files):  # dpq.staging.OWNER (tests/test_staging.py holds it to this name)
             (tmp / name / f).write_bytes(b"")
     proc = _cli(tmp, "--iters", "1", "--batch_size", "4", "--parallel_quantization", "1", "--parallel_report",
                 "/dev/full")
@@ -307,8 +305,8 @@ def test_a_rerun_keeps_the_users_file_in_the_model_folder(rerun):
     """Issue 31, item 2 (through the CLI; tests/test_staging.py has the merge): the staged folder
     replaced the whole model folder, deleting the user's note beside the model."""
     proc, model_dir = rerun["proc"], rerun["model_dir"]
+    assert (model_dir / "inner_notes.txt").read_text() == "the user's", proc.stderr[-3000:]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (model_dir / "inner_notes.txt").read_text() == "the user's"
     rel = f"{model_dir.name}/model.safetensors"
     assert (model_dir / "model.safetensors").read_bytes() != rerun["before"][rel]  # the model itself was replaced
 
@@ -316,7 +314,8 @@ def test_a_rerun_keeps_the_users_file_in_the_model_folder(rerun):
 def test_a_later_run_names_or_removes_killed_runs_staging_folders(rerun):
     """Issue 31, item 9: staging folders of killed runs stayed beside the output, unmentioned."""
     proc, tmp = rerun["proc"], rerun["tmp"]
-    assert refusals.staging_leftovers([str(tmp / ".out.dpq-partial-dead0001")]) in proc.stderr, proc.stderr[-3000:]
+    assert f"left part of their output in {tmp / '.out.dpq-partial-dead0001'} " in proc.stderr, proc.stderr[-3000:]
+    assert refusals.staging_leftovers([str(tmp / ".out.dpq-partial-dead0001")]) in proc.stderr
     assert "removed the empty staging folders of killed runs: " + str(tmp / ".out.dpq-partial-dead0002") in proc.stderr
     assert sorted(p.name for p in tmp.iterdir()) == [".out.dpq-partial-dead0001", "calib.jsonl", "out"]
 

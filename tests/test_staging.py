@@ -120,11 +120,10 @@ def test_symlinks_are_followed_never_replaced(tmp_path):
 
 
 def _abandoned_staging(parent, name: str, files: dict[str, bytes]):
-    """A staging folder as a killed run leaves it: its lock file, held by nobody, and what it wrote."""
-    from dpq.staging import OWNER
-
+    """A staging folder as a killed run leaves it: its lock file (dpq.staging.OWNER, named here so that
+    the test runs against code without it too), held by nobody, and what it wrote."""
     folder = parent / name
-    _write(folder, {OWNER: b"", **files})
+    _write(folder, {".dpq-owner": b"", **files})
     return folder
 
 
@@ -143,3 +142,6 @@ def test_leftovers_of_killed_runs_are_named_or_removed(tmp_path):
     later.discard()
     live.discard()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([partial.name, other.name])
+    from dpq.staging import OWNER
+
+    assert OWNER == ".dpq-owner"  # the name _abandoned_staging writes
