@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     128 + the signal when the run was cancelled (130 SIGINT, 143 SIGTERM, 129 the launcher gone:
     :mod:`dpq.cancel`). Any other failure propagates (with its traceback; non-zero exit). The
     report (``--parallel_report``, :class:`dpq.autoround.outputs.RunReport`) is written at every
-    one of these ends but the first, saying how the run ended. Run as the command (``argv`` None:
+    one of these ends but exit 2, saying how the run ended. Run as the command (``argv`` None:
     the console scripts, ``python -m``), it handles SIGTERM and SIGINT itself
     (:func:`dpq.cancel.install`); called with ``argv`` it leaves the caller's signal handling alone."""
     as_command = argv is None
@@ -210,7 +210,8 @@ def _where() -> str:
 
 
 def _stopped_before_run(report, message: str, failure: BaseException) -> None:
-    """Under torchrun, before the run: ``message`` said and, on rank 0, reported with ``failure``."""
+    """The run could not start (torchrun's set-up, the job agreement, the patch table): ``message``
+    said and, on rank 0, reported with ``failure``."""
     from .outputs import error_of
 
     print(f"auto-round-dp: {message}", file=sys.stderr)
