@@ -28,6 +28,15 @@ What a cancel does:
 :func:`uninterrupted` guards the one step that must not be cut: moving a finished output into
 place. A cancel before it refuses it (raises :class:`Cancelled`); one during it waits for its end.
 
+:func:`end_process` is how any thread ends this process when its main thread cannot unwind (the
+watcher after a cancel; the iteration watchdog, :mod:`dpq.watchdog`, when the issuing thread is
+stuck): a move into place finishes first, the reason is said, :func:`ending` tells the cleanups
+registered with :func:`on_exit` why (so a report can say it: a cancel, which signal, or a hang), the
+cleanups run (staging folders removed, the report written) and the process exits with the status
+given. A main thread that is naming a failed rank (:func:`note_failing`: torchrun sends SIGTERM to
+the others as soon as one rank is lost) gets up to the naming grace plus ``FAILING_S`` to end the
+run itself, its report and exit status saying that a rank was lost, not that the run was cancelled.
+
 Exit statuses (the shell's convention, 128 + the signal): 130 after SIGINT, 143 after SIGTERM,
 129 when the launcher is gone (as a hang-up, SIGHUP).
 """
@@ -45,12 +54,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["BACKSTOP_S", "LAUNCHER_GONE", "NAMING_S", "Cancelled", "Peers", "cancelled", "cause_of", "exit_status",
-           "install", "installed", "note_failing", "on_exit", "said", "uninterrupted", "what"]
+__all__ = ["BACKSTOP_S", "FAILING_S", "LAUNCHER_GONE", "NAMING_S", "Cancelled", "Peers", "cancelled", "cause_of",
+           "end_process", "ending", "exit_status", "install", "installed", "note_failing", "on_exit", "said",
+           "uninterrupted", "what"]
 
 LAUNCHER_GONE = signal.SIGHUP  # what a cancel by the launcher's death counts as (its exit status: 129)
 NAMING_S = 2.0  # several processes: how long a cancelled rank lets its main thread notice a lost peer
 BACKSTOP_S = 5.0  # one process: how long the main thread has to unwind before the process is ended
+FAILING_S = 10.0  # a main thread naming a lost rank: how long it has after the naming grace to report and exit
 
 
 class Cancelled(KeyboardInterrupt):
@@ -86,6 +97,7 @@ class _State:
     moved: bool = False  # a protected step finished after the cancel arrived (the output is in place)
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     said: bool = False  # the cancel was told to the user (by the main thread, or the watcher)
+    ending: tuple[str, str] | None = None  # end_process: why a thread ends the process (kind, what was said)
     watcher: threading.Thread | None = None
     pipe: tuple[int, int] | None = None  # the wakeup fd's (read, write) ends
 
@@ -162,10 +174,17 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def on_exit(cleanup: Callable[[], None]) -> Callable[[], None]:
-    """Run ``cleanup`` (best effort) if a cancel ends the process from the watcher; returns a
-    function that unregisters it."""
+    """Run ``cleanup`` (best effort) if a thread ends the process (:func:`end_process`: the watcher
+    after a cancel, the iteration watchdog); returns a function that unregisters it. A cleanup may
+    read :func:`ending` for why."""
     _state.cleanups.append(cleanup)
     return lambda: _state.cleanups.remove(cleanup) if cleanup in _state.cleanups else None
+
+
+def ending() -> tuple[str, str] | None:
+    """Why a thread is ending this process (:func:`end_process`): (kind, what it said), kind
+    "cancelled" or the caller's (e.g. "hung"); None while the main thread ends the run itself."""
+    return _state.ending
 
 
 def note_failing() -> None:
@@ -258,20 +277,28 @@ def _leave(read_fd: int) -> None:
         _bounded(lambda: peers.report_cancel(what(signum)), 1.0)
         deadline = time.monotonic() + NAMING_S
         while time.monotonic() < deadline and not _state.again:
-            if _state.failing_since is not None:  # the main thread names a lost peer: let it finish
-                deadline = max(deadline, _state.failing_since + peers.grace_s + 1.0)
+            if _state.failing_since is not None:  # the main thread names a lost peer: let it end the run
+                deadline = max(deadline, _state.failing_since + peers.grace_s + FAILING_S)
             elif _bounded(peers.cancelled_everywhere, 1.0):
                 break
             _poll(read_fd, 0.05)  # a second signal: leave at once
-    with _state.protected:  # a move into place that started before the cancel finishes first
+    told = _state.said  # the main thread told the user already
+    end_process(exit_status(signum), "cancelled", f"dpq: {said()}", say=not told)
+
+
+def end_process(status: int, kind: str, message: str, *, say: bool = True) -> None:
+    """End this process from any thread (module docstring); never returns. ``message`` (printed
+    unless ``say`` is False) and ``kind`` are what :func:`ending` tells the cleanups."""
+    with _state.protected:  # a move into place that started before this finishes first
         pass
-    if not _state.said:
-        print(f"dpq: {said()}", file=sys.stderr, flush=True)
+    _state.ending = (kind, message)
+    if say:
+        print(message, file=sys.stderr, flush=True)
     for cleanup in list(_state.cleanups):
         _quiet(cleanup)
     for stream in (sys.stdout, sys.stderr):
         _quiet(stream.flush)
-    os._exit(exit_status(signum))
+    os._exit(status)
 
 
 def said() -> str:

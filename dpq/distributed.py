@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["JobMismatch", "ProcessSet", "RankFailure", "Topology", "agree", "agree_job", "peer_lost"]
+__all__ = ["JobMismatch", "ProcessSet", "RankFailure", "Topology", "agree", "agree_job", "in_collective", "peer_lost"]
 
 
 HEARTBEAT_S = 1.0  # rank 0's heartbeat period during a step the others wait for (ProcessSet.beat)
@@ -41,11 +42,14 @@ class RankFailure(RuntimeError):
     """A multi-process run stopped on every rank; the message names the rank it started on.
     ``exit_status``: what a command exits with: 1, or 128 + the signal when the run was cancelled
     (on this rank, or the failure started with a rank's cancel: :mod:`dpq.cancel`). ``raised_here``:
-    this rank's own error when the failure started here (its traceback is this rank's to show)."""
+    this rank's own error when the failure started here (its traceback is this rank's to show).
+    ``kind``: how it started: "raised" (a rank's error), "cancelled" (a rank's cancel), "silent" (a
+    rank stopped answering: killed, or hung) or "lost" (contact lost, the rank unknown)."""
 
-    def __init__(self, message: str, exit_status: int = 1, raised_here: BaseException | None = None) -> None:
+    def __init__(self, message: str, exit_status: int = 1, raised_here: BaseException | None = None,
+                 kind: str = "raised") -> None:
         super().__init__(message)
-        self.exit_status, self.raised_here = exit_status, raised_here
+        self.exit_status, self.raised_here, self.kind = exit_status, raised_here, kind
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,11 @@ class ProcessSet:
         contact with it name the cancel."""
         self._report("cancelled", what)
 
+    def report_failure(self, text: str) -> None:
+        """This rank failed where it cannot go through :meth:`stop` (its main thread is stuck: the
+        iteration watchdog, :mod:`dpq.watchdog`, ends the process): the others name it and ``text``."""
+        self._report("raised", text)
+
     def cancelled_everywhere(self) -> bool:
         """:class:`dpq.cancel.Peers`: every rank has reported a cancel (the whole job was cancelled)."""
         keys = [self._key(r) for r in range(self.size)]
@@ -246,11 +255,12 @@ class ProcessSet:
             if any(v.split(" ", 2)[1] in ("raised", "cancelled") for v in reports.values() if v is not mine):
                 break
             time.sleep(0.05)
-        message, cause = _failure_message(self.rank, self.size, reports, self.grace_s, store_ok, self.name, lost)
+        message, cause, kind = _failure_message(self.rank, self.size, reports, self.grace_s, store_ok, self.name,
+                                                lost)
         if not lost and signum is not None:
-            cause = signum  # this rank's own cancel stopped the run
+            cause, kind = signum, "cancelled"  # this rank's own cancel stopped the run
         return RankFailure(message, cancel.exit_status(cause) if cause is not None else 1,
-                           None if lost or signum is not None else err)
+                           None if lost or signum is not None else err, kind)
 
 
 def peer_lost(err: BaseException) -> bool:
@@ -265,7 +275,19 @@ def peer_lost(err: BaseException) -> bool:
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    where = tb.tb_frame.f_code.co_filename.replace("\\", "/") if tb is not None else ""
+    return tb is not None and _calls_collectives(tb.tb_frame)
+
+
+def in_collective(thread_id: int) -> bool:
+    """Whether the thread ``thread_id`` is inside a collective now (its innermost Python frame is where
+    collectives are called, as for :func:`peer_lost`): waiting for the other ranks, not in work of
+    its own (the iteration watchdog, :mod:`dpq.watchdog`, leaves such a wait to the group's timeout)."""
+    frame = sys._current_frames().get(thread_id)  # documented in sys: the threads' current frames
+    return frame is not None and _calls_collectives(frame)
+
+
+def _calls_collectives(frame) -> bool:
+    where = frame.f_code.co_filename.replace("\\", "/")
     return "torch/distributed/" in where or where.endswith("dpq/process_group.py")
 
 
@@ -277,11 +299,11 @@ def _try(call) -> bool:
 
 
 def _failure_message(me: int, size: int, reports: dict[int, str], grace_s: float, store_ok: bool, name,
-                     lost: bool = True) -> tuple[str, int | None]:
-    """(the message, the signal when the failure started with a rank's cancel). Names ranks by
-    ``name(group rank)``: their global ranks. ``lost``: this rank lost contact, so the failure
-    started elsewhere (its own report, even a cancel that reached it meanwhile, is not the
-    cause). Texts: :mod:`dpq.refusals`."""
+                     lost: bool = True) -> tuple[str, int | None, str]:
+    """(the message, the signal when the failure started with a rank's cancel, how it started:
+    :attr:`RankFailure.kind`). Names ranks by ``name(group rank)``: their global ranks. ``lost``:
+    this rank lost contact, so the failure started elsewhere (its own report, even a cancel that
+    reached it meanwhile, is not the cause). Texts: :mod:`dpq.refusals`."""
     from dpq import cancel, refusals
 
     parsed = {name(r): v.split(" ", 2) for r, v in reports.items()}  # time, raised|lost|cancelled, the error
@@ -303,7 +325,7 @@ def _failure_message(me: int, size: int, reports: dict[int, str], grace_s: float
         first = min(parsed, key=lambda r: float(parsed[r][0]))
         head = refusals.rank_reported_first(first, parsed[first][2])
     each = [f"rank {r} {parsed[r][1]}: {parsed[r][2]}" for r in sorted(parsed)]
-    return refusals.rank_failure(head, name(me), each, kind), cause
+    return refusals.rank_failure(head, name(me), each, kind), cause, kind
 
 
 class JobMismatch(ValueError):

@@ -70,6 +70,8 @@ class PlanRequest:
     price: BlockPrice | None = None
     processes: int = 1  # torchrun: the processes the lanes' exchange spans (home stages their rows)
     overlap: bool = False  # the exchange on a communication stream per lane (its allocator pool)
+    pool_samples: int | None = None  # the calibration samples there are (None: not known); caps samples_per_iter
+    caller: str = "cli"  # how a refusal's fix names settings: "cli" (auto-round-dp's flags) or "api" (parallel_tune)
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,9 @@ def _finish(plan: Plan, request: PlanRequest) -> Plan:
                    exchange_reason=exchange_reason)
 
 
-def validate_world(world: object) -> int | str:
-    """'off' | 'auto' | int >= 1 (ints may come as strings from a CLI)."""
+def validate_world(world: object, caller: str = "cli") -> int | str:
+    """'off' | 'auto' | int >= 1 (ints may come as strings from a CLI). ``caller``: how the error's
+    fix names the world (:attr:`PlanRequest.caller`)."""
     if isinstance(world, str):
         w = world.strip().lower()
         if w in ("off", "auto"):
@@ -131,7 +134,7 @@ def validate_world(world: object) -> int | str:
         if re.fullmatch(r"[0-9]+", w):  # ASCII digits only: '²'.isdigit() is True but int('²') fails
             world = int(w)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"dpq: {refusals.bad_world(world)}")
+        raise ValueError(f"dpq: {refusals.bad_world(world, caller)}")
     return world
 
 
@@ -356,7 +359,7 @@ class DeviceEntry:
     bare_index: bool = False
 
 
-def parse_device_spec(spec: str | Sequence[str | int | torch.device]) -> list[DeviceEntry]:
+def parse_device_spec(spec: str | Sequence[str | int | torch.device], caller: str = "cli") -> list[DeviceEntry]:
     """Every entry of ``'0,1' / 'cuda:0,cuda:1' / 'cpu,cpu' / [0, 'cpu', torch.device(...)]``,
     each parsed on its own, so that every malformed one can be named at once. An empty list
     comes back as one malformed entry. ``cpu:0`` is ``cpu``; accelerator entries without an
@@ -365,7 +368,7 @@ def parse_device_spec(spec: str | Sequence[str | int | torch.device]) -> list[De
     with ``device`` on the CPU and ``bare_index`` set, so that :func:`resolve` can say so."""
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     if not items or (isinstance(spec, str) and not spec.strip()):
-        return [DeviceEntry(str(spec), None, refusals.EMPTY_DEVICE_LIST)]
+        return [DeviceEntry(str(spec), None, refusals.empty_device_list(caller))]
     out = []
     for item in items:
         index = item if isinstance(item, int) and not isinstance(item, bool) else None
@@ -373,7 +376,7 @@ def parse_device_spec(spec: str | Sequence[str | int | torch.device]) -> list[De
             index = int(m.group(2) or m.group(3) or 0)
         if index is not None and index > MAX_DEVICE_INDEX:
             out.append(DeviceEntry(str(item), None, refusals.device_index_too_large(spec, str(item).strip(), index,
-                                                                                    MAX_DEVICE_INDEX)))
+                                                                                    MAX_DEVICE_INDEX, caller)))
             continue
         if isinstance(item, torch.device):
             dev = item
@@ -388,7 +391,7 @@ def parse_device_spec(spec: str | Sequence[str | int | torch.device]) -> list[De
                 continue
             dev = torch.device(m.group(1), int(m.group(2))) if m.group(2) else torch.device(m.group(1))
         else:
-            out.append(DeviceEntry(str(item), None, refusals.malformed_device_entry(spec, item)))
+            out.append(DeviceEntry(str(item), None, refusals.malformed_device_entry(spec, item, caller)))
             continue
         if dev.type == "cpu" and dev.index == 0:
             dev = torch.device("cpu")
@@ -430,7 +433,8 @@ def lane_device_errors(spec) -> list[str]:
     return list(dict.fromkeys(p for e in parse_device_spec(spec) if (p := _entry_problem(0, e, None, problems))))
 
 
-def _entry_problem(k: int, e: DeviceEntry, home: torch.device | None, problems: dict) -> str | None:
+def _entry_problem(k: int, e: DeviceEntry, home: torch.device | None, problems: dict,
+                   caller: str = "cli") -> str | None:
     """Why lane ``k`` (entry ``e``) cannot be used, or None (``home`` None: lane 0 is not checked against it)."""
     if e.error:
         return e.error
@@ -442,9 +446,9 @@ def _entry_problem(k: int, e: DeviceEntry, home: torch.device | None, problems: 
     if dev not in problems:
         problems[dev] = check_device_exists(dev)
     if problems[dev]:
-        return refusals.device_missing(problems[dev])
+        return refusals.device_missing(problems[dev], caller)
     if k == 0 and home is not None and dev != home:
-        return refusals.lane0_not_home(str(dev), str(home))
+        return refusals.lane0_not_home(str(dev), str(home), caller)
     return None
 
 
@@ -498,7 +502,7 @@ def resolve(request: PlanRequest) -> Plan:
     found: nothing found stops the search for the next (a missing device does not hide the
     device count, the device count does not hide the samples per iteration). ``auto`` keeps the
     lanes that can be served and puts every reason a lane was dropped for in ``Plan.reasons``."""
-    world = validate_world(request.world)
+    world = validate_world(request.world, request.caller)
     home = _home(request)
     if world == "off":
         return _finish(Plan([home], [refusals.PARALLEL_OFF]), request)
@@ -507,24 +511,26 @@ def resolve(request: PlanRequest) -> Plan:
     if home.type not in SUPPORTED_HOME_TYPES:
         reasons.append(refusals.unsupported_home(home.type))
     given = request.devices is not None
-    entries = parse_device_spec(request.devices) if given else \
+    entries = parse_device_spec(request.devices, request.caller) if given else \
         [DeviceEntry(str(d), d) for d in _default_devices(world, home)]
     if world != "auto" and len(entries) > world and given:
         unused = ", ".join(e.raw for e in entries[world:])
-        notes.append(refusals.unused_devices(world, len(entries), unused))
+        notes.append(refusals.unused_devices(world, len(entries), unused, request.caller))
     listed = entries if world == "auto" else entries[:world]
     problems: dict = {}
-    lane_problems = [(k, p) for k, e in enumerate(listed) if (p := _entry_problem(k, e, home, problems))]
+    lane_problems = [(k, p) for k, e in enumerate(listed) if (p := _entry_problem(k, e, home, problems,
+                                                                                   request.caller))]
     reasons += [p for _, p in lane_problems]
     reasons += [e.error for e in entries[len(listed):] if e.error]  # malformed anywhere is said too
     bad = {k for k, _ in lane_problems}
     devices = [e.device for k, e in enumerate(listed) if k not in bad]
     named = [e.raw.strip() for e in entries if e.raw.strip()]
     if world != "auto" and len(named) < world:
-        reasons.append(refusals.too_few_devices(world, named, given))
+        reasons.append(refusals.too_few_devices(world, named, given, request.caller))
     n = world if world != "auto" else len(devices)
     if n > request.samples_per_iter:
-        reasons.append(refusals.too_few_samples(n, request.samples_per_iter))
+        reasons.append(refusals.too_few_samples(n, request.samples_per_iter, request.pool_samples or 0,
+                                                request.caller))
     n = min(n, len(devices), max(1, request.samples_per_iter))
     if home.type == "hpu" and n > 1:
         reasons.append(refusals.HPU_MULTI_LANE)

@@ -19,21 +19,23 @@ __all__ = [
     "OUTPUTS_NOT_TENSORS", "OVERLAP_WHILE_OFF", "PARALLEL_OFF", "PASS_DICT_POOL", "PASS_DIST_ACTIVE",
     "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME", "RTN_ON_META", "RUN_STOPPED",
     "SIGN_STEP_UPSTREAM_CHANGED", "TASKS_UNDER_TORCHRUN", "UNSTAGED_FOR_RESUME", "accelerator_shared",
-    "auto_fewest_lanes", "auto_lanes_for_samples", "auto_round_missing", "auto_round_unsupported",
-    "auto_shared_device", "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world",
-    "block_already_quantized", "block_already_wrapped", "block_no_linear", "block_on_devices", "block_spans_devices",
-    "cancelled", "cancelled_after_move", "collection_lane_failed", "custom_backward", "device_index_too_large",
-    "device_missing", "dispatch_hooks", "forward_replaced", "group_start_failed", "home_alone", "inference_tensors",
-    "jobs_differ", "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure",
-    "lanes_hung", "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index",
-    "on_meta", "others_count", "others_device", "others_empty", "others_not_pairs", "others_on_meta", "outputs_count",
-    "outputs_shape", "parallel_timeout_bad", "pass_lane_failed_rerun", "patch_mismatch", "pool_device", "pool_dtype",
-    "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over",
-    "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first",
-    "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_is_dir", "report_unwritable",
-    "rtn_override", "samples_mismatched", "serial_every_rank", "setting_differs", "setting_type", "symbol_differs",
-    "symbol_missing", "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home",
-    "unused_devices", "weights_span", "world_size_without_launcher", "worlds_differ",
+    "auto_fewest_lanes", "auto_lanes_for_samples", "auto_round_missing", "auto_round_unsupported", "auto_shared_device",
+    "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized",
+    "block_already_wrapped", "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled",
+    "cancelled_after_move", "collection_lane_failed", "custom_backward", "device_index_too_large", "device_missing",
+    "dispatch_hooks", "empty_device_list", "forward_replaced", "group_start_failed", "hidden_size_mismatch",
+    "home_alone", "hung_process_ends", "inference_tensors", "issuing_thread_hung", "jobs_differ", "lane0_not_home",
+    "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung", "malformed_device_entry",
+    "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "not_a_folder", "on_meta", "others_count",
+    "others_device", "others_empty", "others_not_pairs", "others_on_meta", "output_is_file", "outputs_count",
+    "outputs_shape", "parallel_timeout_bad", "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable",
+    "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices",
+    "pool_spread_over", "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised",
+    "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_in_output",
+    "report_is_dir", "report_not_written", "rotary_length_mismatch", "rtn_override", "samples_mismatched",
+    "serial_every_rank", "setting_differs", "setting_type", "staging_leftovers", "symbol_differs", "symbol_missing",
+    "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home", "unused_devices",
+    "weights_span", "world_size_without_launcher", "worlds_differ",
 ]
 
 
@@ -43,8 +45,27 @@ def _list(names: Sequence[str], limit: int = 3) -> str:
 
 # -- the world and the lane devices (dpq.plan) ----------------------------------------------------
 
-_DEVICE_LIST_FIX = "Fix: --parallel_devices with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
-EMPTY_DEVICE_LIST = f"the lane device list is empty. {_DEVICE_LIST_FIX}"
+# How a fix names a setting, for whoever asked (dpq.plan.PlanRequest.caller): auto-round-dp's flags (also
+# what enable() and auto-round's own arguments are called), or dpq.parallel_tune's arguments.
+_NAMES = {
+    "cli": {"world": "--parallel_quantization", "devices": "--parallel_devices", "batch": "--batch_size"},
+    "api": {"world": "world=", "devices": "devices=", "batch": "batch_size="},
+}
+
+
+def _named(caller: str) -> dict[str, str]:
+    return _NAMES.get(caller, _NAMES["cli"])
+
+
+def _device_list_fix(caller: str = "cli") -> str:
+    return f"Fix: {_named(caller)['devices']} with entries like 0,1 or cuda:0,cuda:1 or cpu,cpu"
+
+
+def empty_device_list(caller: str = "cli") -> str:
+    return f"the lane device list is empty. {_device_list_fix(caller)}"
+
+
+EMPTY_DEVICE_LIST = empty_device_list()
 PARALLEL_OFF = ("parallel quantization is off. Fix: --parallel_quantization auto (or a world N) to tune blocks on "
                 "lanes")
 ONE_LANE = "only one lane available. Fix: --parallel_devices with one device per lane (e.g. 0,1 or cpu,cpu)"
@@ -59,24 +80,24 @@ SIGN_STEP_UPSTREAM_CHANGED = ("dpq: auto-round's SignSGD source differs from the
                               "install a checked auto-round (0.16.1 or 0.17.0.dev20261026)")
 
 
-def bad_world(world: object) -> str:
-    return (f"world must be 'off', 'auto' or an integer >= 1, got {world!r}. "
-            "Fix: pass e.g. --parallel_quantization 2 (or auto, or off).")
+def bad_world(world: object, caller: str = "cli") -> str:
+    example = "world=2 (or 'auto')" if caller == "api" else "--parallel_quantization 2 (or auto, or off)"
+    return f"world must be 'off', 'auto' or an integer >= 1, got {world!r}. Fix: pass e.g. {example}."
 
 
-def device_index_too_large(spec: object, item: str, index: int, limit: int) -> str:
+def device_index_too_large(spec: object, item: str, index: int, limit: int, caller: str = "cli") -> str:
     return (f"lane device list {spec!r}: {item!r} names device index {index}, above {limit}: torch keeps a device "
-            f"index in 8 bits, so it would silently become another device. {_DEVICE_LIST_FIX}")
+            f"index in 8 bits, so it would silently become another device. {_device_list_fix(caller)}")
 
 
-def malformed_device_entry(spec: object, item: object) -> str:
+def malformed_device_entry(spec: object, item: object, caller: str = "cli") -> str:
     """``item``: the entry as written (a string, or e.g. a float)."""
     if isinstance(item, str) and not item.strip():
         what = "an empty entry (two commas, or a comma at an end)"
     else:
         what = f"{item.strip()!r} is not a device" if isinstance(item, str) else f"{item!r} is not a device"
     return (f"lane device list {spec!r}: {what}. A lane device is an index (0), a type (cpu) or type:index "
-            f"(cuda:1). {_DEVICE_LIST_FIX}")
+            f"(cuda:1). {_device_list_fix(caller)}")
 
 
 def no_accelerator_for_index(raw: str) -> str:
@@ -88,15 +109,16 @@ def not_a_cpu_index(device: str) -> str:
     return f"lane device {device}: the CPU is one device (cpu or cpu:0). Fix: write cpu, e.g. cpu,cpu"
 
 
-def device_missing(problem: str) -> str:
+def device_missing(problem: str, caller: str = "cli") -> str:
     """``problem``: what the device query found (e.g. 'cuda:99 does not exist ...')."""
-    return f"{problem}. {_DEVICE_LIST_FIX}"
+    return f"{problem}. {_device_list_fix(caller)}"
 
 
-def lane0_not_home(device: str, home: str) -> str:
+def lane0_not_home(device: str, home: str, caller: str = "cli") -> str:
+    example = (f"devices='{home},...' (or move the block, block.to(...))" if caller == "api" else
+               f"--parallel_devices {home},... (or move the model with --device_map)")
     return (f"lane 0 is {device}, but the block is on {home}: lane 0 is the block itself (no copy), so the lane "
-            f"device list must start with the block's device. Fix: list {home} first, e.g. --parallel_devices "
-            f"{home},... (or move the model with --device_map)")
+            f"device list must start with the block's device. Fix: list {home} first, e.g. {example}")
 
 
 def lane_does_not_fit(lane: int, device: str, price: int, margin: float, free: int, *, home: bool = False) -> str:
@@ -112,21 +134,30 @@ def unsupported_home(device_type: str) -> str:
             "of those (--device_map), or --parallel_quantization off")
 
 
-def unused_devices(world: int, given: int, unused: str) -> str:
+def unused_devices(world: int, given: int, unused: str, caller: str = "cli") -> str:
     return (f"world {world} runs on the first {world} of the {given} lane devices given; {unused} not used. "
-            f"Fix: --parallel_quantization {given} to use them all")
+            f"Fix: {_named(caller)['world']} {given} to use them all")
 
 
-def too_few_devices(world: int, named: Sequence[str], given: bool) -> str:
-    n = len(named)
+def too_few_devices(world: int, named: Sequence[str], given: bool, caller: str = "cli") -> str:
+    n, arg = len(named), _named(caller)
     return (f"world {world} needs {world} lane devices but {n} {'was' if n == 1 else 'were'} "
             f"{'given' if given else 'found'}{' (' + ', '.join(named) + ')' if named else ''}. Fix: "
-            "--parallel_devices with one device per lane (e.g. cpu,cpu or 0,1), or a smaller --parallel_quantization")
+            f"{arg['devices']} with one device per lane (e.g. cpu,cpu or 0,1), or a smaller {arg['world']}")
 
 
-def too_few_samples(lanes: int, samples: int) -> str:
-    return (f"{lanes} lanes but only {samples} samples per iteration (batch_size x gradient_accumulate_steps): "
-            "every lane needs at least one sample. Fix: a smaller world or a larger --batch_size")
+def too_few_samples(lanes: int, samples: int, pool: int = 0, caller: str = "cli") -> str:
+    """``samples`` per iteration: the smaller of ``pool`` (the calibration samples there are; 0: not
+    known) and batch_size x gradient_accumulate_steps; the fix raises the one that limits it."""
+    arg = _named(caller)
+    if pool and pool <= samples:  # the calibration data is the limit, whatever the batch size
+        limit = (f"the calibration data has {pool} sample{'s' if pool != 1 else ''}" if caller != "api" else
+                 f"inputs holds {pool} sample{'s' if pool != 1 else ''}")
+        more = f"--nsamples {lanes} or more" if caller != "api" else f"at least {lanes} inputs (one tensor each)"
+    else:
+        limit, more = "batch_size x gradient_accumulate_steps", f"{arg['batch']} {lanes} or more"
+    return (f"{lanes} lanes but only {samples} sample{'s' if samples != 1 else ''} per iteration ({limit}): every "
+            f"lane needs at least one sample. Fix: {more}, or a smaller {arg['world']} (at most {samples})")
 
 
 DEVICES_WHILE_OFF = ("lane devices were given but parallel quantization is off, so they would be ignored. "
@@ -278,6 +309,19 @@ def samples_mismatched(shape0: Sequence[int], bad: Sequence[int], example: Seque
             f"(e.g. {tuple(example)}). Fix: pad or truncate every sample to one sequence length")
 
 
+def hidden_size_mismatch(size: int, widths: Sequence[str]) -> str:
+    """``widths``: the input widths of the block's Linear layers (one of them takes the hidden states)."""
+    return (f"inputs have hidden size {size} (their last dimension), but none of the block's Linear layers takes "
+            f"{size} features (they take {', '.join(widths)}): these are not this block's inputs. Fix: pass the "
+            "hidden states that enter this block, e.g. captured with dpq.demo.model.capture_block_inputs or from "
+            "auto-round's cache")
+
+
+def rotary_length_mismatch(length: int, seq: int) -> str:
+    return (f"input_others['position_embeddings'] cover {length} positions but the inputs have {seq}. Fix: pass "
+            "the (cos, sin) pairs computed for these inputs' sequence length, or leave the key out")
+
+
 OUTPUTS_NOT_TENSORS = ("outputs must be a list of tensors. Fix: one reference output per input, or None to compute "
                        "them from the fp block")
 
@@ -389,8 +433,42 @@ def report_is_dir(path: str, suggestion: str) -> str:
         f"{suggestion}"
 
 
-def report_unwritable(path: str, why: str) -> str:
-    return f"--parallel_report {path} cannot be written ({why}). {_REPORT_FIX}"
+_OUTPUT_FIX = "Fix: --output_dir with a folder this user can write (it is made if missing)"
+
+
+def _place_fix(flag: str) -> str:
+    """The fix for a place ``flag`` (--output_dir, else --parallel_report) cannot write."""
+    return _OUTPUT_FIX if flag == "--output_dir" else _REPORT_FIX
+
+
+def not_a_folder(flag: str, path: str, blocker: str) -> str:
+    """``blocker``: the existing file on ``path``'s way where a folder must be."""
+    return f"{flag} {path}: {blocker} is a file, not a folder, so nothing can be made under it. {_place_fix(flag)}"
+
+
+def place_unwritable(flag: str, path: str, where: str) -> str:
+    """``where``: the file, or the nearest existing folder, that this user cannot write."""
+    return f"{flag} {path} cannot be written: this user may not write {where}. {_place_fix(flag)}"
+
+
+def report_in_output(path: str, output_dir: str) -> str:
+    return (f"--parallel_report {path} is where auto-round saves the model in --output_dir {output_dir} (its model "
+            "folder, or a model file's name): the report would overwrite one of the model's files (e.g. its "
+            "config.json) or be replaced by the save. Fix: a path outside the model's folder, e.g. --parallel_report "
+            f"{output_dir.rstrip('/') or '.'}/dpq_report.json")
+
+
+def output_is_file(path: str) -> str:
+    return (f"--output_dir {path} is an existing file, not a folder: auto-round saves the model into a folder there. "
+            "Fix: another --output_dir, or move that file away")
+
+
+def report_not_written(path: str, why: str, model_complete: bool) -> str:
+    """The report could not be written at the run's end (checked at start; the place may have changed since)."""
+    model = ("the model is complete and in place (exit status 0)" if model_complete else
+             "the run's own failure is said above")
+    return (f"--parallel_report {path} could not be written ({why}); {model}. Fix: a --parallel_report in a folder "
+            "with room that this user can write, next time")
 
 
 def cancelled(cause: str) -> str:
@@ -402,6 +480,14 @@ def cancelled(cause: str) -> str:
 def cancelled_after_move(cause: str) -> str:
     return (f"the run was cancelled ({cause}) while its finished model was being moved into --output_dir: that move "
             "completed, so --output_dir holds the whole new model. Fix: none needed; the model is complete")
+
+
+def staging_leftovers(folders: Sequence[str]) -> str:
+    """Staging folders (dpq.staging) of runs into the same --output_dir that were killed before they could
+    remove them, each holding part of a model."""
+    return (f"runs into this --output_dir that were killed left part of their output in {', '.join(folders)} (never "
+            "a complete model; dpq removes such a folder by itself only when it holds nothing). Fix: remove them "
+            "(rm -r) to free the space; --output_dir itself is not affected")
 
 
 RUN_STOPPED = ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process, "
@@ -473,6 +559,31 @@ def lanes_hung(block: str, world: int, communicator: str, lanes: str, waited_s: 
             "no abort, a copy between devices has none either), so this process cannot use those GPUs again and the "
             "block could not be put back. Fix: restart the run; install CuPy's NCCL (pip install dpq[cuda12]), whose "
             "communicators can be aborted, or raise --parallel_timeout if the block's iterations are that slow")
+
+
+def issuing_thread_hung(block: str, world: int, doing: str, iteration: int, waited_s: float, timeout_s: float,
+                        communicator: str, aborted: bool) -> str:
+    """The iteration watchdog (dpq.watchdog): the issuing thread spent --parallel_timeout in one iteration
+    outside the waits that check their own deadline; ``doing``: where it was (e.g. "lane 0's forward");
+    ``aborted``: aborting the communicator ended work it may wait for (NCCL's abort)."""
+    comm = (f"the {communicator} communicators were aborted, which ends the collectives it may wait for" if aborted
+            else f"the {communicator} communicator has no queued work an abort could end")
+    return (f"{block} at world {world}: the issuing thread has been in {doing} (iteration {iteration}) for "
+            f"{waited_s:.1f} s, past --parallel_timeout {timeout_s:g} s, stuck where no check of its own runs (a "
+            f"device or NCCL call, a C library); {comm}. Fix: if an iteration of this block takes that long (a "
+            "first iteration's torch.compile, a large block on a slow device), raise --parallel_timeout; otherwise "
+            "see what the thread waits for (py-spy dump --pid <pid>; NCCL_DEBUG=WARN for NCCL) and rerun")
+
+
+def hung_process_ends(hung: str, grace_s: float) -> str:
+    """``hung``: :func:`issuing_thread_hung`'s text; the thread did not come back ``grace_s`` later, so the
+    command's process ends (the staging folder removed, the report written)."""
+    problem, _, fix = hung.partition(" Fix: ")
+    fix = fix or "raise --parallel_timeout if this block's iterations take that long"
+    return (f"{problem.rstrip('. ')}. It did not come back within {grace_s:g} s more and cannot be stopped from "
+            "outside, so this process ends (exit status 1): --output_dir is left as it was (what the run wrote was "
+            "removed), and --parallel_report, if given, names this block and the blocks finished before it. Fix: "
+            + fix)
 
 
 # -- the installed auto-round (dpq.autoround.compat, dpq.autoround.patches) ----------------------

@@ -37,6 +37,7 @@ import copy
 import itertools
 import random
 import socket
+import threading
 import time
 import traceback
 from collections import OrderedDict
@@ -45,10 +46,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from dpq import cancel, refusals
 from dpq.comm_streams import CommStreams, comm_lanes
 from dpq.communicators import make_communicator, select_communicator
 from dpq.compiles import CompileWatch
-from dpq.distributed import ProcessSet, RankPlan, Topology, agree, peer_lost
+from dpq.distributed import ProcessSet, RankPlan, Topology, agree, in_collective, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.nccl_lifecycle import NcclInitFailed
@@ -56,6 +58,7 @@ from dpq.plan import ONE_LANE_EXCHANGE, BlockPrice, Plan, PlanRefused, PlanReque
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
+from dpq.watchdog import GRACE_S
 
 __all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "LaneRun", "SessionConfig", "agree_plan", "lanes_for",
            "plan_for", "release_run", "run"]
@@ -93,9 +96,10 @@ class SessionConfig:
     # --parallel_timeout: how long the host waits for an iteration's work (dpq.tune_loop: the watchdog)
     # and, across processes, a collective for the other ranks (the process group's timeout).
     timeout: float = DEFAULT_TIMEOUT_S
+    caller: str = "cli"  # how a refusal's fix names settings (dpq.plan.PlanRequest.caller)
 
     def __post_init__(self) -> None:
-        self.world = validate_world(self.world)
+        self.world = validate_world(self.world, self.caller)
 
     def watchdog_s(self) -> float:
         """The readback's deadline: the timeout in one process; across processes a little less
@@ -196,6 +200,7 @@ class BlockTask:
     start: Callable[[LaneRun], TuneSpec | None]
     finish: Callable[[LoopOutcome | None, LaneRun], object]
     samples_per_iter: int
+    pool_samples: int | None = None  # the calibration samples there are (a refusal names the limit)
     home: torch.device | str | None = None
     pure_sign: bool = False
     mirror_bytes: int | None = None
@@ -235,6 +240,7 @@ class BlockRun:
 def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
     """The block's plan (raises :class:`dpq.plan.PlanRefused` for an explicit world it cannot serve)."""
     return resolve(PlanRequest(world=config.world, devices=config.devices, samples_per_iter=task.samples_per_iter,
+                               pool_samples=task.pool_samples, caller=config.caller,
                                home=task.home, extra_reasons=list(task.extra_reasons),
                                mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign, price=task.price,
                                processes=config.processes.size if config.processes is not None else 1,
@@ -376,6 +382,7 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
             reduction=spec.reduction, micro_batch=spec.micro_batch, loss_scale=spec.loss_scale,
             sample_numel=spec.sample_numel, debug_identical=config.debug_identical,
             one_op_sign_step=spec.one_op_sign_step, timeout_s=config.watchdog_s(), name=task.name,
+            on_stuck=_end_stuck_run(procs), in_collective=_issuer_in_collective(procs),
         )
         ran = replace(ran, step=engine.step_note)
         outcome = run_loop(engine, spec)
@@ -398,6 +405,31 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
             engine.close()
         replicas.close(release_cache=not stuck)  # emptying the cache frees device memory: a device sync
     return outcome, task.finish(outcome, ran), ran
+
+
+def _end_stuck_run(procs: ProcessSet | None) -> Callable[[str], None] | None:
+    """How the iteration watchdog ends a run whose issuing thread does not come back (dpq.watchdog):
+    only the command's process is ended (:func:`dpq.cancel.installed`; a library caller's never is,
+    None), its hang first reported to the other ranks, then said, reported, the staging folder
+    removed (:func:`dpq.cancel.end_process`), exit status 1."""
+    if not cancel.installed():
+        return None
+
+    def end(hung: str) -> None:
+        said = "dpq: " + refusals.hung_process_ends(hung.removeprefix("dpq: "), GRACE_S)
+        if procs is not None:
+            procs.report_failure(said.removeprefix("dpq: "))
+        cancel.end_process(1, "hung", said)
+
+    return end
+
+
+def _issuer_in_collective(procs: ProcessSet | None) -> Callable[[], bool] | None:
+    """Several processes: whether this (the issuing) thread waits in a collective for other ranks."""
+    if procs is None:
+        return None
+    issuer = threading.get_ident()
+    return lambda: in_collective(issuer)
 
 
 def _exchange_communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],

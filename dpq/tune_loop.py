@@ -40,7 +40,12 @@ The watchdog (R8 of ``dpq.streams``): the readback polls its copies' events agai
 expiry or an error the communicator is aborted (NCCL's abort ends the work queued on the lanes)
 and :class:`LanesHung` names the block, the communicator and the lanes whose work had not
 finished; the session's failure policy then applies (contract 6), unless the abort could not end
-that work (``LanesHung.stuck``): then nothing more is queued on those devices.
+that work (``LanesHung.stuck``): then nothing more is queued on those devices. The issuing thread
+itself, stuck where no check of its own runs, is watched by another thread that holds each
+iteration's deadline (:class:`dpq.watchdog.IterationWatchdog`: it aborts the communicators, and
+ends the process when the thread does not come back and the process is the command's); the
+engine notes where the thread is (``doing``) for its text, and raises :class:`LanesHung` at the next
+iteration (or the loop's end) when a deadline passed while the thread was away.
 
 Stream order (rules R0-R7 in ``dpq.streams``): lane 0 is the current stream; each lane's
 optimizer state is built under the lane's stream (it is read and written there only); each
@@ -54,9 +59,10 @@ communicators join the lanes they touch (R4). The caller's teardown joins everyt
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -69,6 +75,7 @@ from dpq.mirror import ReplicaSet
 from dpq.sign_step import foreach_sign_step, step_choice
 from dpq.split import chunks, contiguous_ranges
 from dpq.streams import HostCopy, Lane, WaitExpired, wait_events
+from dpq.watchdog import IterationWatchdog
 
 __all__ = ["LaneLoss", "LanesHung", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "run_loop"]
 
@@ -129,6 +136,8 @@ class TuneEngine:
         one_op_sign_step: bool = False,
         timeout_s: float | None = None,
         name: str = "the block",
+        on_stuck: Callable[[str], None] | None = None,
+        in_collective: Callable[[], bool] | None = None,
     ) -> None:
         if reduction not in ("mean", "sum"):
             raise ValueError(f"dpq: reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -179,10 +188,53 @@ class TuneEngine:
         # The issuing thread's host time in backward() and step(), less the backward calls and the
         # readback (waits): on accelerator lanes, the issue cost dpq.cost_model prices.
         self.issue_s = 0.0
+        # Where the issuing thread is (what it does, the global lane or None) and in which iteration: the
+        # iteration watchdog's text. It holds each iteration's deadline from another thread (timeout_s
+        # set): ``on_stuck`` ends a run whose issuing thread does not come back (None: not this run's to
+        # end), ``in_collective`` says it waits for other ranks (dpq.watchdog).
+        self.doing: tuple[str, int | None] = ("loop", None)
+        self.iteration = -1
+        self.watch = IterationWatchdog(timeout_s, self._expired, on_stuck, in_collective=in_collective or (
+            lambda: False), name=f"dpq-watchdog {name}") if timeout_s is not None else None
 
     @property
     def lanes(self) -> list[Lane]:
         return self.replicas.lanes
+
+    def begin_iteration(self, i: int) -> None:
+        """Iteration ``i`` starts: its deadline armed (dpq.watchdog). Raises :class:`LanesHung` when
+        the previous one's passed (the thread came back late; the communicators are aborted)."""
+        self.iteration, self.doing = i, ("loop", None)
+        if self.watch is not None:
+            self._raise_if_expired()
+            self.watch.arm()
+
+    @contextlib.contextmanager
+    def deadlines(self) -> Iterator[None]:
+        """Around the loop: a deadline that passed in its last iteration raises at its end; the
+        deadline is dropped however the loop ends."""
+        try:
+            yield
+            if self.watch is not None:
+                self._raise_if_expired()
+        finally:
+            if self.watch is not None:
+                self.watch.disarm()
+
+    def _raise_if_expired(self) -> None:
+        if self.watch.expired is not None:
+            raise LanesHung(self.watch.expired, stuck=False, peer_lost=self.world > len(self.lanes))
+
+    def _expired(self, waited_s: float) -> str:
+        """The iteration watchdog's expiry, in its thread: the communicator aborted, and what hung where."""
+        comm = getattr(self.exchange, "comm", None)
+        name = comm.name if comm is not None else "local"
+        reason = f"the watchdog (the issuing thread passed --parallel_timeout {self.timeout_s:g} s)"
+        ended = bool(comm.abort(reason)) if comm is not None else False
+        what, lane = self.doing
+        doing = f"lane {lane}'s {what}" if lane is not None else _DOING.get(what, what)
+        return "dpq: " + refusals.issuing_thread_hung(self.name, self.world, doing, self.iteration + 1, waited_s,
+                                                      self.timeout_s, name, ended)
 
     def _weight(self, chunk: list[int], serial_chunk_numel: int) -> float:
         if self.reduction == "sum":
@@ -222,6 +274,7 @@ class TuneEngine:
                 if m >= len(per_lane[offset + k]):
                     continue
                 chunk = per_lane[offset + k][m]
+                self.doing = ("forward", offset + k)
                 with lane.issue():
                     loss = self.lane_loss(lane, self.replicas.modules[k], chunk)
                     w = self._weight(chunk, ref_numel) if world > 1 else 1.0
@@ -249,6 +302,7 @@ class TuneEngine:
             else:
                 self._backward(roots, seeds)
                 if world > 1:  # world 1: one lane already holds the full gradient
+                    self.doing = ("exchange", None)
                     self.exchange.exchange(self.buckets)
         self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
         self.issue_s += time.perf_counter() - t_start  # the backward calls took theirs off
@@ -302,11 +356,13 @@ class TuneEngine:
         return torch.stack(out).tolist()  # host memory: no further wait
 
     def _wait(self, readback: list[HostCopy]) -> None:
-        """The watchdog (module docstring): the readback's copies, polled against ``timeout_s``."""
+        """The watchdog (module docstring): the readback's copies, polled against ``timeout_s`` (the
+        iteration watchdog suspended meanwhile: this wait checks its own deadline)."""
         comm = getattr(self.exchange, "comm", None)
         events = [copy.event for copy in readback]
         try:
-            wait_events(events, self.timeout_s, comm.check_async_error if comm is not None else None)
+            with self.watch.waiting() if self.watch is not None else contextlib.nullcontext():
+                wait_events(events, self.timeout_s, comm.check_async_error if comm is not None else None)
         except Exception as err:
             pending = err.pending if isinstance(err, WaitExpired) else [k for k, e in enumerate(events)
                                                                        if e is not None and not e.query()]
@@ -354,6 +410,7 @@ class TuneEngine:
                 send.append(torch.cat([torch.stack(mine), check]).view(torch.uint8))
                 recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
         comm = self.exchange.comm
+        self.doing = ("loss gather", None)
         comm.begin_bucket()  # communication streams (dpq.comm_streams): C1 ...
         comm.all_gather(send, recv)
         comm.join()  # ... and C2: the lanes' streams wait for the gather
@@ -380,6 +437,8 @@ class TuneEngine:
             self.buckets = None
         self.optimizers.clear()
         self.schedulers.clear()
+        if self.watch is not None:
+            self.watch.close()
 
     def release_grads(self) -> None:
         """Every tuned ``.grad`` back to None (the run is over; or world 1's next backward)."""
@@ -390,6 +449,7 @@ class TuneEngine:
         """Every lane applies the same update (optimizer step, lr schedule); the grads are zeroed
         (or dropped) before the next backward, not here."""
         t_start = time.perf_counter()
+        self.doing = ("step", None)
         if self.one_op_sign_step:
             foreach_sign_step(self.optimizers, self.lanes, sign_first=self._sign_first)
         for lane, opt, sched in zip(self.lanes, self.optimizers, self.schedulers, strict=True):
@@ -404,9 +464,16 @@ class TuneEngine:
 
     def _backward(self, roots: list[torch.Tensor], seeds: list[torch.Tensor]) -> None:
         if roots:  # across processes, a rank's lanes may all have fewer micro-steps than the longest lane
+            self.doing = ("backward", None)
             t_start = time.perf_counter()
             torch.autograd.backward(roots, seeds)  # on accelerators autograd's device threads run it
             self.issue_s -= time.perf_counter() - t_start
+
+
+# what the issuing thread does, in the watchdog's words (a lane's forward is "lane N's forward")
+_DOING = {"loop": "the loop's own work (the sampler, the best-value snapshot)", "backward": "the backward",
+          "exchange": "the gradient exchange", "loss gather": "the gather of the lanes' losses",
+          "step": "the optimizer step"}
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -487,35 +554,38 @@ def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
     best_params: dict = {}
     last_best_iter, init_loss, total_loss = 0, None, 0
     losses, drawn, wire = [], [], 0
-    for i in range(spec.iters):
-        if spec.on_iteration is not None:
-            spec.on_iteration(i, engine.replicas.modules)
-        global_indices = index_sampler.next_batch()
-        drawn.append(list(global_indices))
-        if spec.token_counts:
-            num_elm = sum(spec.token_counts[j] for j in global_indices)
-        num_elm = 1 if num_elm <= 0 else num_elm
-        total_loss = 0
-        for step_loss in engine.backward(global_indices):
-            total_loss += step_loss / num_elm
-        wire += engine.last.wire_bytes
-        losses.append(total_loss)
-        if i == 0:
-            init_loss = total_loss
-        if spec.progress is not None:
-            spec.progress(i, total_loss)
-        if total_loss < best_loss:
-            best_loss = total_loss
-            # The snapshot reads home (lane 0) on the current stream, which is lane 0's stream
-            # (R0): lane 0's step below is queued after it, so it cannot overwrite what is read.
-            if not spec.not_use_best_mse:
+    with engine.deadlines():  # each iteration's deadline, held by the iteration watchdog (dpq.watchdog)
+        for i in range(spec.iters):
+            engine.begin_iteration(i)
+            if spec.on_iteration is not None:
+                spec.on_iteration(i, engine.replicas.modules)
+            global_indices = index_sampler.next_batch()
+            drawn.append(list(global_indices))
+            if spec.token_counts:
+                num_elm = sum(spec.token_counts[j] for j in global_indices)
+            num_elm = 1 if num_elm <= 0 else num_elm
+            total_loss = 0
+            for step_loss in engine.backward(global_indices):
+                total_loss += step_loss / num_elm
+            engine.doing = ("loop", None)
+            wire += engine.last.wire_bytes
+            losses.append(total_loss)
+            if i == 0:
+                init_loss = total_loss
+            if spec.progress is not None:
+                spec.progress(i, total_loss)
+            if total_loss < best_loss:
+                best_loss = total_loss
+                # The snapshot reads home (lane 0) on the current stream, which is lane 0's stream
+                # (R0): lane 0's step below is queued after it, so it cannot overwrite what is read.
+                if not spec.not_use_best_mse:
+                    best_params = spec.best_params(block)
+                    last_best_iter = i
+            if spec.not_use_best_mse and i == spec.iters - 1:
                 best_params = spec.best_params(block)
-                last_best_iter = i
-        if spec.not_use_best_mse and i == spec.iters - 1:
-            best_params = spec.best_params(block)
-        if not spec.not_use_best_mse and 0 < spec.dynamic_max_gap <= i - last_best_iter:
-            break
-        engine.step()
+            if not spec.not_use_best_mse and 0 < spec.dynamic_max_gap <= i - last_best_iter:
+                break
+            engine.step()
     engine.release_grads()  # the grads (world > 1: views of the buffers) go with the run
     best_iter = spec.iters if spec.not_use_best_mse else last_best_iter
     reported = total_loss if spec.not_use_best_mse else best_loss

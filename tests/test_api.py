@@ -528,3 +528,38 @@ def test_two_threads_tune_as_they_would_one_after_the_other(tiny_block):
     random.setstate(state)
     tune_one(1)
     assert random.getstate() == state
+
+
+def test_too_few_inputs_names_parallel_tunes_arguments(tiny_block):
+    """Issue 31, item 8: ``parallel_tune`` with 2 inputs at world 4 said "Fix: a smaller world or a larger
+    --batch_size": a CLI flag, and not the limit (the 2 inputs, with batch_size 4)."""
+    _, inputs, _ = tiny_block
+    msg = _refused(tiny_block, r"every lane needs at least one sample", inputs=list(inputs[:2]), world=4,
+                   devices="cpu,cpu,cpu,cpu")
+    assert "4 lanes but only 2 samples per iteration (inputs holds 2 samples)" in msg, msg
+    assert "Fix: at least 4 inputs (one tensor each), or a smaller world= (at most 2)" in msg
+    assert "--" not in msg, msg  # no command-line flag in an API error
+    msg = _refused(tiny_block, r"world 3 needs 3", world=3, devices="cpu,cpu")
+    assert "Fix: devices= with one device per lane" in msg and "a smaller world=" in msg and "--" not in msg, msg
+
+
+def test_inputs_that_do_not_fit_the_block_are_refused_before_work(tiny_block):
+    """Issue 31, item 15: inputs of another hidden size raised torch's "The size of tensor a (256) must
+    match the size of tensor b (100)" from inside the run, not the list of problems with their fixes."""
+    _, inputs, _ = tiny_block
+    msg = _refused(tiny_block, r"inputs have hidden size 100", inputs=[torch.randn(*t.shape[:-1], 100) for t in inputs])
+    assert "none of the block's Linear layers takes 100 features (they take 256, " in msg, msg
+    short = [t[:, :16] for t in inputs]  # the rotary embeddings were computed for 32 positions
+    msg = _refused(tiny_block, r"position_embeddings'\] cover 32 positions but the inputs have 16", inputs=short)
+    assert "Fix: pass the (cos, sin) pairs computed for these inputs' sequence length" in msg
+
+
+def test_world_and_device_errors_name_parallel_tunes_arguments(tiny_block):
+    """Issue 31 ("API errors name API arguments"): a bad world and a lane device that does not exist said
+    "--parallel_quantization" and "--parallel_devices" to a Python caller."""
+    msg = _refused(tiny_block, r"world must be 'off', 'auto' or an integer >= 1", world=0)
+    assert "Fix: pass e.g. world=2 (or 'auto')" in msg and "--" not in msg, msg
+    msg = _refused(tiny_block, r"cuda:99 does not exist", world=2, devices=["cpu", "cuda:99"])
+    assert "Fix: devices= with entries like" in msg and "--" not in msg, msg
+    msg = _refused(tiny_block, r"'gpu' is not a device", world=2, devices="cpu,gpu")
+    assert "--" not in msg, msg

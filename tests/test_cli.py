@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dpq import refusals
 from dpq.autoround import cli
 
 NO_SUCH_GPU = "cuda:99"  # cannot exist here, nor on a lent GPU machine
@@ -44,14 +45,96 @@ def test_flag_problems_exit_2(capsys, monkeypatch, argv, needle):
     assert rc == 2 and needle in err, err
 
 
-def test_unwritable_report_path_is_refused_first(capsys, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)
+def _refused_paths(capsys, monkeypatch, tmp_path, *argv: str) -> str:
+    """``argv`` refused with exit 2 before anything loads; nothing under ``tmp_path`` created, changed or
+    deleted (symlinks compared as links). Returns what was said."""
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)  # importing auto-round's CLI would fail
+    before = _listing(tmp_path)
+    rc, err = run_main(capsys, *argv)
+    assert rc == 2 and "Traceback" not in err, err
+    assert _listing(tmp_path) == before
+    return err
+
+
+def _listing(root: Path) -> dict[str, object]:
+    """Every entry under ``root`` (not following symlinks): a link's target, a file's bytes, or 'dir'."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = f"-> {p.readlink()}" if p.is_symlink() else p.read_bytes() if p.is_file() else "dir"
+    return out
+
+
+def test_a_report_path_through_a_file_says_the_file_is_not_a_folder(capsys, tmp_path, monkeypatch):
+    """Issue 31, item 7: ``--parallel_report afile/r.json`` with ``afile`` a file said "cannot be written
+    (File exists)"; the problem is that ``afile`` is not a folder."""
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    rc, err = run_main(capsys, "--parallel_quantization", "auto", "--parallel_report", str(blocker / "r.json"))
-    assert rc == 2 and "cannot be written" in err, err
-    assert cli.report_path_errors(str(tmp_path / "new" / "r.json")) == []
-    assert not (tmp_path / "new" / "r.json").exists()  # the check leaves no file behind
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "auto", "--parallel_report",
+                         str(blocker / "sub" / "r.json"), "--output_dir", str(tmp_path / "out"))
+    assert f"{blocker} is a file, not a folder" in err and "Fix: --parallel_report with a file path" in err, err
+
+
+def test_a_refused_run_leaves_a_report_symlink_alone(capsys, tmp_path, monkeypatch):
+    """Issue 31, item 1: a report path that is a symlink to a missing file, with a refused world: the
+    link was deleted and an empty target file created. Nothing is touched now, and the path itself is
+    fine (the report would be written at the link's target)."""
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "0", "--parallel_report",
+                         str(link), "--output_dir", str(tmp_path / "out"))
+    assert "world must be 'off', 'auto' or an integer" in err and "parallel_report" not in err, err
+    assert link.is_symlink() and not (tmp_path / "target.json").exists()
+
+
+def test_a_refused_run_makes_no_folder_for_its_report(capsys, tmp_path, monkeypatch):
+    """Issue 31, item 6: a refused run created the report's parent folders (``newdir/sub/``)."""
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "0", "--parallel_report",
+                         str(tmp_path / "newdir" / "sub" / "r.json"), "--output_dir", str(tmp_path / "out"))
+    assert "world must be" in err and not (tmp_path / "newdir").exists()
+
+
+def test_a_report_inside_the_output_is_refused(capsys, tmp_path, monkeypatch):
+    """Issue 31, item 5: ``--parallel_report <output>/data-w4g128/config.json`` overwrote the saved model's
+    config.json with the report (exit 0). Refused before the run: in a folder inside the output (where
+    auto-round puts the model), through a symlink to it too, or under a model file's name in the output
+    itself; a report of its own name beside the model's folder is fine (a rerun keeps it)."""
+    out = tmp_path / "out"
+    (out / "data-w4g128").mkdir(parents=True)
+    (out / "data-w4g128" / "config.json").write_text("{}")
+    (tmp_path / "alias").symlink_to(out)
+    for report in (out / "data-w4g128" / "config.json", out / "new" / "r.json", tmp_path / "alias" / "m" / "r.json",
+                   out / "config.json", out / "model.safetensors"):
+        err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "1", "--parallel_report",
+                             str(report), "--output_dir", str(out))
+        assert f"--parallel_report {report} is where auto-round saves the model in --output_dir {out}" in err, err
+        assert f"Fix: a path outside the model's folder, e.g. --parallel_report {out}/dpq_report.json" in err
+    from dpq.autoround.outputs import path_errors
+
+    for fine in (tmp_path / "r.json", tmp_path / "new" / "r.json", out / "dpq_report.json"):  # beside the model
+        assert path_errors(str(fine), str(out)) == []
+    assert not (tmp_path / "new").exists() and not (tmp_path / "r.json").exists()  # the check creates nothing
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    """Issue 31, item 12: ``--output_dir`` an existing file failed only after the whole quantization,
+    with a NotADirectoryError traceback from the staging's commit."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "1", "--output_dir", str(afile))
+    assert f"--output_dir {afile} is an existing file, not a folder" in err and "Fix: another --output_dir" in err
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "1", f"--output_dir={afile}/o")
+    assert f"--output_dir {afile}/o: {afile} is a file, not a folder" in err, err
+
+
+def test_the_output_dir_default_is_auto_rounds():
+    from auto_round.cli.parser import build_quantize_parser
+
+    from dpq.autoround.outputs import DEFAULT_OUTPUT_DIR, output_dir_of
+
+    assert build_quantize_parser(prog="x").parse_args(["--model", "m"]).output_dir == DEFAULT_OUTPUT_DIR
+    assert output_dir_of(["--model", "m"]) == DEFAULT_OUTPUT_DIR
+    assert output_dir_of(["--output_dir", "a", "--iters", "2"]) == output_dir_of(["--output=a"]) == "a"
 
 
 # -- the real CLI in a subprocess, on the embedded model, stopped early --
@@ -76,10 +159,11 @@ def test_cli_refusal_lists_every_reason_as_a_message(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     err = proc.stderr
     assert "Traceback" not in err, err[-3000:]
-    for needle in (f"{NO_SUCH_GPU} does not exist", "world 4 needs 4 lane devices", "4 lanes but only 1 samples",
+    for needle in (f"{NO_SUCH_GPU} does not exist", "world 4 needs 4 lane devices", "4 lanes but only 1 sample per",
                    "LFQ loss"):
         assert needle in err, (needle, err[-3000:])
-    assert "the requested parallel quantization cannot run" in json.loads(report.read_text())["error"]
+    error = json.loads(report.read_text())["error"]
+    assert error["kind"] == "refused" and "the requested parallel quantization cannot run" in error["message"]
 
 
 def earlier_model(out: Path) -> dict[str, bytes]:
@@ -124,7 +208,9 @@ def test_cli_lane_failure_says_what_was_kept(tmp_path):
     assert tree_bytes(tmp_path / "out") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl", "out", "report.json"]
     body = json.loads(report.read_text())
-    assert [b["name"] for b in body["blocks"]] == ["model.layers.0"] and "model.layers.1" in body["error"]
+    assert [b["name"] for b in body["blocks"]] == ["model.layers.0"]
+    assert body["error"]["kind"] == "lane_failed" and body["error"]["where"] == "model.layers.1"
+    assert "a lane failed while tuning model.layers.1" in body["error"]["message"]
 
 
 def test_requires_python_is_auto_rounds():
@@ -193,3 +279,71 @@ def test_cli_world_reaches_the_engine_through_arguments(tmp_path):
     blocks = [f"model.layers.{i}" for i in range(layers)]
     assert hops == [["enable", 2, "cpu,cpu"]] + [h for b in blocks for h in (["session.run", 2, b, 2],
                                                                              ["TuneEngine", b, 2])], hops
+
+
+# -- issue 31: nothing of the user's is touched, and every end of a run is reported --
+
+@pytest.fixture(scope="module")
+def rerun(tmp_path_factory) -> dict:
+    """One successful run into an output that holds an earlier model with the user's own file in its
+    folder, beside two staging folders of killed runs (one with a partial shard, one empty), its
+    report sent to /dev/full (the write fails at the end, ENOSPC)."""
+    tmp = tmp_path_factory.mktemp("rerun")
+    before = earlier_model(tmp / "out")
+    model_dir = next((tmp / "out").iterdir())
+    (model_dir / "inner_notes.txt").write_text("the user's")
+    for name, files in ((".out.dpq-partial-dead0001", ("x.safetensors",)), (".out.dpq-partial-dead0002", ())):
+        (tmp / name).mkdir()
+        for f in (".dpq-owner", *files):  # dpq.staging.OWNER (tests/test_staging.py holds it to this name)
+            (tmp / name / f).write_bytes(b"")
+    proc = _cli(tmp, "--iters", "1", "--batch_size", "4", "--parallel_quantization", "1", "--parallel_report",
+                "/dev/full")
+    return {"proc": proc, "tmp": tmp, "before": before, "model_dir": model_dir}
+
+
+def test_a_rerun_keeps_the_users_file_in_the_model_folder(rerun):
+    """Issue 31, item 2 (through the CLI; tests/test_staging.py has the merge): the staged folder
+    replaced the whole model folder, deleting the user's note beside the model."""
+    proc, model_dir = rerun["proc"], rerun["model_dir"]
+    assert (model_dir / "inner_notes.txt").read_text() == "the user's", proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rel = f"{model_dir.name}/model.safetensors"
+    assert (model_dir / "model.safetensors").read_bytes() != rerun["before"][rel]  # the model itself was replaced
+
+
+def test_a_later_run_names_or_removes_killed_runs_staging_folders(rerun):
+    """Issue 31, item 9: staging folders of killed runs stayed beside the output, unmentioned."""
+    proc, tmp = rerun["proc"], rerun["tmp"]
+    assert f"left part of their output in {tmp / '.out.dpq-partial-dead0001'} " in proc.stderr, proc.stderr[-3000:]
+    assert refusals.staging_leftovers([str(tmp / ".out.dpq-partial-dead0001")]) in proc.stderr
+    assert "removed the empty staging folders of killed runs: " + str(tmp / ".out.dpq-partial-dead0002") in proc.stderr
+    assert sorted(p.name for p in tmp.iterdir()) == [".out.dpq-partial-dead0001", "calib.jsonl", "out"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_report_that_cannot_be_written_leaves_a_complete_model_a_success(rerun):
+    """Issue 31, item 13: ``--parallel_report /dev/full``: the model was complete and in place, yet exit 1
+    and the same error printed twice. Exit 0 now (the model is complete), said once."""
+    proc = rerun["proc"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = refusals.report_not_written("/dev/full", "No space left on device", True)
+    assert proc.stderr.count("/dev/full") == 1 and said in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_failed_save_is_reported_as_a_failure(tmp_path):
+    """Issue 31, item 4: a save that fails (a full disk: every safetensors write raises ENOSPC) left the
+    output untouched but the report read like a success (world, devices, every block, no error)."""
+    prelude = ("import errno, safetensors.torch as st\n"
+               "def full(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device')\n"
+               "st.save_file = full\n")
+    report = tmp_path / "report.json"
+    before = earlier_model(tmp_path / "out")
+    proc = _cli(tmp_path, "--iters", "1", "--batch_size", "4", "--parallel_quantization", "1", "--parallel_report",
+                str(report), prelude=prelude)
+    assert proc.returncode != 0 and "No space left on device" in proc.stderr, proc.stderr[-3000:]
+    assert tree_bytes(tmp_path / "out") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl", "out", "report.json"]
+    error = json.loads(report.read_text())["error"]
+    # where: None (auto-round's immediate saving writes the shards after the last block, before its save)
+    assert error == {"kind": "error", "where": None, "message": "OSError: [Errno 28] No space left on device"}

@@ -464,9 +464,9 @@ def test_a_cancel_is_reported_and_named(monkeypatch):
     rank0, rank1 = ProcessSet(0, 2, store), ProcessSet(1, 2, store)
     rank1.report_cancel("SIGTERM")
     assert not rank0.cancelled_everywhere()
-    message, cause = _failure_message(0, 2, {0: "2.0 lost RuntimeError: closed", 1: store.get(rank1._key(1)).decode()},
-                                      5.0, True, lambda r: r)
-    assert message.startswith("dpq: rank 1 was cancelled (SIGTERM)") and cause == signal.SIGTERM
+    reports = {0: "2.0 lost RuntimeError: closed", 1: store.get(rank1._key(1)).decode()}
+    message, cause, kind = _failure_message(0, 2, reports, 5.0, True, lambda r: r)
+    assert message.startswith("dpq: rank 1 was cancelled (SIGTERM)") and cause == signal.SIGTERM and kind == "cancelled"
     assert "Fix: rerun the whole job when it should run" in message
     rank0.report_cancel("SIGTERM")
     assert rank0.cancelled_everywhere()

@@ -601,7 +601,7 @@ def test_auto_records_every_reason_a_lane_was_dropped():
 def test_auto_chooses_the_world_by_predicted_time(tmp_path, bandwidth_GBps, compute_s, world):
     import json
 
-    from dpq.autoround import cli
+    from dpq.autoround.outputs import RunReport
     from dpq.cost_model import AutoWorld
     from dpq.testing.simulated_link import SimulatedLink
 
@@ -624,7 +624,7 @@ def test_auto_chooses_the_world_by_predicted_time(tmp_path, bandwidth_GBps, comp
         assert set(r.predicted_s) == {1, 2} and r.measured_s > 0
         assert min(r.predicted_s, key=r.predicted_s.get) == world
     path = tmp_path / "report.json"
-    cli.write_report(str(path), "auto", "cpu,cpu", integration.run_summary(), {})  # after disable(): the last run's
+    assert RunReport(str(path), "auto", "cpu,cpu").write(None) is None  # after disable(): the last run's
     body = json.loads(path.read_text())
     assert [b["predicted_s"] for b in body["blocks"]] == [{str(k): v for k, v in r.predicted_s.items()}
                                                           for r in records]

@@ -89,3 +89,30 @@ def test_the_ranks_must_agree_on_the_whole_job():
 def test_arguments_auto_round_rejects_are_left_to_it(capsys):
     assert _settings("--iters", "four") is None and _settings("--help") is None
     assert capsys.readouterr() == ("", "")  # auto-round's parser says it, once, when it runs
+
+
+def test_a_data_file_counts_by_its_bytes_not_its_name(tmp_path):
+    """Issue 31, item 3: rank 1 given a byte-identical copy of the dataset under another name agreed
+    (the digest hashed the file's name with its bytes)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "the same bytes"}\n')
+    renamed = tmp_path / "rank1_copy.jsonl"
+    shutil.copy(data, renamed)
+    assert job.content_digest(renamed) == job.content_digest(data)
+    a, b = _settings("--dataset", str(data)), _settings("--dataset", str(renamed))
+    assert a["--dataset"][0] == b["--dataset"][0] and a["--dataset"][1] != b["--dataset"][1]
+    agree_job(Gathered(0, [a, b]), a)  # no mismatch
+    renamed.write_text('{"text": "other bytes!!"}\n')  # the same size, other bytes: still told apart
+    assert job.content_digest(renamed) != job.content_digest(data)
+
+
+@pytest.mark.parametrize("spelled", ["01", " 1", "1"])
+def test_the_world_compares_by_its_meaning(spelled):
+    """Issue 31, item 11: ``--parallel_quantization 01`` on one rank and ``1`` on another is one world."""
+    ours, rest = cli.split_argv(["--model", str(DATA_DIR), "--parallel_quantization", spelled])
+    mine = job.settings(ours, rest, None)
+    other = _settings()  # --parallel_quantization 1
+    assert mine["--parallel_quantization"][0] == other["--parallel_quantization"][0]
+    agree_job(Gathered(0, [other, mine]), other)
+    assert _settings()["--parallel_quantization"][0] != job.settings(
+        *cli.split_argv(["--model", str(DATA_DIR), "--parallel_quantization", "2"]), None)["--parallel_quantization"][0]

@@ -26,7 +26,7 @@ def test_explicit_world_lists_every_reason_at_once():
     reasons = refusal(world=4, devices=f"cpu,{NO_SUCH_GPU}", samples_per_iter=1, home="cpu",
                       extra_reasons=["LFQ loss (--enable_lfq) needs the lm_head on every lane"])
     assert has(reasons, "LFQ", f"{NO_SUCH_GPU} does not exist", "world 4 needs 4 lane devices but 2 were given",
-               "4 lanes but only 1 samples per iteration"), reasons
+               "4 lanes but only 1 sample per iteration"), reasons
     assert all("Fix" in r for r in reasons[1:]), reasons
 
 
@@ -124,3 +124,14 @@ def test_a_plan_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.communicator = "pg-gloo"
     assert dataclasses.replace(plan, notes=["x"]).notes == ["x"] and plan.notes == []
+
+
+def test_too_few_samples_names_the_limit_that_applies():
+    """Issue 31, item 8: ``--nsamples 1`` at world 2 said "Fix: a smaller world or a larger --batch_size",
+    although the batch was 4: the calibration data was the limit. Each fix now raises what limits."""
+    (by_data,) = refusal(world=2, devices="cpu,cpu", home="cpu", samples_per_iter=1, pool_samples=1)
+    assert by_data.startswith("2 lanes but only 1 sample per iteration (the calibration data has 1 sample)"), by_data
+    assert "Fix: --nsamples 2 or more, or a smaller --parallel_quantization (at most 1)" in by_data
+    assert "--batch_size" not in by_data
+    (by_batch,) = refusal(world=4, devices="cpu,cpu,cpu,cpu", home="cpu", samples_per_iter=2, pool_samples=16)
+    assert "(batch_size x gradient_accumulate_steps)" in by_batch and "Fix: --batch_size 4 or more" in by_batch

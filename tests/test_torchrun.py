@@ -103,7 +103,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
                      "--parallel_timeout", TIMEOUT_S), _env()),
         # rank 1 exits (as if killed) in block 1's second lane-loss call
         "killed": (_cmd(tmp, "killed", 2, "--parallel_quantization", "1", "--parallel_timeout", TIMEOUT_S,
-                        per_rank_dir=True), _env(DPQ_TEST_FAULT="exit:1:1:1")),
+                        *report("killed"), per_rank_dir=True), _env(DPQ_TEST_FAULT="exit:1:1:1")),
     }
     with ThreadPoolExecutor(2) as pool:  # threads only wait on the subprocesses
         futures = {name: pool.submit(_run, cmd, env) for name, (cmd, env) in jobs.items()}
@@ -164,6 +164,20 @@ def test_a_killed_rank_stops_the_others_naming_it(runs):
     folder = r["dir"]
     assert not (folder / "rank1").exists()
     assert not list(folder.rglob("config.json")) and not list(folder.rglob("quantization_config.json"))
+
+
+def test_a_lost_rank_is_reported_as_lost_not_as_a_cancel(runs):
+    """Issue 31, item 10: rank 1 killed; torchrun then sends rank 0 SIGTERM, which counted as the
+    user's cancel: rank 0 wrote no report. Now its report says a rank was lost, which and where, and
+    rank 0 exits as failed (1), not as cancelled (143)."""
+    r = runs["killed"]
+    error = r["report"]["error"]
+    assert error["kind"] == "rank_lost" and error["where"] == "model.layers.1", error
+    assert error["message"].startswith("dpq: rank 1 stopped answering")
+    assert [b["name"] for b in r["report"]["blocks"]] == ["model.layers.0"]
+    text = r["out"] + r["err"]
+    assert "rank      : 0 (local_rank: 0)\n  exitcode  : 1 " in text, text[-3000:]  # torchrun's summary of rank 0
+    assert "the run was cancelled" not in text
 
 
 def _as_torchrun_rank(monkeypatch, world_size: int = 2) -> None:

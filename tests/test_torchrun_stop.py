@@ -18,6 +18,7 @@ The four runs are made once, two at a time (two cores; the longest first), and t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="fi
 STOP_S = 10.0  # every worker gone this long after the launcher's SIGTERM or SIGKILL
 SHARDS = ("--max_shard_size", "100KB")
 HANG = "dpq test hook: rank 1 hangs in block 1"
+REPORT = "report.json"  # the cancelled runs' report (rank 0's, written by its cancel watcher)
 WORKER_TRACEBACK = re.compile(r'File ".*/(dpq|auto_round)/')  # a worker's traceback (torchrun prints its own)
 
 
@@ -112,6 +114,10 @@ def _run(cmd: list[str], env: dict[str, str], stop: signal.Signals | None = None
     return out
 
 
+def _report(tmp: Path) -> tuple[str, str]:
+    return "--parallel_report", str(tmp / REPORT)
+
+
 def _per_rank(tmp: Path) -> list[str]:
     """Rank 1 given another model (a bit of one weight flipped), another dataset and another --iters."""
     from dpq.demo.embedded import DATA_DIR, calibration_jsonl
@@ -139,8 +145,10 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     before = earlier_model(dirs["raised"] / "out")
     jobs = {  # the longest first: the pool of two ends with the short one
         "raised": (_cli(dirs["raised"]), _env(DPQ_TEST_FAULT="raise:1:1:1"), None, None),
-        "sigterm": (_cli(dirs["sigterm"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGTERM, dirs["sigterm"]),
-        "sigkill": (_cli(dirs["sigkill"]), _env(DPQ_TEST_FAULT="hang:1:1:0"), signal.SIGKILL, dirs["sigkill"]),
+        "sigterm": (_cli(dirs["sigterm"], *_report(dirs["sigterm"])), _env(DPQ_TEST_FAULT="hang:1:1:0"),
+                    signal.SIGTERM, dirs["sigterm"]),
+        "sigkill": (_cli(dirs["sigkill"], *_report(dirs["sigkill"])), _env(DPQ_TEST_FAULT="hang:1:1:0"),
+                    signal.SIGKILL, dirs["sigkill"]),
         "mismatch": (_per_rank(dirs["mismatch"]), _env(), None, None),
     }
     with ThreadPoolExecutor(2) as pool:  # threads only wait on the subprocesses
@@ -156,7 +164,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 
 def _left(tmp: Path) -> list[str]:
     """What a run left in its folder besides its inputs."""
-    inputs = {"calib.jsonl", "calib0.jsonl", "calib1.jsonl", "model0", "model1"}
+    inputs = {"calib.jsonl", "calib0.jsonl", "calib1.jsonl", "model0", "model1", REPORT}
     return sorted(p.name for p in tmp.iterdir() if p.name not in inputs)
 
 
@@ -169,6 +177,12 @@ def test_stopping_the_launcher_mid_block_stops_every_worker(runs, how):
     cause = "SIGTERM" if how == "sigterm" else "its launcher is gone"
     assert r["text"].count(f"dpq: {refusals.cancelled(cause)}") >= 2, r["text"][-4000:]  # each worker said why
     assert not WORKER_TRACEBACK.search(r["text"]), r["text"][-4000:]
+    # rank 0's report: written on the way out by its cancel watcher (its main thread waits in a collective),
+    # or by the main thread when the collective failed first (rank 1 left): a cancel, which one, where
+    error = json.loads((r["dir"] / REPORT).read_text())["error"]
+    assert error["kind"] == "cancelled" and error["where"] == "model.layers.1", error
+    assert f"cancelled ({cause})" in error["message"] or f"cancelled: {cause}" in error["message"], error
+    assert [b["name"] for b in json.loads((r["dir"] / REPORT).read_text())["blocks"]] == ["model.layers.0"]
 
 
 def test_a_rank_with_another_job_is_refused_before_the_model_loads(runs):

@@ -12,6 +12,10 @@ the lanes, ``auto`` reruns the block serially; work that cannot be ended leaves 
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -235,3 +239,98 @@ def test_process_group_abort_ends_the_nccl_backend_only():
     comm.lanes = [type("L", (), {"device": torch.device("cpu")})()]
     calls.clear()
     assert comm.abort("watchdog") is False and calls == ["inner"]  # gloo: nothing to end
+
+
+# -- the iteration watchdog (dpq.watchdog): a thread that holds each iteration's deadline -------------
+
+
+def _stuck_issuer(watch, release: threading.Event, iterations: int = 1) -> threading.Thread:
+    """An issuing thread that arms ``iterations`` deadlines, then blocks until ``release`` (as in C code)."""
+    def issue():
+        for _ in range(iterations):
+            watch.arm()
+        release.wait(30)
+        watch.disarm()
+
+    thread = threading.Thread(target=issue, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_iteration_watchdog_ends_what_stays_stuck_and_spares_what_comes_back():
+    """Past the deadline the communicators are aborted (``expire``); a thread that stays stuck past the grace
+    is ended (``end``), one that comes back is not (its expiry is kept for the engine to raise)."""
+    from dpq.watchdog import IterationWatchdog
+
+    expired, ended = [], []
+    done = threading.Event()
+    watch = IterationWatchdog(0.2, lambda waited: expired.append(waited) or "hung text",
+                              lambda text: (ended.append(text), done.set()), grace_s=0.3)
+    release = threading.Event()
+    t0 = time.monotonic()
+    _stuck_issuer(watch, release)
+    assert done.wait(10) and ended == ["hung text"] and len(expired) == 1 and expired[0] >= 0.2
+    assert 0.5 <= time.monotonic() - t0 < 5 and watch.expired == "hung text"
+    release.set()
+    watch.close()
+
+    ended.clear()
+    back = threading.Event()
+    watch = IterationWatchdog(0.2, lambda waited: "slow", lambda text: ended.append(text), grace_s=5.0)
+    issuer = _stuck_issuer(watch, back)
+    time.sleep(0.5)  # past the deadline, within the grace
+    back.set()
+    issuer.join(5)
+    time.sleep(0.2)
+    assert watch.expired == "slow" and ended == []
+    watch.close()
+
+
+def test_the_watchdog_leaves_a_wait_for_other_ranks_to_the_groups_timeout():
+    """Under several processes a thread blocked in a collective waits for a lost or hung rank: the
+    group's own timeout names that rank, so this rank is not ended while it waits there."""
+    from dpq.watchdog import IterationWatchdog
+
+    ended, in_collective = [], [True]
+    watch = IterationWatchdog(0.1, lambda waited: "hung", lambda text: ended.append(text), grace_s=0.1,
+                              in_collective=lambda: in_collective[0])
+    release = threading.Event()
+    _stuck_issuer(watch, release)
+    time.sleep(1.0)
+    assert ended == [] and watch.expired == "hung"
+    in_collective[0] = False  # now stuck in work of its own
+    deadline = time.monotonic() + 5
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ended == ["hung"]
+    release.set()
+    watch.close()
+
+
+def test_a_hung_issuing_thread_ends_the_command_and_reports_the_block(tmp_path):
+    """Issue 31, item 14: with the issuing thread itself stuck (DPQ_TEST_FAULT=hang: the lane loss of
+    block 1 never returns, as a thread blocked inside a CUDA call), one process, --parallel_timeout 10:
+    the run sat until killed. Now the watchdog ends it with exit 1 about 10 s + its grace after the hang,
+    the output left as it was (a model saved there before untouched, no partial folder) and the report
+    naming the block, the lane and the block finished before it."""
+    from tests.test_cli import earlier_model, tree_bytes
+    from tests.test_torchrun import _args, _env
+
+    before = earlier_model(tmp_path / "out")
+    report = tmp_path / "report.json"
+    args = _args(tmp_path, str(tmp_path / "out"), "--parallel_quantization", "1", "--parallel_timeout", "10",
+                 "--parallel_report", str(report), "--max_shard_size", "100KB")
+    args[args.index("--iters") + 1] = "1"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "dpq.autoround.cli", *args], capture_output=True, text=True,
+                          timeout=60, env=_env(DPQ_TEST_FAULT="hang:0:1:0"))
+    seconds = time.monotonic() - t0
+    assert "dpq test hook: rank 0 hangs in block 1" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 1 and seconds < 50, (proc.returncode, seconds, proc.stderr[-3000:])
+    said = "model.layers.1 at world 1: the issuing thread has been in lane 0's forward (iteration 1) for 10"
+    assert said in proc.stderr and "so this process ends (exit status 1)" in proc.stderr, proc.stderr[-3000:]
+    assert tree_bytes(tmp_path / "out") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl", "out", "report.json"]
+    body = json.loads(report.read_text())
+    assert body["error"]["kind"] == "hung" and body["error"]["where"] == "model.layers.1", body["error"]
+    assert said in body["error"]["message"] and [b["name"] for b in body["blocks"]] == ["model.layers.0"]

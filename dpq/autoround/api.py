@@ -131,6 +131,28 @@ def _check_inputs(inputs, outputs, input_others, home: torch.device | None) -> l
     return problems
 
 
+def _check_fits_block(block: torch.nn.Module, inputs, input_others) -> list[str]:
+    """The pool's shape against the block, each problem with its fix: the samples' hidden size (their
+    last dimension) is the input width of one of the block's Linear layers (the hidden states entering
+    a decoder layer feed its attention's projections), and rotary ``position_embeddings`` cover the
+    samples' sequence length. Without a Linear layer there is nothing to compare (``_check_block``
+    says so). A pool of another floating dtype than the block's is not refused: auto-round's runner
+    casts it."""
+    if not isinstance(inputs, (list, tuple)) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        return []  # _check_inputs said it
+    widths = sorted({m.in_features for m in block.modules() if isinstance(m, torch.nn.Linear)})
+    sample = inputs[0]
+    problems = []
+    if widths and sample.dim() >= 1 and sample.shape[-1] not in widths:
+        problems.append(refusals.hidden_size_mismatch(int(sample.shape[-1]), [str(w) for w in widths]))
+    embeddings = input_others.get("position_embeddings") if isinstance(input_others, dict) else None
+    if sample.dim() >= 2 and embeddings and _pairs(embeddings):
+        cos = embeddings[0] if isinstance(embeddings[0], torch.Tensor) else embeddings[0][0]  # one pair, or per sample
+        if cos.dim() >= 2 and cos.shape[-2] != sample.shape[-2]:
+            problems.append(refusals.rotary_length_mismatch(int(cos.shape[-2]), int(sample.shape[-2])))
+    return problems
+
+
 def _pairs(val) -> bool:
     """``position_embeddings`` as auto-round caches them: one (cos, sin) pair, or a list of them (one per sample)."""
     def pair(v) -> bool:
@@ -316,6 +338,7 @@ def parallel_tune(
     home = _block_device(block)
     home = None if home is not None and home.type == "meta" else home  # said once, by _check_block
     problems = _check_block(block, scheme, bits) + _check_inputs(inputs, outputs, input_others, home)
+    problems += _check_fits_block(block, inputs, input_others)
     problems += _check_settings(iters, batch_size, gradient_accumulate_steps, dynamic_max_gap, seed, bits, group_size,
                                 lr, minmax_lr, momentum)
     if isinstance(inputs, (list, tuple)) and (held := _inference_tensors(block, inputs, outputs, input_others)):
@@ -337,7 +360,8 @@ def parallel_tune(
             if auto_world is None and world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
             config = session.SessionConfig(world=world, devices=devices, debug_identical=debug_identical,
-                                           auto_world=auto_world, overlap=overlap, timeout=float(timeout))
+                                           auto_world=auto_world, overlap=overlap, timeout=float(timeout),
+                                           caller="api")
             plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons
@@ -399,7 +423,7 @@ class _Task:
         s = self.settings
         per_iter = max(1, min(len(self.inputs), s.batch_size * s.gradient_accumulate_steps))
         return session.BlockTask(name="dpq.parallel_tune", block=self.block, start=self.start, finish=self.finish,
-                                 samples_per_iter=per_iter, home=self.home,
+                                 samples_per_iter=per_iter, pool_samples=len(self.inputs), home=self.home,
                                  pure_sign=is_pure_sign(s.optimizer_cls, s.momentum))
 
     def start(self, ran: session.LaneRun):

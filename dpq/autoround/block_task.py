@@ -79,6 +79,7 @@ def task_plan_fields(q, block, fp_inputs, processes: ProcessSet | None) -> dict:
                    q.calibration_context.batch_size * q.gradient_accumulate_steps)
     return dict(
         samples_per_iter=per_iter,
+        pool_samples=len(fp_inputs) if isinstance(fp_inputs, list) else None,
         home=home,
         extra_reasons=feature_refusals(q, block, fp_inputs, processes),
         price=(BlockPrice(block, fp_inputs, per_iter, compute_dtype=q.model_context.amp_dtype)

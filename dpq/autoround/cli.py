@@ -32,11 +32,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
-from dataclasses import asdict
-from pathlib import Path
 from types import MappingProxyType
 
 OUR_HELP = """
@@ -119,31 +116,6 @@ def format_summary(records) -> str:
     return "\n".join(lines)
 
 
-def report_path_errors(path: str | None) -> list[str]:
-    """Why the report cannot be written to ``path`` (empty: it can). Checked when the arguments are
-    parsed, so that a bad path does not surface after the whole job. Creates missing parent folders
-    (the report goes there anyway) and leaves no file behind."""
-    from dpq import refusals
-
-    if path is None:
-        return []
-    if not path.strip():
-        return [refusals.REPORT_PATH_EMPTY]
-    out = Path(path)
-    if out.is_dir():
-        return [refusals.report_is_dir(path, str(out / "dpq_report.json"))]
-    existed = out.exists()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a"):
-            pass
-    except OSError as e:
-        return [refusals.report_unwritable(path, str(e.strerror or e))]
-    if not existed:
-        out.unlink(missing_ok=True)
-    return []
-
-
 def asks_for_evaluation(rest: list[str]) -> bool:
     """Whether auto-round's arguments ask it to evaluate after quantizing: ``--tasks``/``--task``
     (with or without a value), or an abbreviation argparse accepts (``--tas``; ``--ta`` is ambiguous)."""
@@ -155,6 +127,8 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = ()) -> list[str]
     there: ``rest``), found before anything loads."""
     from dpq import refusals
     from dpq.plan import check_arguments
+
+    from .outputs import output_dir_of, path_errors
 
     problems = [p.removeprefix("dpq: ") for p in check_arguments(ours.parallel_quantization, ours.parallel_devices)]
     off = str(ours.parallel_quantization).strip().lower() == "off"
@@ -175,33 +149,22 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = ()) -> list[str]
         ok = False
     if not ok:
         problems.append(refusals.parallel_timeout_bad(str(ours.parallel_timeout), *TIMEOUT_RANGE_S))
-    # only rank 0 writes the report (the others create nothing)
-    return problems + (report_path_errors(ours.parallel_report) if _rank() == 0 else [])
-
-
-def write_report(path: str, world, devices, records, phases: dict, error: str | None = None) -> None:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    body = {"world": world, "devices": devices, "phase_seconds": phases, "blocks": [asdict(r) for r in records]}
-    # 'auto': the world chosen per block by predicted time, predicted vs measured seconds
-    # (dpq.cost_model.AutoWorld.report, kept by the run's enable(); [] when the model chose nothing)
-    from dpq.autoround import integration
-
-    body["auto_world"] = integration.auto_world_report()
-    if error is not None:
-        body["error"] = error
-    out.write_text(json.dumps(body, indent=1))
+    # only rank 0 writes the output and the report (the others create nothing)
+    return problems + (path_errors(ours.parallel_report, output_dir_of(list(rest))) if _rank() == 0 else [])
 
 
 def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
-    """Returns the exit status: 0 when the run finished, 2 for bad dpq arguments (nothing was
-    loaded), 1 when the plan refused, a lane failed or (torchrun) a rank failed (the message is
-    printed, no traceback; under torchrun the rank whose own error started it prints that error's
-    traceback), 128 + the signal when the run was cancelled (130 SIGINT, 143 SIGTERM, 129 the
-    launcher gone: :mod:`dpq.cancel`). Any other failure propagates (with its traceback; non-zero
-    exit). Run as the command (``argv`` None: the console scripts, ``python -m``), it handles
-    SIGTERM and SIGINT itself (:func:`dpq.cancel.install`); called with ``argv`` it leaves the
-    caller's signal handling alone."""
+    """Returns the exit status: 0 when the run finished (the model is complete and in place, even
+    if the report could not be written: that is said), 2 for bad dpq arguments or paths the run
+    could not write (nothing was loaded, nothing created), 1 when the plan refused, a lane failed,
+    a block's issuing thread hung or (torchrun) a rank failed or was lost (the message is printed,
+    no traceback; under torchrun the rank whose own error started it prints that error's traceback),
+    128 + the signal when the run was cancelled (130 SIGINT, 143 SIGTERM, 129 the launcher gone:
+    :mod:`dpq.cancel`). Any other failure propagates (with its traceback; non-zero exit). The
+    report (``--parallel_report``, :class:`dpq.autoround.outputs.RunReport`) is written at every
+    one of these ends but exit 2, saying how the run ended. Run as the command (``argv`` None:
+    the console scripts, ``python -m``), it handles SIGTERM and SIGINT itself
+    (:func:`dpq.cancel.install`); called with ``argv`` it leaves the caller's signal handling alone."""
     as_command = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, rest = split_argv(argv)
@@ -212,22 +175,52 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     from dpq import cancel
     from dpq.plan import validate_world
 
+    from .outputs import RunReport, error_of
+
     world = validate_world(ours.parallel_quantization)
     if any(a in ("-h", "--help") for a in rest):
         print(OUR_HELP)
     devices = ours.parallel_devices
+    # rank 0 alone writes the report; a thread that ends the process (a cancel, a hung block) writes it too
+    report = RunReport(ours.parallel_report, world, devices) if ours.parallel_report and _rank() == 0 else None
+    unregister = cancel.on_exit(lambda: report.at_exit(_where)) if report is not None else lambda: None
     if as_command:
         cancel.install(watch_parent=torchrun_processes() > 1)  # a worker does not outlive its launcher
     try:
         if torchrun_processes() == 1:
-            return _run(ours, world, devices, recipe, rest)
-        return _run_processes(ours, world, devices, recipe, rest)
+            return _run(ours, world, devices, recipe, rest, report=report)
+        return _run_processes(ours, world, devices, recipe, rest, report)
     except cancel.Cancelled as stopped:
+        if report is not None:
+            report.write(error_of(stopped, _where()))  # (a no-op when the run wrote it)
         print(f"auto-round-dp: dpq: {cancel.said()}", file=sys.stderr, flush=True)
         return cancel.exit_status(stopped.signum)
+    finally:
+        unregister()
 
 
-def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str]) -> int:
+def _where() -> str:
+    """What the run worked on when it ended (:attr:`dpq.autoround.run.Run.at`; "" before it started)."""
+    if "dpq.autoround.run" not in sys.modules:
+        return ""
+    from dpq.autoround.run import reported_run
+
+    run = reported_run()
+    return run.at if run is not None else ""
+
+
+def _stopped_before_run(report, message: str, failure: BaseException) -> None:
+    """The run could not start (torchrun's set-up, the job agreement, the patch table): ``message``
+    said and, on rank 0, reported with ``failure``."""
+    from .outputs import error_of
+
+    print(f"auto-round-dp: {message}", file=sys.stderr)
+    if report is not None:
+        report.write(error_of(failure))
+
+
+def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str],
+                   report=None) -> int:
     """Under torchrun: this process's lanes, the group, the job agreed by every rank
     (:mod:`dpq.autoround.job`), the run over the group, the group destroyed."""
     from dpq import cancel, refusals
@@ -239,15 +232,17 @@ def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe:
 
     devices, rest, kind = process_lanes(world, devices, rest, int(os.environ.get("LOCAL_RANK", "0")),
                                         default_accelerator_type())
+    if report is not None:
+        report.devices = devices
     # before the group's setup binds a device or imports a vendor's backend for it: the plan's refusal
     missing = lane_device_errors(devices) if devices is not None else []
     if missing:
-        print(f"auto-round-dp: {PlanRefused(missing)}", file=sys.stderr)
+        _stopped_before_run(report, str(PlanRefused(missing)), PlanRefused(missing))
         return 1
     try:
         start_group(kind, float(ours.parallel_timeout), (devices or "").split(",")[0] or None)
     except Exception as err:  # a rank that never came, a store it cannot reach: said, not a traceback
-        print(f"auto-round-dp: dpq: {refusals.group_start_failed(SETUPS[kind].backend, repr(err))}", file=sys.stderr)
+        _stopped_before_run(report, f"dpq: {refusals.group_start_failed(SETUPS[kind].backend, repr(err))}", err)
         return 1
     import torch.distributed as dist
 
@@ -259,13 +254,13 @@ def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe:
         try:  # every rank runs the same job, or none starts: before the model loads
             agree_job(procs, settings(ours, rest, recipe))
         except JobMismatch as err:
-            print(f"auto-round-dp: {err}", file=sys.stderr)
+            _stopped_before_run(report, str(err), err)
             return 1
         except Exception as err:  # a rank lost while agreeing
             failure = procs.stop(err, peer_lost(err))
-            print(f"auto-round-dp: {failure}", file=sys.stderr)
+            _stopped_before_run(report, str(failure), failure)
             return failure.exit_status
-        return _run(ours, world, devices, recipe, rest, procs)
+        return _run(ours, world, devices, recipe, rest, procs, report)
     finally:
         if dist.is_initialized():  # a failure destroyed it already (dpq.distributed.ProcessSet.stop)
             dist.destroy_process_group()
@@ -283,16 +278,18 @@ def _freeze_imported_heap() -> None:
 
 
 def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str],
-         procs=None) -> int:
+         procs=None, report=None) -> int:
     import traceback
 
-    from dpq import cancel
-    from dpq.autoround import integration, seams_common
+    from dpq import cancel, refusals
+    from dpq.autoround import integration
     from dpq.autoround.patches import PatchMismatch
     from dpq.autoround.run import current_run
     from dpq.autoround.seams_common import ParallelLaneError
     from dpq.distributed import RankFailure, peer_lost
     from dpq.plan import PlanRefused
+
+    from .outputs import error_of
 
     run, rank = runner_for(recipe), _rank()
     if world != "off":
@@ -301,12 +298,12 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
                                overlap=True if ours.parallel_overlap else None, processes=procs,
                                timeout=float(ours.parallel_timeout))
         except PatchMismatch as e:
-            print(f"auto-round-dp: {e}", file=sys.stderr)
+            _stopped_before_run(report, str(e), e)
             return 1
     sys.argv = ["auto-round-dp" + (f"-{recipe}" if recipe else ""), *rest]
     if cancel.installed():  # run as the command (main installed cancel handling): the process is ours
         _freeze_imported_heap()
-    failure: Exception | None = None
+    failure: BaseException | None = None
     try:
         run()
     except (PlanRefused, ParallelLaneError, RankFailure) as e:
@@ -314,26 +311,21 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
     except Exception as e:  # outside a block's run: under several processes the others learn which rank
         cfg = current_run()
         if cfg is None or cfg.processes is None:
+            failure = e  # reported, then raised with its traceback (a failed save too: the output is as it was)
             raise
         failure = cfg.processes.stop(e, peer_lost(e))
         failure.__cause__ = e
+    except BaseException as e:  # an interrupt, the user's cancel: reported, then raised
+        failure = e
+        raise
     finally:
         integration.disable()
-        records = integration.run_summary() if world != "off" else []
-        phases = seams_common.phase_seconds()
-        if world != "off" and records and rank == 0:
-            print(format_summary(records), flush=True)
-        if world != "off" and any(phases.values()) and rank == 0:
-            print("dpq phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
-        # rank 0 alone writes the report; nothing is written after a cancel
-        if ours.parallel_report and rank == 0 and cancel.cancelled() is None:
-            try:
-                write_report(ours.parallel_report, world, devices, records, phases,
-                             None if failure is None else str(failure))
-            except OSError as e:  # checked at start; the folder may have gone since
-                print(f"auto-round-dp: error: could not write --parallel_report {ours.parallel_report}: {e}",
-                      file=sys.stderr)
-                failure = failure or e
+        _print_summary(world, rank)
+        unwritten = report.write(error_of(failure, _where())) if report is not None else None
+        if unwritten is not None:  # said once; the exit status still says whether the model is complete
+            why = unwritten.strerror or str(unwritten)
+            print(f"auto-round-dp: dpq: {refusals.report_not_written(report.path, why, failure is None)}",
+                  file=sys.stderr)
     if isinstance(failure, RankFailure) and failure.exit_status != 1 and cancel.cancelled() is not None:
         print(f"auto-round-dp: dpq: {cancel.said()}", file=sys.stderr)  # cancelled here too: the job was cancelled
         return failure.exit_status
@@ -343,11 +335,21 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
                 failure.raised_here)).rstrip(), file=sys.stderr)
         print(f"auto-round-dp: {failure}", file=sys.stderr)
         if isinstance(failure, ParallelLaneError):
-            from dpq import refusals
-
             print(f"auto-round-dp: {refusals.RUN_STOPPED}", file=sys.stderr)
         return failure.exit_status if isinstance(failure, RankFailure) else 1
     return 0
+
+
+def _print_summary(world, rank: int) -> None:
+    """Rank 0: the per-block table and the phase seconds of the run that just ended."""
+    from dpq.autoround import integration, seams_common
+
+    records = integration.run_summary() if world != "off" else []
+    phases = seams_common.phase_seconds()
+    if world != "off" and records and rank == 0:
+        print(format_summary(records), flush=True)
+    if world != "off" and any(phases.values()) and rank == 0:
+        print("dpq phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
 
 
 def main_best() -> int:

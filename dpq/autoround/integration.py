@@ -250,6 +250,7 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
     if cfg is None:  # left under someone else's patch after disable(): pass through
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
     t0 = time.perf_counter()
+    cfg.at = block_ctx.block_name  # a failure from here on stopped in this block (the report's "where")
     # PlanRefused propagates: nothing started. Several processes: the session plans and agrees
     # on every rank (a refusal anywhere stops every rank there, with every rank's reasons).
     plan = _plan_for(cfg, self, block, fp_inputs, block_ctx) if cfg.processes is None else None
@@ -276,6 +277,7 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
                                        algorithm=algorithm, losses=out.losses, best_iter=out.best_iter,
                                        issue_s=out.issue_s,
                                        **_compile_fields(run.compiles), **_prediction(cfg, chosen)))
+    cfg.at = ""
     return run.result
 
 

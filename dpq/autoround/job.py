@@ -36,18 +36,20 @@ SAMPLE_BYTES, SAMPLE_EVERY = 64 << 10, 64 << 20  # a larger one: 64 KiB every 64
 
 
 def content_digest(path: str | os.PathLike) -> str:
-    """A cheap digest of a file's or a folder's bytes (16 hex digits): every file's relative path and
-    size, small files whole, a larger one sampled (its first and last 64 KiB and 64 KiB every 64
-    MiB: about 0.1% of a checkpoint's bytes), a safetensors file's header whole (every tensor's
-    name, dtype, shape and offsets). Hidden entries (``.git``, caches) are left out. Two models or
-    data files that differ anywhere but between samples get different digests."""
+    """A cheap digest of a file's or a folder's bytes (16 hex digits): every file's size, small files
+    whole, a larger one sampled (its first and last 64 KiB and 64 KiB every 64 MiB: about 0.1% of a
+    checkpoint's bytes), a safetensors file's header whole (every tensor's name, dtype, shape and
+    offsets); in a folder also each file's path relative to it (a model's files are found by name).
+    A single file's own name is not content: byte-identical copies under other names agree. Hidden
+    entries (``.git``, caches) are left out. Two models or data files that differ anywhere but
+    between samples get different digests."""
     root = Path(path)
     hidden = lambda p: any(part.startswith(".") for part in p.relative_to(root).parts)  # noqa: E731
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and not hidden(p))
     h = hashlib.sha256()
     for f in files:
         size = f.stat().st_size
-        h.update(f"{f.name if f is root else f.relative_to(root).as_posix()}\0{size}\0".encode())
+        h.update(f"{'' if f is root else f.relative_to(root).as_posix()}\0{size}\0".encode())
         with open(f, "rb") as fh:
             if size <= FULL_BYTES:
                 h.update(fh.read())
@@ -110,6 +112,20 @@ def settings(ours: argparse.Namespace, rest: list[str], recipe: str | None) -> d
         shown = repr(value)
         out[f"--{dest}"] = _by_content(value) if isinstance(value, str) and os.sep in value else (shown, shown)
     for dest in OUR_COMPARED:
-        value = repr(getattr(ours, dest))
-        out[f"--{dest}"] = (value, value)
+        value = getattr(ours, dest)
+        out[f"--{dest}"] = (_by_meaning(dest, value), repr(value))
     return out
+
+
+def _by_meaning(dest: str, value: object) -> str:
+    """What is compared of one of dpq's flags: the world as dpq reads it (``01``, `` 1`` and ``1``
+    are one world; ``AUTO`` is ``auto``), the others as given. A world dpq rejects is left as
+    written (the argument check refuses it on its own rank)."""
+    if dest == "parallel_quantization":
+        from dpq.plan import validate_world
+
+        try:
+            return repr(validate_world(value))
+        except ValueError:
+            pass
+    return repr(value)

@@ -97,6 +97,10 @@ def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=Tru
         logger.warning(f"dpq: {refusals.UNSTAGED_FOR_RESUME}")
         return original(self, output_dir, format, inplace, max_shard_size, **kwargs)
     staging = cfg.staging = Staging(output_dir)
+    if staging.leftovers:
+        logger.warning(f"dpq: {refusals.staging_leftovers([str(p) for p in staging.leftovers])}")
+    if staging.removed:
+        logger.info(f"dpq: removed the empty staging folders of killed runs: {', '.join(map(str, staging.removed))}")
     try:
         model, folders = original(self, str(staging.dir), format, inplace, max_shard_size, **kwargs)
         staging.commit()
@@ -112,6 +116,9 @@ def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=Tru
     folders = [staging.path_in_place(f) for f in folders] if isinstance(folders, list) else \
         staging.path_in_place(folders)
     self.output_dir = self.compress_context.output_dir = staging.path_in_place(self.output_dir)
+    if staging.dropped:
+        logger.info(f"dpq: removed the earlier model's weight files the new one does not have: "
+                    f"{', '.join(map(str, staging.dropped))}")
     logger.info(f"dpq: the saved model is complete and in place: {folders}")
     if procs is not None:
         procs.publish("save", folders)
@@ -127,6 +134,8 @@ def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders,
     after this save, or, inside :func:`quantize_and_save`, once they are moved into place."""
     cfg, procs = current_run(), run_processes()
     save = _original(owner, "save_quantized")
+    if cfg is not None:
+        cfg.at = "save"  # a failure from here on stopped in the save (the report's "where")
     if procs is None or cfg is None or cfg.rank0_saving:
         return save(self, output_dir, format, inplace, return_folders=return_folders, **kwargs)
     import torch.distributed as dist

@@ -114,6 +114,9 @@ class Run:
     # save_quantized (a mixin's super().save_quantized is part of it: no second barrier).
     staging: Staging | None = None
     rank0_saving: bool = False
+    # what the run works on now: a block's name while auto-round quantizes it, "save" while the output
+    # is written (dpq.autoround.ranks), "" between them; a failure's report says where it stopped
+    at: str = ""
 
     def lane_devices(self):
         """The lanes' devices: the given ``devices``, else auto-round's device list (``--device_map``)

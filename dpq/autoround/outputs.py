@@ -1,0 +1,191 @@
+"""What auto-round-dp writes besides the model: where it may write (checked before any work) and
+its report (written at every end of a run).
+
+:func:`path_errors` checks ``--output_dir`` and ``--parallel_report`` when the arguments are
+parsed, on the rank that writes them, and creates, changes and deletes nothing: a path with a
+file where a folder must be, a place this user cannot write, an ``--output_dir`` that is an
+existing file, a report where the save writes (in the model's folder inside ``--output_dir``, or
+under a model file's name in it: the save would overwrite it, or it one of the model's files, e.g.
+``config.json``). Symlinks are followed: a report path that is a symlink (even
+to a file not there yet) is written at its target, the link left as it is.
+
+:class:`RunReport` writes the report once, whatever ended the run: success, a failure (its
+``error``: kind, where, message; :func:`error_of`), a lost rank, the user's cancel, a hung issuing
+thread. The main thread writes it as the run unwinds; a thread that ends the process instead (the
+cancel watcher, the iteration watchdog: :func:`dpq.cancel.end_process`) writes it through
+:meth:`RunReport.at_exit`, registered with :func:`dpq.cancel.on_exit`. A regular file is replaced
+whole (written beside, then ``os.replace``), so a report is never half-written; anything else (a
+device such as ``/dev/full``, a pipe) is written in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+from dpq import cancel, refusals
+from dpq.staging import WEIGHT_SUFFIXES
+
+__all__ = ["DEFAULT_OUTPUT_DIR", "RunReport", "error_of", "output_dir_of", "path_errors", "run_records"]
+
+DEFAULT_OUTPUT_DIR = "./tmp_autoround"  # auto-round's --output_dir default (tests/test_cli.py checks it)
+
+
+def output_dir_of(rest: list[str]) -> str:
+    """auto-round's ``--output_dir`` in its arguments ``rest`` (as its parser reads it: ``=`` or
+    not, an unambiguous abbreviation), else its default."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
+    try:
+        return parser.parse_known_args(rest)[0].output_dir
+    except argparse.ArgumentError:  # e.g. no value: auto-round refuses the command line itself
+        return DEFAULT_OUTPUT_DIR
+
+
+# files a save may write straight into --output_dir (a diffusion pipeline, a gguf file); the weights by suffix
+_MODEL_FILES = frozenset({"config.json", "quantization_config.json", "generation_config.json", "model_index.json",
+                          "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
+
+
+def _where_the_model_goes(report: Path, output: Path) -> bool:
+    """Whether the report at ``report`` (a real path) would be where the save writes: ``output`` itself,
+    inside one of its folders (auto-round's model folder, ``<model>-w4g128``), or directly in it under
+    a model file's name. A report of another name directly in ``output`` is the user's choice: a
+    rerun keeps it (dpq.staging merges)."""
+    if report == output or output in report.parent.parents:
+        return True
+    return report.parent == output and (report.name in _MODEL_FILES or report.name.endswith(WEIGHT_SUFFIXES))
+
+
+def _place_error(flag: str, path: str) -> str | None:
+    """Why nothing can be made at ``path`` (its folder need not exist): a file on its way where a
+    folder must be, or the nearest existing folder not writable by this user. None: it can."""
+    parent = Path(os.path.realpath(path)).parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return refusals.not_a_folder(flag, path, str(parent))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return refusals.place_unwritable(flag, path, str(parent))
+    return None
+
+
+def _report_errors(path: str, output_dir: str) -> list[str]:
+    if not path.strip():
+        return [refusals.REPORT_PATH_EMPTY]
+    real = Path(os.path.realpath(path))
+    if real.is_dir():
+        return [refusals.report_is_dir(path, str(Path(path) / "dpq_report.json"))]
+    if _where_the_model_goes(real, Path(os.path.realpath(output_dir))):
+        return [refusals.report_in_output(path, output_dir)]
+    if real.exists():
+        return [] if os.access(real, os.W_OK) else [refusals.place_unwritable("--parallel_report", path, str(real))]
+    problem = _place_error("--parallel_report", path)
+    return [problem] if problem else []
+
+
+def _output_errors(output_dir: str) -> list[str]:
+    real = Path(os.path.realpath(output_dir))
+    if real.exists() and not real.is_dir():
+        return [refusals.output_is_file(output_dir)]
+    if real.is_dir():
+        ok = os.access(real, os.W_OK | os.X_OK)
+        return [] if ok else [refusals.place_unwritable("--output_dir", output_dir, str(real))]
+    problem = _place_error("--output_dir", output_dir)
+    return [problem] if problem else []
+
+
+def path_errors(report: str | None, output_dir: str) -> list[str]:
+    """Every problem with the paths the run will write (module docstring); nothing is touched."""
+    return _output_errors(output_dir) + (_report_errors(report, output_dir) if report is not None else [])
+
+
+def error_of(failure: BaseException | None, at: str = "") -> dict | None:
+    """The report's ``error`` for what ended the run (None: it finished): ``kind`` (refused,
+    lane_failed, rank_failed, rank_lost, cancelled, error), ``where`` (the block, "save", or None
+    when not known) and ``message``."""
+    from dpq.distributed import RankFailure
+    from dpq.plan import PlanRefused
+
+    from .seams_common import ParallelLaneError
+
+    if failure is None:
+        return None
+    where = at or None
+    signum = cancel.cancelled() or getattr(failure, "signum", None)
+    if isinstance(failure, KeyboardInterrupt) and signum is not None:  # the user's cancel (dpq.cancel)
+        kind, message = "cancelled", refusals.cancelled(cancel.what(signum))
+    elif isinstance(failure, PlanRefused):
+        kind, message = "refused", str(failure)
+    elif isinstance(failure, ParallelLaneError):
+        kind, message, where = "lane_failed", str(failure), failure.block or where
+    elif isinstance(failure, RankFailure):
+        kind = {"raised": "rank_failed", "cancelled": "cancelled"}.get(failure.kind, "rank_lost")
+        message = str(failure)
+    else:
+        kind, message = "error", f"{type(failure).__name__}: {failure}"
+    return {"kind": kind, "where": where, "message": message}
+
+
+def run_records() -> tuple[list, dict, list]:
+    """The current (or last) run's block records, phase seconds and ``auto``'s report, as they stand."""
+    from . import integration, seams_common
+
+    return integration.run_summary(), seams_common.phase_seconds(), integration.auto_world_report()
+
+
+class RunReport:
+    """``--parallel_report``: written once per run (module docstring). ``world``/``devices``: as
+    given; ``records``: a callable returning (block records, phase seconds, auto's report) as they
+    stand when the report is written (:func:`run_records`)."""
+
+    def __init__(self, path: str, world, devices, records=run_records) -> None:
+        self.path, self.world, self.devices, self.records = path, world, devices, records
+        self._lock = threading.Lock()
+        self.written = False
+
+    def write(self, error: dict | None) -> OSError | None:
+        """Write the report with ``error`` (None: the run finished) unless it was written already;
+        returns the error that stopped the write (None: written)."""
+        with self._lock:
+            if self.written:
+                return None
+            self.written = True
+            blocks, phases, auto_world = self.records()
+            body = {"world": self.world, "devices": self.devices, "phase_seconds": phases,
+                    "blocks": [asdict(r) for r in blocks], "auto_world": auto_world}
+            if error is not None:
+                body["error"] = error
+            try:
+                _write_whole(self.path, json.dumps(body, indent=1))
+            except OSError as err:
+                return err
+            return None
+
+    def at_exit(self, at=lambda: "") -> None:
+        """A thread ends the process (:func:`dpq.cancel.end_process`): the report says why
+        (:func:`dpq.cancel.ending`). ``at``: where the run was (a callable: read at that moment)."""
+        kind, message = cancel.ending() or ("cancelled", "")
+        self.write({"kind": kind, "where": at() or None, "message": message.removeprefix("dpq: ")})
+
+
+def _write_whole(path: str, text: str) -> None:
+    """``text`` into the file at ``path`` (its symlinks followed): a regular file replaced whole, in
+    one rename; anything else (a device, a pipe) written in place. Missing folders are made."""
+    real = Path(os.path.realpath(path))
+    if real.exists() and not real.is_file():
+        with open(real, "w") as out:
+            out.write(text)
+        return
+    real.parent.mkdir(parents=True, exist_ok=True)
+    partial = real.with_name(f".{real.name}.dpq-{uuid.uuid4().hex[:8]}")
+    try:
+        partial.write_text(text)
+        os.replace(partial, real)
+    finally:
+        partial.unlink(missing_ok=True)
