@@ -528,7 +528,7 @@ class SignExchange(_Exchange):
         for ks, buf, lane in groups:
             with lane.issue():
                 # Every lane gathered the same bytes: a group of lanes without streams unpacks once.
-                signs = unpack_signs(gathered[ks[0]], world, buf.idx, buf.signs)[:n]
+                signs = unpack_signs(gathered[ks[0]], world, buf.table, buf.idx, buf.signs)[:n]
                 for k in ks:
                     grads[k].copy_(signs)  # int8 -> fp32: exactly -1.0, 0.0, +1.0
 

@@ -26,6 +26,7 @@ import torch
 
 from dpq import refusals
 from dpq.communicators import COMMUNICATORS, choose_communicator
+from dpq.sign_bits import SIGN_TABLE_BYTES
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
 __all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments",
@@ -151,7 +152,7 @@ def _block_terms(block: torch.nn.Module, inputs: Sequence[torch.Tensor], samples
         "tuned_values": tuned * 4,
         "qdq_saved": 4 * n * 4,
         "grad_buffer": tuned * 4,
-        "exchange": 3 * bucket * 4,
+        "exchange": 3 * bucket * 4 + SIGN_TABLE_BYTES,
         "activations": 0,
         "staging": 0,
     }

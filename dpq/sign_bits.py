@@ -16,14 +16,16 @@ import sys
 import torch
 from torch import Tensor
 
-from dpq.streams import Lane, backend
+from dpq.streams import Lane
 
 __all__ = [
+    "SIGN_TABLE_BYTES",
     "SignBuffers",
     "lanes_share_buffers",
     "pack_signs",
     "sign_groups",
     "sign_padded_length",
+    "sign_table",
     "take",
     "unpack_by_shifts",
     "unpack_signs",
@@ -72,46 +74,46 @@ def pack_signs(r: Tensor, planes: Tensor, words: Tensor, tmp: Tensor, out: Tenso
     out.view(-1).copy_(words)
 
 
-def unpack_signs(packed: Tensor, world: int, idx: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+def unpack_signs(packed: Tensor, world: int, table: Tensor, idx: Tensor | None = None,
+                 out: Tensor | None = None) -> Tensor:
     """uint8 (W * 2 * c/8,) of [negative plane | nonzero plane] per chunk -> int8 signs (W*c,).
 
-    On the CPU ``idx`` and ``out`` (int64, W*c/8 each) may be given to reuse their memory."""
+    One table lookup per 8 elements: (negative byte, nonzero byte) -> the 8 signs as one int64
+    (``table``: :func:`sign_table` on the device of ``packed``). Three ops whatever the bucket (the
+    index, its low byte, the gather), reading 2 bytes and writing 8 per 8 elements, where a shift per
+    bit position reads and writes every element several times. ``idx`` and ``out`` (int64, W*c/8
+    each) may be given to reuse their memory."""
     planes = packed.view(world, 2, -1)
-    if backend(packed.device).host_memory(packed.device):
-        # One table lookup per 8 elements: (negative byte, nonzero byte) -> the 8 signs as one int64.
-        # CPU only: the table lives in host memory (no stream to order), and the shifts below run
-        # ~10x slower on CPU than this. The values are identical.
-        words = planes.shape[2] * world
-        idx = torch.empty(words, dtype=torch.int64) if idx is None else idx[:words]
-        rows = idx.view(world, -1)
-        rows.copy_(planes[:, 0])
-        rows.bitwise_left_shift_(8).add_(planes[:, 1])
-        out = torch.empty(words, dtype=torch.int64) if out is None else out[:words]
-        return torch.index_select(_SIGN_TABLE, 0, idx, out=out).view(torch.int8)
-    return unpack_by_shifts(planes)
+    words = planes.shape[2] * world
+    idx = torch.empty(words, dtype=torch.int64, device=packed.device) if idx is None else idx[:words]
+    rows = idx.view(world, -1)
+    rows.copy_(planes[:, 0])
+    rows.bitwise_left_shift_(8).add_(planes[:, 1])
+    out = torch.empty(words, dtype=torch.int64, device=packed.device) if out is None else out[:words]
+    return torch.index_select(table, 0, idx, out=out).view(torch.int8)
 
 
 def unpack_by_shifts(planes: Tensor) -> Tensor:
-    """The accelerators' unpack (same values as the CPU's table): uint8 (W, 2, c/8) -> int8 (W*c,)."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=planes.device)  # per call: never shared across streams
+    """The same values as :func:`unpack_signs` computed bit position by bit position (a cross-check
+    of the table): uint8 (W, 2, c/8) -> int8 (W*c,)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=planes.device)
     negative = ((planes[:, 0].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
     nonzero = ((planes[:, 1].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
     return nonzero.sub_(negative).sub_(negative).view(-1)  # negative implies nonzero: -1, +1 or 0
 
 
-def _build_sign_table() -> Tensor:
-    """int64 (65536,): entry ``neg << 8 | nz`` holds the int8 signs of the 8 elements of the
-    (negative, nonzero) byte pair, element b in byte b (little-endian, as ``view(torch.int8)`` reads it)."""
-    byte = torch.arange(256, dtype=torch.int64)
-    bits = (byte.unsqueeze(1) >> torch.arange(8)) & 1  # (256, 8)
-    signs = bits.unsqueeze(1) - 2 * bits.unsqueeze(0)  # [nz, neg, b]: nz - 2*neg
-    signs = signs.transpose(0, 1).reshape(65536, 8).clamp_(-1, 1)  # [neg, nz]; neg without nz cannot occur
-    return signs.to(torch.int8).contiguous().view(torch.int64).view(-1)
+SIGN_TABLE_BYTES = 65536 * 8  # :func:`sign_table`'s memory on each lane's device (what the plan prices)
 
 
-# Built once, at import, in host memory, and only read afterwards: a constant no lane writes
-# (so no stream order applies to it), shared by every CPU lane.
-_SIGN_TABLE = _build_sign_table()
+def sign_table(device: torch.device | str = "cpu") -> Tensor:
+    """int64 (65536,) on ``device``, made there by a few ops (no host-to-device copy, no larger
+    temporary): entry ``neg << 8 | nz`` holds the int8 signs of the 8 elements of the (negative,
+    nonzero) byte pair, element b in byte b (little-endian, as ``view(torch.int8)`` reads it)."""
+    byte = torch.arange(256, dtype=torch.int16, device=device)
+    bits = ((byte.unsqueeze(1) >> torch.arange(8, dtype=torch.int16, device=device)) & 1).to(torch.int8)
+    table = bits.unsqueeze(0) - 2 * bits.unsqueeze(1)  # [neg, nz, b]: nz - 2*neg
+    table.clamp_(-1, 1)  # neg without nz cannot occur
+    return table.view(65536, 8).view(torch.int64).view(-1)
 
 
 class SignBuffers:
@@ -137,9 +139,11 @@ class SignBuffers:
             self.tmp = torch.empty(rows * c // 4, dtype=torch.int64, device=dev)
             self.packed = torch.empty(rows * c // 4, dtype=torch.uint8, device=dev)
             self.gathered = torch.empty(rows * m_max // 4, dtype=torch.uint8, device=dev)
-            on_cpu = backend(dev).host_memory(dev)  # the table lookup's index and result (CPU only)
-            self.idx = torch.empty(m_max // 8, dtype=torch.int64) if on_cpu else None
-            self.signs = torch.empty(m_max // 8, dtype=torch.int64) if on_cpu else None
+            # the unpack's table (a constant: written here on the lane's stream, only read after), its
+            # index and its result
+            self.table = sign_table(dev)
+            self.idx = torch.empty(m_max // 8, dtype=torch.int64, device=dev)
+            self.signs = torch.empty(m_max // 8, dtype=torch.int64, device=dev)
 
 
 def lanes_share_buffers(lanes: list[Lane]) -> bool:

@@ -327,9 +327,9 @@ def test_sign_buffers_follow_the_lanes():
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_pack_and_unpack_signs_are_torch_sign(world):
-    """pack_signs over rows, then the CPU table and the accelerators' shifts: both exactly torch.sign
-    (NaN -> 0, +-inf -> +-1, -0.0 -> 0, subnormals -> +-1)."""
-    from dpq.sign_bits import pack_signs, take, unpack_by_shifts, unpack_signs
+    """pack_signs over rows, then the table and, as a cross-check of it, the bit-by-bit shifts: both
+    exactly torch.sign (NaN -> 0, +-inf -> +-1, -0.0 -> 0, subnormals -> +-1)."""
+    from dpq.sign_bits import pack_signs, sign_table, take, unpack_by_shifts, unpack_signs
 
     c = 8 * 37
     gen = torch.Generator().manual_seed(world)
@@ -342,7 +342,8 @@ def test_pack_and_unpack_signs_are_torch_sign(world):
     packed = torch.empty(world, c // 4, dtype=torch.uint8)
     pack_signs(r, take(planes, world, 2, c), words, tmp, packed)
     expected = torch.sign(r).view(-1).to(torch.int8)
-    assert torch.equal(unpack_signs(packed.view(-1), world), expected)
+    table = sign_table()
+    assert torch.equal(unpack_signs(packed.view(-1), world, table), expected)
     assert torch.equal(unpack_by_shifts(packed.view(world, 2, -1)), expected)
     idx, out = torch.empty(2, world * c // 8 + 5, dtype=torch.int64)  # reused memory, longer than needed
-    assert torch.equal(unpack_signs(packed.view(-1), world, idx, out), expected)
+    assert torch.equal(unpack_signs(packed.view(-1), world, table, idx, out), expected)

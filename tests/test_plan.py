@@ -102,6 +102,7 @@ def test_exchange_price_covers_a_weight_larger_than_the_bucket_cap():
 
     from dpq.exchange import GradBuckets
     from dpq.plan import price_mirror
+    from dpq.sign_bits import SIGN_TABLE_BYTES
 
     block = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 8, bias=False))
     cap = 1000  # below the first weight (4096 values)
@@ -110,10 +111,10 @@ def test_exchange_price_covers_a_weight_larger_than_the_bucket_cap():
     params = [p.detach().clone().requires_grad_(True) for p in block.parameters()]
     largest = max(b - a for a, b in GradBuckets([params], bucket_cap_elems=cap).bucket_ranges)
     assert largest == 4096
-    assert parts["exchange"] == 3 * largest * 4
+    assert parts["exchange"] == 3 * largest * 4 + SIGN_TABLE_BYTES  # the buffers, and the unpack's table
     small: dict = {}
     price_mirror(block, [], 8, bucket_cap_elems=2**22, detail=small)  # a cap above everything: all tuned values
-    assert small["exchange"] == 3 * (4096 + 512 + (4096 + 512) // 8) * 4
+    assert small["exchange"] == 3 * (4096 + 512 + (4096 + 512) // 8) * 4 + SIGN_TABLE_BYTES
 
 
 def test_a_plan_is_frozen():

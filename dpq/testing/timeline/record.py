@@ -468,6 +468,7 @@ class TimelineModel:
         self.live: dict[int | None, int] = defaultdict(int)
         self.peak: dict[int | None, int] = defaultdict(int)
         self._pinned: set[int] = set()
+        self._constants: set[int] = set()  # storages of fixed size whatever the block (mark_constant)
         self._default: dict[int, ModelStream] = {}
         self._tls = threading.local()
         self._iteration = -1
@@ -526,6 +527,7 @@ class TimelineModel:
             self.live[gone[0]] -= gone[1]
         self._places.pop(key, None)
         self._pinned.discard(key)
+        self._constants.discard(key)
         self._window_writes.pop(key, None)
 
     def place_of(self, t: torch.Tensor) -> int | None:
@@ -663,8 +665,15 @@ class TimelineModel:
         self._add(self._new(name, "marker", thread="main"))
 
     def metas(self, tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
-        """Each tensor's (element count, bytes, lead samples): what shapes.RoleMap scales."""
-        return tuple((t.numel(), t.numel() * t.element_size(), lead_of(tuple(t.shape), self.seqlen)) for t in tensors)
+        """Each tensor's (element count, bytes, lead samples): what shapes.RoleMap scales; a constant's
+        lead is -1 (its size is the same for every block)."""
+        return tuple((t.numel(), t.numel() * t.element_size(),
+                      -1 if self._key(t) in self._constants else lead_of(tuple(t.shape), self.seqlen))
+                     for t in tensors)
+
+    def mark_constant(self, t: torch.Tensor) -> None:
+        """``t`` is a constant of fixed size (a lookup table), whatever block the record is replayed as."""
+        self._constants.add(self._key(t))
 
     def device_read(self, t: torch.Tensor, what: str) -> None:
         """A host read of a device tensor: a blocking device-to-host copy on its device's current stream."""
@@ -889,6 +898,7 @@ class TimelineModel:
     def __enter__(self) -> TimelineModel:
         from dpq import communicators, plan, session
         from dpq import exchange as dpq_exchange
+        from dpq import sign_bits as dpq_sign_bits
         from dpq import tune_loop as tl
 
         TimelineModel.active = self
@@ -956,6 +966,14 @@ class TimelineModel:
 
         self._patch(dpq_exchange.BackwardExchange, "serve", serve)
 
+        real_sign_table = dpq_sign_bits.sign_table
+
+        def sign_table(device="cpu"):
+            table = real_sign_table(device)
+            model.mark_constant(table)
+            return table
+
+        self._patch(dpq_sign_bits, "sign_table", sign_table)
         real_buckets_init = dpq_exchange.GradBuckets.__init__
 
         def buckets_init(buckets, params_per_lane, bucket_cap_elems=2**22, lanes=None):

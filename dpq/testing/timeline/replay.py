@@ -54,7 +54,7 @@ class Pricing:
 
     def scaled_bytes(self, op: Op) -> float:
         if op.fixed_scale is not None:
-            return sum(b for _, b, _ in op.tensors) * op.fixed_scale
+            return _fixed(op.tensors, op.fixed_scale)
         return self.roles.scaled_bytes(op.tensors)
 
     def flops(self, op: Op) -> float:
@@ -84,7 +84,7 @@ class Pricing:
     def wire_bytes(self, op: Op) -> float:
         first = op.tensors[:1]
         if op.fixed_scale is not None:
-            return sum(b for _, b, _ in first) * op.fixed_scale * op.wire_factor
+            return _fixed(first, op.fixed_scale) * op.wire_factor
         return self.roles.scaled_bytes(first) * op.wire_factor
 
     def host_s(self, op: Op) -> float:
@@ -100,6 +100,11 @@ class Pricing:
         if op.kind in ("kernel", "copy", "collective"):
             return host.eager_op_s
         return 0.0
+
+
+def _fixed(tensors, scale: float) -> float:
+    """Bytes of a target bucket's copy of an exchange op: every tensor scaled alike, constants not."""
+    return sum(b * (1.0 if lead < 0 else scale) for _, b, lead in tensors)
 
 
 def op_class(op: Op) -> str | None:

@@ -28,7 +28,8 @@ from functools import cached_property
 
 __all__ = ["BLOCKS", "RECORDED", "BlockShape", "RoleMap", "TensorMeta"]
 
-# (element count, bytes, lead): lead = the samples an activation spans (from its shape), 0 = not an activation
+# (element count, bytes, lead): lead = the samples an activation spans (from its shape), 0 = not an activation,
+# -1 = a constant of fixed size whatever the block (a lookup table)
 TensorMeta = tuple[int, int, int]
 
 
@@ -184,6 +185,8 @@ class RoleMap:
 
     def ratio(self, meta: TensorMeta) -> float | None:
         numel, _, lead = meta
+        if lead < 0:  # a constant (a lookup table): the same size for every block
+            return 1.0
         t = self.target_numel(numel, lead)
         return None if t is None else t / numel
 
