@@ -158,11 +158,18 @@ class NoExchange:
 
     name = "none"
     overlap = False
+    exact_signs = False
 
     def __init__(self, comm) -> None:
         self.comm = comm
 
     def exchange(self, buckets) -> None:
+        return None
+
+    def keep_signs_apart(self) -> bool:
+        return False
+
+    def signs_apart(self, buckets) -> None:
         return None
 
     def during_backward(self, buckets, lanes=None):

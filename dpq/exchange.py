@@ -131,14 +131,22 @@ class GradBuckets:
         # Exchange policies' buffers, reused across buckets and iterations (the policy owns the
         # entry under its name; e.g. SignExchange's SignBuffers). Freed with the buckets.
         self.scratch: dict[str, object] = {}
-        self.buffers = []
-        for k, dev in enumerate(devices):
-            with self._issue(k):  # allocated for the lane's stream, where all its uses are queued
-                self.buffers.append(torch.zeros(self.numel, dtype=torch.float32, device=dev or "cpu"))
+        self._devices = devices
+        self.buffers = self.flat_buffers(torch.float32, zero=True)
 
     @property
     def world(self) -> int:
         return len(self.params)
+
+    def flat_buffers(self, dtype: torch.dtype, *, zero: bool = False) -> list[Tensor]:
+        """A flat buffer of ``numel`` elements per lane, on the lane's device, allocated for its stream
+        (where all its uses are queued)."""
+        out = []
+        for k, dev in enumerate(self._devices):
+            with self._issue(k):
+                make = torch.zeros if zero else torch.empty
+                out.append(make(self.numel, dtype=dtype, device=dev or "cpu"))
+        return out
 
     def bucket(self, i: int) -> list[Tensor]:
         """Bucket ``i`` of every lane: 1-D contiguous views of the flat buffers."""
@@ -164,6 +172,12 @@ class GradBuckets:
             for p, v in zip(params, slots, strict=True):
                 if p.grad is not v:  # dropped (zero_grad) or replaced: the slot's view again
                     p.grad = v
+
+    def slot_views(self, buffers: Sequence[Tensor]) -> list[list[Tensor]]:
+        """Per lane, each tuned parameter's slot in ``buffers[k]`` (a flat buffer laid out as the
+        gradients are), viewed with the parameter's shape."""
+        return [[buf[off: off + p.numel()].view(p.shape) for p, off in zip(params, self.offsets, strict=True)]
+                for buf, params in zip(buffers, self.params, strict=True)]
 
     def detach(self) -> None:
         """Every ``p.grad`` back to None (the run is over: the buffers are not held by the params)."""
@@ -295,6 +309,18 @@ class _Exchange:
     def _check(self, buckets: GradBuckets) -> None:
         if buckets.world != len(self.comm.lanes):
             raise ValueError(f"dpq: {buckets.world} gradient buffers for {len(self.comm.lanes)} lanes")
+
+    exact_signs = False  # after exchange(): every grad element is exactly -1.0, +0.0 or +1.0 (dpq.sign_step)
+
+    def keep_signs_apart(self) -> bool:
+        """Asked by a step that adds the signs itself (dpq.sign_step): from now on leave them apart from
+        the grads (:meth:`signs_apart`) instead of writing them back as fp32. True if this policy does."""
+        return False
+
+    def signs_apart(self, buckets: GradBuckets) -> list[dict[int, Tensor]] | None:
+        """Per lane, each tuned parameter's (by ``id``) signs the last exchange kept apart; None: they are
+        in the grads."""
+        return None
 
     def _exchange(self, buckets: GradBuckets, i: int) -> None:
         raise NotImplementedError
@@ -491,7 +517,34 @@ class SignExchange(_Exchange):
     """
 
     name = "sign"
-    exact_signs = True  # after exchange(): every grad element is exactly -1.0, +0.0 or +1.0 (dpq.sign_step)
+    exact_signs = True
+    _apart = False  # keep_signs_apart() was asked: the signs stay int8 beside the grads
+
+    def keep_signs_apart(self) -> bool:
+        """The signs stay int8 in a buffer of their own per lane group (one byte per element, written by
+        the unpack's copy), so no fp32 copy of them is written into the grads and read back by the step."""
+        self._apart = True
+        return True
+
+    def signs_apart(self, buckets: GradBuckets) -> list[dict[int, Tensor]] | None:
+        if not self._apart or self.comm.world == 1:
+            return None
+        cached = buckets.scratch.get("sign_apart_views")
+        if cached is None:
+            flat = self._apart_buffers(buckets)
+            cached = buckets.scratch["sign_apart_views"] = [
+                {id(p): v for p, v in zip(params, views, strict=True)}
+                for params, views in zip(buckets.params, buckets.slot_views(flat), strict=True)]
+        return cached
+
+    def _apart_buffers(self, buckets: GradBuckets) -> list[Tensor]:
+        """Per lane, the int8 flat buffer its signs are kept in, laid out as its gradients: made like
+        them, for the lane's stream (the step reads it there; the unpack writes it between the
+        communicator's joins, as it wrote the grads). On first use."""
+        cached = buckets.scratch.get("sign_apart")
+        if cached is None:
+            cached = buckets.scratch["sign_apart"] = buckets.flat_buffers(torch.int8)
+        return cached
 
     def _exchange(self, buckets: GradBuckets, i: int) -> None:
         grads = buckets.bucket(i)
@@ -525,12 +578,17 @@ class SignExchange(_Exchange):
                 pack_signs(take(buf.recv, rows, c), take(buf.planes, rows, 2, c), take(buf.words, rows * c // 4),
                            take(buf.tmp, rows * c // 4), take(buf.packed, rows, c // 4))
         comm.all_gather(packed, gathered)
+        apart = self._apart_buffers(buckets) if self._apart else None
+        start, end = buckets.bucket_ranges[i]
         for ks, buf, lane in groups:
             with lane.issue():
                 # Every lane gathered the same bytes: a group of lanes without streams unpacks once.
                 signs = unpack_signs(gathered[ks[0]], world, buf.table, buf.idx, buf.signs)[:n]
                 for k in ks:
-                    grads[k].copy_(signs)  # int8 -> fp32: exactly -1.0, 0.0, +1.0
+                    if apart is not None:
+                        apart[k][start:end].copy_(signs)  # int8, one byte per element
+                    else:
+                        grads[k].copy_(signs)  # int8 -> fp32: exactly -1.0, 0.0, +1.0
 
     def _groups(self, buckets: GradBuckets) -> list[tuple[list[int], SignBuffers, Lane]]:
         """The lanes' buffer groups (:func:`dpq.sign_bits.sign_groups`), made on first use per buckets and lanes."""

@@ -152,7 +152,7 @@ def _block_terms(block: torch.nn.Module, inputs: Sequence[torch.Tensor], samples
         "tuned_values": tuned * 4,
         "qdq_saved": 4 * n * 4,
         "grad_buffer": tuned * 4,
-        "exchange": 3 * bucket * 4 + SIGN_TABLE_BYTES,
+        "exchange": 3 * bucket * 4 + SIGN_TABLE_BYTES + tuned,  # + the signs kept apart, int8
         "activations": 0,
         "staging": 0,
     }

@@ -11,9 +11,10 @@ Llama block, on the one issuing thread for every lane (the issue cost, ``benchma
 
 Why the result is bitwise the serial step's, on any device (the argument, since no GPU ran it):
 
-1. The grads it adds are exact signs. Either an exchange left them so (``exact_signs`` on the
+1. What it adds are exact signs. Either an exchange left them so (``exact_signs`` on the
    policy, :class:`dpq.exchange.SignExchange`: every element -1.0, +0.0 or +1.0, which
-   ``torch.sign`` maps to itself bit for bit), or ``sign_first`` signs them in place with
+   ``torch.sign`` maps to itself bit for bit; or kept apart as int8 -1, 0, +1, ``signs``, which
+   the add converts to exactly those fp32 values), or ``sign_first`` signs them in place with
    ``torch._foreach_sign_`` (world 1: no exchange): on CPU that runs ``sign_`` per tensor, the
    serial op's kernel; on CUDA its functor is ``c10::signum``, the function ``torch.sign``'s
    CUDA kernel applies (ATen ``ForeachUnaryOp.cu`` / ``UnarySignKernels.cu``).
@@ -78,25 +79,27 @@ def step_choice(asked: bool, optimizers: Sequence[torch.optim.Optimizer],
 
 
 def foreach_sign_step(optimizers: Sequence[torch.optim.Optimizer], lanes: Sequence[Lane], *,
-                      sign_first: bool = False) -> None:
+                      sign_first: bool = False, signs: Sequence[dict[int, torch.Tensor]] | None = None) -> None:
     """``p += -lr * grad`` for every tuned tensor of every lane whose grad is set. Call instead of
     each lane's ``optimizer.step()``. The grads must hold exact signs (module docstring), or
-    ``sign_first``: they are signed in place first (``torch._foreach_sign_``)."""
+    ``sign_first``: they are signed in place first (``torch._foreach_sign_``); ``signs``: per lane,
+    each parameter's (by ``id``) int8 signs to add instead of its grad (an exchange kept them apart)."""
     if lanes_share_buffers(list(lanes)):  # no streams, one device: one op per lr over all lanes
-        _apply(_by_alpha(optimizers), sign_first)
+        _apply(_by_alpha(optimizers, signs), sign_first)
     else:
-        for lane, opt in zip(lanes, optimizers, strict=True):
+        for k, (lane, opt) in enumerate(zip(lanes, optimizers, strict=True)):
             with lane.issue():
-                _apply(_by_alpha([opt]), sign_first)
+                _apply(_by_alpha([opt], None if signs is None else [signs[k]]), sign_first)
     for opt in optimizers:
         # what the step wrapper of an lr scheduler records: the step ran (else its first
         # scheduler step warns that it came before the optimizer's)
         opt._opt_called = True
 
 
-def _by_alpha(optimizers: Sequence[torch.optim.Optimizer]) -> dict[float, tuple[list, list]]:
+def _by_alpha(optimizers: Sequence[torch.optim.Optimizer],
+              signs: Sequence[dict[int, torch.Tensor]] | None) -> dict[float, tuple[list, list]]:
     out: dict[float, tuple[list, list]] = {}
-    for opt in optimizers:
+    for k, opt in enumerate(optimizers):
         for group in opt.param_groups:
             lr = group["lr"]
             alpha = -float(lr)  # exact: the value serial's ``alpha=-lr`` passes (docstring, 2.)
@@ -104,7 +107,7 @@ def _by_alpha(optimizers: Sequence[torch.optim.Optimizer]) -> dict[float, tuple[
             for p in group["params"]:
                 if p.grad is not None:
                     params.append(p)
-                    grads.append(p.grad)
+                    grads.append(p.grad if signs is None else signs[k][id(p)])
     return out
 
 

@@ -105,8 +105,13 @@ class LanesHung(RuntimeError):
 
 class Exchange(Protocol):
     comm: Communicator  # over this process's lanes; its world spans every process (dpq.process_group)
+    exact_signs: bool  # after exchange(): the grads hold exact signs (dpq.sign_step)
 
     def exchange(self, buckets: GradBuckets) -> None: ...
+
+    def keep_signs_apart(self) -> bool: ...
+
+    def signs_apart(self, buckets: GradBuckets) -> list[dict[int, torch.Tensor]] | None: ...
 
 
 @dataclass
@@ -184,7 +189,10 @@ class TuneEngine:
         # exchange runs) they are signed first, in place (torch._foreach_sign_, serial's sign op).
         self.one_op_sign_step, self.step_note = step_choice(one_op_sign_step, self.optimizers,
                                                             self.buckets.params if self.buckets else None)
-        self._sign_first = self.world == 1 or not getattr(exchange, "exact_signs", False)
+        self._sign_first = self.world == 1 or not exchange.exact_signs
+        # the one-op step adds the exchange's int8 signs where it keeps them apart (no fp32 copy of them)
+        if self.one_op_sign_step and self.world > 1:
+            exchange.keep_signs_apart()
         # The issuing thread's host time in backward() and step(), less the backward calls and the
         # readback (waits): on accelerator lanes, the issue cost dpq.cost_model prices.
         self.issue_s = 0.0
@@ -451,7 +459,8 @@ class TuneEngine:
         t_start = time.perf_counter()
         self.doing = ("step", None)
         if self.one_op_sign_step:
-            foreach_sign_step(self.optimizers, self.lanes, sign_first=self._sign_first)
+            signs = self.exchange.signs_apart(self.buckets) if self.buckets is not None else None
+            foreach_sign_step(self.optimizers, self.lanes, sign_first=self._sign_first, signs=signs)
         for lane, opt, sched in zip(self.lanes, self.optimizers, self.schedulers, strict=True):
             with lane.issue():
                 if not self.one_op_sign_step:

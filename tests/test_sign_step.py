@@ -108,8 +108,8 @@ def test_mutants_break_bitwise(monkeypatch, mutant):
     else:
         real_by = sign_step._by_alpha
 
-        def one_lr(opts):
-            groups = real_by(opts)
+        def one_lr(opts, signs=None):
+            groups = real_by(opts, signs)
             first = next(iter(groups))
             return {first: ([p for ps, _ in groups.values() for p in ps], [g for _, gs in groups.values() for g in gs])}
 
