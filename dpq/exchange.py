@@ -133,6 +133,8 @@ class GradBuckets:
         self.scratch: dict[str, object] = {}
         self._devices = devices
         self.buffers = self.flat_buffers(torch.float32, zero=True)
+        self._by_copy = False  # attach_by_copy() was the last attach: finalize() has work
+        self._copy_hooks: list = []
 
     @property
     def world(self) -> int:
@@ -153,6 +155,14 @@ class GradBuckets:
         start, end = self.bucket_ranges[i]
         return [buf[start:end] for buf in self.buffers]
 
+    def _slot_views(self) -> list[tuple[Tensor, list[Tensor]]]:
+        views = self._views
+        if views is None or any(v[0] is not buf for v, buf in zip(views, self.buffers, strict=True)):
+            views = self._views = [(buf, [buf[off : off + p.numel()].view_as(p) for p, off in
+                                          zip(params, self.offsets, strict=True)])
+                                   for buf, params in zip(self.buffers, self.params, strict=True)]
+        return views
+
     def attach(self) -> None:
         """Zero the buffers and point every ``p.grad`` at its slot.
 
@@ -161,17 +171,48 @@ class GradBuckets:
         view in place autograd accumulates into it in place. A parameter that receives no
         gradient keeps an exact zero (not None).
         """
-        views = self._views
-        if views is None or any(v[0] is not buf for v, buf in zip(views, self.buffers, strict=True)):
-            views = self._views = [(buf, [buf[off : off + p.numel()].view_as(p) for p, off in
-                                          zip(params, self.offsets, strict=True)])
-                                   for buf, params in zip(self.buffers, self.params, strict=True)]
-        for k, ((buf, slots), params) in enumerate(zip(views, self.params, strict=True)):
+        self._by_copy = False
+        for k, ((buf, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
             with self._issue(k):
                 buf.zero_()
             for p, v in zip(params, slots, strict=True):
                 if p.grad is not v:  # dropped (zero_grad) or replaced: the slot's view again
                     p.grad = v
+
+    def attach_by_copy(self) -> None:
+        """Before every backward, instead of :meth:`attach`: drop the grads; each parameter's first
+        gradient of the backward is copied into its slot, which becomes its ``.grad`` (a hook right
+        after autograd accumulated it, on the stream it accumulated on; later gradients of further
+        backwards add into the slot in place). One write per element where zeroing the buffer and
+        adding into it wrote twice and read twice. :meth:`finalize` before reading the buffers.
+
+        Note [first gradient copied]: the same values as zero-then-add (0 + g = g), except that a
+        -0.0 gradient stays -0.0 where the add made it +0.0: a sign of -0.0 is 0 either way, and a
+        sum of signed zeros is a zero either way, so no update changes. The hooks stay for the run
+        (removed by :meth:`release`): one per tuned parameter per lane, Python on autograd's thread.
+        """
+        self._by_copy = True
+        if not self._copy_hooks:
+            for params, (_, slots) in zip(self.params, self._slot_views(), strict=True):
+                for p, slot in zip(params, slots, strict=True):
+                    self._copy_hooks.append(p.register_post_accumulate_grad_hook(_into_slot(slot)))
+        for params in self.params:
+            for p in params:
+                p.grad = None
+
+    def finalize(self) -> None:
+        """After :meth:`attach_by_copy`'s backward, before a buffer is read: a parameter that got no
+        gradient has its slot zeroed (exactly what :meth:`attach` would have left) and its view as
+        ``.grad``. Does nothing after :meth:`attach`."""
+        if not self._by_copy:
+            return
+        for k, ((_, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
+            for p, v in zip(params, slots, strict=True):
+                if p.grad is not v:
+                    with self._issue(k):
+                        v.zero_()
+                    p.grad = v
+        self._by_copy = False
 
     def slot_views(self, buffers: Sequence[Tensor]) -> list[list[Tensor]]:
         """Per lane, each tuned parameter's slot in ``buffers[k]`` (a flat buffer laid out as the
@@ -188,6 +229,9 @@ class GradBuckets:
     def release(self) -> None:
         """Drop the buffers, their views, the policies' scratch and the parameter lists (the run is
         over; ``detach()`` the grads first). The object is unusable afterwards."""
+        for h in self._copy_hooks:
+            h.remove()
+        self._copy_hooks.clear()
         self.scratch.clear()
         self.buffers.clear()
         self.params.clear()
@@ -203,6 +247,17 @@ class GradBuckets:
 
     def _issue(self, k: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self.lanes is None else self.lanes[k].issue()
+
+
+def _into_slot(slot: Tensor):
+    """The hook :meth:`GradBuckets.attach_by_copy` puts on a parameter: its first gradient into ``slot``."""
+
+    def hook(p: Tensor) -> None:
+        if p.grad is not slot:
+            slot.copy_(p.grad)
+            p.grad = slot
+
+    return hook
 
 
 def _check_lane_params(
@@ -277,6 +332,7 @@ class _Exchange:
     def exchange(self, buckets: GradBuckets) -> None:
         """Every bucket, in buffer order; afterwards every lane's grads hold the identical result."""
         self._check(buckets)
+        buckets.finalize()
         before = self.total_wire_bytes
         for i in range(len(buckets.bucket_ranges)):
             self.exchange_bucket(buckets, i)
@@ -458,6 +514,7 @@ class BackwardExchange:
         self._remove_hooks()
         if exc_type is not None:
             return
+        self.buckets.finalize()
         for b, done in enumerate(self.issued):  # parameters that got no gradient: their buckets now
             if not done:
                 self._issue(b)

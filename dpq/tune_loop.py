@@ -430,9 +430,10 @@ class TuneEngine:
         return int(comm.wire_bytes) if comm is not None else 0
 
     def _fresh_grads(self) -> None:
-        """Before an iteration's first backward: zero the flat buffers (the ``.grad`` views stay),
-        or at world 1 drop the grads, as serial's ``zero_grad()`` does."""
-        self.buckets.attach() if self.buckets is not None else self.release_grads()
+        """Before an iteration's first backward: the grads dropped, each parameter's first gradient
+        then copied into its slot of the flat buffers (:meth:`GradBuckets.attach_by_copy`), or at world 1
+        dropped as serial's ``zero_grad()`` does."""
+        self.buckets.attach_by_copy() if self.buckets is not None else self.release_grads()
 
     def close(self) -> None:
         """Let go of what the run allocated beside the replicas, in place (a failed run's frames may

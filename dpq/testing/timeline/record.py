@@ -950,6 +950,7 @@ class TimelineModel:
         self._patch(session, "run_loop", run_loop)
         for owner, meth, phase in ((tl.TuneEngine, "step", "step"), (tl.TuneEngine, "_queue_readback", "readback"),
                                    (dpq_exchange.GradBuckets, "attach", "grads"),
+                                   (dpq_exchange.GradBuckets, "finalize", "grads"),
                                    (tl.TuneEngine, "_read_losses", "readback"),
                                    (dpq_exchange._Exchange, "exchange", "exchange"),
                                    (dpq_exchange.BackwardExchange, "__exit__", "exchange")):
