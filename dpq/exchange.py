@@ -563,8 +563,8 @@ class SignExchange(_Exchange):
     gets a "negative" bit and a "nonzero" bit, each plane packed 8 elements to a byte; a
     lane's packed chunk is [negative plane | nonzero plane]. The gather moves 2 bits per
     element, so wire bytes per element per lane are (W-1)/W x (4 + 0.25) = (W-1)/W x 4.25,
-    counted on the padded length m (exactly ``17*(W-1)*m // (4*W)`` per bucket). DESIGN.md's
-    4.125 assumes a binary sign, which is not exact.
+    counted on the padded length m (exactly ``17*(W-1)*m // (4*W)`` per bucket; docs/DESIGN.md,
+    contract 3).
 
     The planes reproduce ``torch.sign`` exactly, NaN included: torch.sign(NaN) is 0, so serial
     SignSGD leaves an element with a NaN gradient alone, and so does this path (a NaN sum gets

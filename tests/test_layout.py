@@ -226,3 +226,35 @@ def test_phase_records_are_made_in_one_place():
     common = ast.parse((DPQ / "autoround" / "seams_common.py").read_text())
     functions = {node.name for node in common.body if isinstance(node, ast.FunctionDef)}
     assert {"run_phase", "seam_run"} <= functions and not {"config", "world", "scratch"} & functions, functions
+
+
+# -- the contracts the code cites are in the repository --------------------------------------------
+
+DESIGN = DPQ.parent / "docs" / "DESIGN.md"
+CITED = r"\b[Cc]ontracts? (\d+)(?: and (\d+))?"
+
+
+def cited_contracts(text: str) -> set[int]:
+    import re
+
+    return {int(n) for m in re.finditer(CITED, text) for n in m.groups() if n}
+
+
+def missing_contracts(sources: dict[str, str], design: str) -> list[str]:
+    """Each (file, contract number) cited in ``sources`` that ``design`` has no "**N." heading for."""
+    import re
+
+    defined = {int(n) for n in re.findall(r"^\*\*(\d+)\. ", design, re.M)}
+    return sorted(f"{name}: contract {n}" for name, text in sources.items() for n in cited_contracts(text)
+                  if n not in defined)
+
+
+def test_every_contract_the_code_cites_is_in_docs_design():
+    sources = {str(p.relative_to(DPQ.parent)): p.read_text() for p in DPQ.rglob("*.py")}
+    assert set().union(*(cited_contracts(t) for t in sources.values())) >= {1, 3, 4, 6, 7}
+    assert missing_contracts(sources, DESIGN.read_text()) == []
+
+
+def test_a_cited_contract_that_is_not_there_is_found():
+    assert missing_contracts({"x.py": "as contract 9 says"}, DESIGN.read_text()) == ["x.py: contract 9"]
+    assert missing_contracts({"x.py": "contracts 3 and 12"}, "**3. The exchange.**\n") == ["x.py: contract 12"]
