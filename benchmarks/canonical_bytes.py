@@ -47,7 +47,7 @@ def _args(op: str, lanes: int, world: int) -> tuple:
 def nccl_send_bytes() -> list[tuple[int, str, int, int]]:
     """(W, op, most bytes any rank sent, ring bytes) through the fake CuPy NCCL."""
     from dpq.nccl_comm import CupyNcclCommunicator
-    from tests import fake_cupy_nccl
+    from dpq.testing import fake_cupy_nccl
 
     class _Setter:  # what fake_cupy_nccl.install needs of pytest's monkeypatch
         def setitem(self, d, k, v):

@@ -198,7 +198,7 @@ class CupyNcclCommunicator(CommunicatorBase):
     received parts of the own chunk per rank, allocated for the lane's stream.
     **Not run on hardware**: the send/recv sequence and the sums are tested on CPU through a
     recording fake of ``cupy.cuda.nccl`` that performs the transfers
-    (``tests/fake_cupy_nccl.py``); no multi-GPU machine was available.
+    (``dpq/testing/fake_cupy_nccl.py``); no multi-GPU machine was available.
 
     Two ranks on one GPU are refused before any NCCL call unless NCCL >= 2.30 runs with
     ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (``allow_shared_gpu=None`` checks exactly that).

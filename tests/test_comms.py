@@ -18,7 +18,7 @@ from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator, cupy_nccl
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.refusals import HPU_MULTI_LANE
 from dpq.streams import Lane, make_lanes
-from tests import fake_cupy_nccl
+from dpq.testing import fake_cupy_nccl
 
 WORLDS = [1, 2, 3, 4]
 SIZES = [1, 37, 1000]

@@ -60,7 +60,7 @@ def test_compile_cli_world1_saves_the_same_tensors_as_off(compiled_runs):
 # sqrt(3/2) narrower; the power against real bugs is the in-process tests' (test_parity.py), here
 # the mutant below must fail.
 # COMPILE_SPREAD: serial's relative seed-to-seed stdev with compile on in these settings, measured
-# with `scripts/parity_spread.py cli --compile --seeds 42-49 --worlds 2` on the development VM (Xeon
+# with `tests/parity_spread.py cli --compile --seeds 42-49 --worlds 2` on the development VM (Xeon
 # with AVX512-BF16, 2 cores, 2026-12-02; the 4 blocks pooled for the losses: 28 dof, KL 7), the
 # larger of the two branches: best loss 2.98% / 3.04%, trajectory 2.04% / 2.09%, KL 2.99% / 4.65%
 # (bf16 autocast / fp32, DPQ_TEST_CPU_BF16=off). Paired world-2 differences measured there: stdev

@@ -79,7 +79,7 @@ def _run_diffs(serial: list, parallel: list) -> dict[str, list[float]]:
 # (seed 42, 20 iterations) of the tiny random Llama, statistics (dpq/testing/parity_stats.py) each
 # block's best loss and trajectory and the model's KL(fp || q) on held-out samples: m = 5, n = 1,
 # K = Phi^-1(1 - 1e-3 / 10) = 3.72, bound 3.72 * sqrt(2) * MODEL_SPREAD: false failure <= 1e-3.
-# MODEL_SPREAD: serial's seed-to-seed spread of this setting (scripts/parity_spread.py model, 2
+# MODEL_SPREAD: serial's seed-to-seed spread of this setting (tests/parity_spread.py model, 2
 # blocks pooled for the losses), the larger of the two branches: best loss 1.35% (bf16 autocast,
 # seeds 0..5, 10 dof) / 1.70% (fp32, seeds 0..4, 8 dof), trajectory 1.40% / 0.69%, KL 2.25% (5 dof)
 # / 1.46% (4 dof), Xeon with AVX512-BF16, the fp32 branch forced. World 4's paired differences
@@ -133,7 +133,7 @@ ALGORITHMS = [  # (auto-round arguments, the quantizer class they select)
 # World 2 of each algorithm, one pair (seed 42, 6 iterations), statistics (dpq/testing/parity_stats.py)
 # each block's best loss and trajectory: m = 4, n = 1, K = Phi^-1(1 - 1e-3 / 8) = 3.66, bound
 # 3.66 * sqrt(2) * ALGORITHM_SPREAD[i]: false failure <= 1e-3 per algorithm. ALGORITHM_SPREAD[i]:
-# the larger of serial's seed-to-seed spread (scripts/parity_spread.py algs, 2 blocks pooled: 6
+# the larger of serial's seed-to-seed spread (tests/parity_spread.py algs, 2 blocks pooled: 6
 # dof) and the measured paired difference's rms / sqrt(2) (world 2 vs serial, same seeds), the
 # larger over the two branches measured (bf16 autocast: seeds 0..3; fp32, forced: seeds 0..2). Why
 # the paired term: with gradient accumulation every iteration takes the whole pool, so the seed
@@ -475,7 +475,7 @@ def test_cli_world1_saves_the_same_tensors_as_off(cli_runs):
 # model's KL(fp || q) on held-out text: m = 9 statistics, each a mean over the 3 SEEDS held to
 # K * sqrt(2) * CLI_SPREAD / sqrt(3), K = Phi^-1(1 - 9e-4 / 18) = 3.89 (bounds: best loss 8.6%,
 # trajectory 8.4%, KL 18.6%): false failure <= 9e-4. CLI_SPREAD: serial's relative seed-to-seed
-# stdev in this test's settings (20 iterations: `scripts/parity_spread.py cli --seeds 42-47 --worlds 2`,
+# stdev in this test's settings (20 iterations: `tests/parity_spread.py cli --seeds 42-47 --worlds 2`,
 # the 4 blocks pooled for the losses: 20 dof, KL 5; Xeon with AVX512-BF16, 2 cores, 2026-12-02), the
 # larger of the two branches: best loss 2.70% / 2.66%, trajectory 2.62% / 2.64%, KL 5.24% / 3.26%
 # (bf16 autocast / fp32, DPQ_TEST_CPU_BF16=off). Paired world-2 differences measured there: stdev

@@ -258,3 +258,33 @@ def test_every_contract_the_code_cites_is_in_docs_design():
 def test_a_cited_contract_that_is_not_there_is_found():
     assert missing_contracts({"x.py": "as contract 9 says"}, DESIGN.read_text()) == ["x.py: contract 9"]
     assert missing_contracts({"x.py": "contracts 3 and 12"}, "**3. The exchange.**\n") == ["x.py: contract 12"]
+
+
+# -- the tests' own modules stay theirs --------------------------------------------------------------
+
+
+def imports_of_tests(source: str) -> list[str]:
+    """The ``tests`` modules ``source`` imports (any level: module or function)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "tests" or a.name.startswith("tests.")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                node.module == "tests" or node.module.startswith("tests.")):
+            found.append(node.module)
+    return found
+
+
+def test_nothing_outside_tests_imports_from_tests():
+    """dpq/, benchmarks/ and scripts/ never import the test suite's modules: what they share with
+    it is scaffolding in dpq/testing/."""
+    root = DPQ.parent
+    found = [f"{p.relative_to(root)}: {m}" for folder in ("dpq", "benchmarks", "scripts")
+             for p in sorted((root / folder).rglob("*.py")) for m in imports_of_tests(p.read_text())]
+    assert found == []
+
+
+def test_an_import_from_tests_is_found():
+    nested = "def f():\n    from tests import conftest\nimport tests.mutants\nimport testsuite\n"
+    assert sorted(imports_of_tests(nested)) == ["tests", "tests.mutants"]
+    assert imports_of_tests("from tests.conftest import x") == ["tests.conftest"]

@@ -31,9 +31,9 @@ from dpq import nccl_comm
 from dpq.communicators import select_communicator
 from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator, cupy_nccl_version, multi_rank_gpu_enabled
 from dpq.nccl_lifecycle import NcclAborted, NcclCollectiveError, NcclInitFailed, close_communicators
-from tests import fake_cupy_nccl
+from dpq.testing import fake_cupy_nccl
+from dpq.testing.fake_cupy_nccl import Call
 from tests.conftest import cast_floating
-from tests.fake_cupy_nccl import Call
 
 
 @pytest.fixture(autouse=True)

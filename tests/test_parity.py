@@ -103,7 +103,7 @@ def longer_blocks():
 # keeps) and the mean of its per-iteration losses (the whole trajectory; far less noisy); the mean
 # over n pairs is held to K * sqrt(2) * SPREAD / sqrt(n), K = Phi^-1(1 - 1e-3 / (2 * 2)) = 3.48 for
 # the 2 statistics: a correct build fails a test with probability <= 1e-3.
-# SPREAD: serial's own seed-to-seed spread, committed (measured: scripts/parity_spread.py engine,
+# SPREAD: serial's own seed-to-seed spread, committed (measured: tests/parity_spread.py engine,
 # seeds 0..7, python `random` and torch seeded with the seed before auto-round's own
 # quantize_block, each block of `longer_blocks`: 2 blocks, 30 iters, 32 samples x 64 tokens,
 # batch 8; torch 2.13 CPU, auto-round 0.16.1): best loss 1.17% / trajectory 0.238% (AMD EPYC,

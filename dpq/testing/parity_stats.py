@@ -7,7 +7,7 @@ parallel run P from the serial run S with the same seed (so the same sample indi
 iteration): d = (P - S) / S. A correct parallel run differs from serial only by rounding drift,
 so it is at most as far from serial as a serial run with another seed: Var d <= 2 sigma**2,
 sigma = serial's own relative seed-to-seed spread of that quantity (committed per test, measured
-by ``scripts/parity_spread.py``; under fp32 drift is often nil and d is 0). The mean over n pairs
+by ``tests/parity_spread.py``; under fp32 drift is often nil and d is 0). The mean over n pairs
 is held to
 
     |mean d| <= K * sqrt(2) * sigma / sqrt(n),      K = Phi^-1(1 - alpha / (2 m))

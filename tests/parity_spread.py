@@ -2,8 +2,8 @@
 serial's own seed-to-seed spread of each quantity, and the paired differences of parallel runs
 (the same seeds) from serial, per test setting.
 
-    DPQ_TEST_CPU_BF16=off .venv/bin/python scripts/parity_spread.py engine --seeds 0-7 --worlds 2
-    .venv/bin/python scripts/parity_spread.py cli --seeds 42-49 --worlds 2 --mutant "lane 1 gradient dropped"
+    DPQ_TEST_CPU_BF16=off .venv/bin/python tests/parity_spread.py engine --seeds 0-7 --worlds 2
+    .venv/bin/python tests/parity_spread.py cli --seeds 42-49 --worlds 2 --mutant "lane 1 gradient dropped"
 
 Settings (each exactly as its test runs it):
 
