@@ -173,7 +173,13 @@ class NoExchange:
         return None
 
     def during_backward(self, buckets, lanes=None):
-        return contextlib.nullcontext()
+        return _NoBackwardExchange()
+
+
+class _NoBackwardExchange(contextlib.nullcontext):
+    """No exchange during the backward, and no roots of its own."""
+
+    roots = seeds = ()
 
 
 def make_engine(case: Case, world: int, exchange_factory, bucket_cap: int | None = None):

@@ -103,11 +103,27 @@ class LanesHung(RuntimeError):
         self.stuck, self.peer_lost = stuck, peer_lost
 
 
+class DuringBackward(Protocol):
+    """The last backward's exchange (``dpq.exchange.BackwardExchange``): entered around the backward;
+    its own roots and seeds go into the same backward call (the issuer's node on accelerators)."""
+
+    roots: list[torch.Tensor]
+    seeds: list[torch.Tensor]
+
+    def __enter__(self) -> DuringBackward: ...
+
+    def __exit__(self, *exc) -> None: ...
+
+
 class Exchange(Protocol):
+    """Everything the engine asks of an exchange policy (``dpq.exchange``)."""
+
     comm: Communicator  # over this process's lanes; its world spans every process (dpq.process_group)
     exact_signs: bool  # after exchange(): the grads hold exact signs (dpq.sign_step)
 
     def exchange(self, buckets: GradBuckets) -> None: ...
+
+    def during_backward(self, buckets: GradBuckets, lanes: Sequence[int] | None = None) -> DuringBackward: ...
 
     def keep_signs_apart(self) -> bool: ...
 
@@ -235,10 +251,10 @@ class TuneEngine:
 
     def _expired(self, waited_s: float) -> str:
         """The iteration watchdog's expiry, in its thread: the communicator aborted, and what hung where."""
-        comm = getattr(self.exchange, "comm", None)
-        name = comm.name if comm is not None else "local"
+        comm = self.exchange.comm
+        name = comm.name
         reason = f"the watchdog (the issuing thread passed --parallel_timeout {self.timeout_s:g} s)"
-        ended = bool(comm.abort(reason)) if comm is not None else False
+        ended = bool(comm.abort(reason))
         what, lane = self.doing
         doing = f"lane {lane}'s {what}" if lane is not None else _DOING.get(what, what)
         return "dpq: " + refusals.issuing_thread_hung(self.name, self.world, doing, self.iteration + 1, waited_s,
@@ -304,9 +320,8 @@ class TuneEngine:
             if during is not None:
                 # The last backward exchanges buckets as they fill (exchange.py: overlap);
                 # lanes with fewer micro-steps have final gradients already.
-                extra_roots, extra_seeds = getattr(during, "roots", []), getattr(during, "seeds", [])
                 with during:  # its extra roots: the issuer's node on accelerator lanes (dpq.exchange)
-                    self._backward(roots + list(extra_roots), seeds + list(extra_seeds))
+                    self._backward(roots + list(during.roots), seeds + list(during.seeds))
             else:
                 self._backward(roots, seeds)
                 if world > 1:  # world 1: one lane already holds the full gradient
@@ -320,8 +335,7 @@ class TuneEngine:
         """The last backward exchanges buckets as they fill. Across processes only when every rank's
         lanes all run this backward (the same graphs on every rank: the buckets complete alike); else
         the exchange follows it, in buffer order."""
-        return self.world > 1 and hasattr(self.exchange, "during_backward") and (
-            self.world == len(self.lanes) or len(reached) == self.world)
+        return self.world > 1 and (self.world == len(self.lanes) or len(reached) == self.world)
 
     def _queue_readback(self, step_losses: list[dict[int, torch.Tensor]], indices: list[int]) -> list[HostCopy]:
         """R6: every lane's micro-step losses copied to the host on the lane's own stream (no
@@ -366,11 +380,11 @@ class TuneEngine:
     def _wait(self, readback: list[HostCopy]) -> None:
         """The watchdog (module docstring): the readback's copies, polled against ``timeout_s`` (the
         iteration watchdog suspended meanwhile: this wait checks its own deadline)."""
-        comm = getattr(self.exchange, "comm", None)
+        comm = self.exchange.comm
         events = [copy.event for copy in readback]
         try:
             with self.watch.waiting() if self.watch is not None else contextlib.nullcontext():
-                wait_events(events, self.timeout_s, comm.check_async_error if comm is not None else None)
+                wait_events(events, self.timeout_s, comm.check_async_error)
         except Exception as err:
             pending = err.pending if isinstance(err, WaitExpired) else [k for k, e in enumerate(events)
                                                                        if e is not None and not e.query()]
@@ -386,8 +400,8 @@ class TuneEngine:
         waited = err.waited_s if isinstance(err, WaitExpired) else 0.0
         cause = f"--parallel_timeout {self.timeout_s:g} s passed" if isinstance(err, WaitExpired) else \
             f"{type(err).__name__}: {err}"
-        name = comm.name if comm is not None else "local"
-        ended = comm.abort(f"the watchdog ({cause})") if comm is not None else False
+        name = comm.name
+        ended = comm.abort(f"the watchdog ({cause})")
         text = refusals.lanes_hung(self.name, self.world, name, lanes, waited, cause.splitlines()[0][:300], ended)
         return LanesHung(f"dpq: {text}", stuck=bool(pending) and not ended, peer_lost=gathered)
 
@@ -426,8 +440,7 @@ class TuneEngine:
         return HostCopy(recv[0].view(torch.float64).view(self.world, steps + 1))
 
     def _wire_bytes(self) -> int:
-        comm = getattr(self.exchange, "comm", None)
-        return int(comm.wire_bytes) if comm is not None else 0
+        return int(self.exchange.comm.wire_bytes)
 
     def _fresh_grads(self) -> None:
         """Before an iteration's first backward: the grads dropped, each parameter's first gradient
