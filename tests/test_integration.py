@@ -30,7 +30,7 @@ def quantize(world, devices=None, iters=6, fail_lane_at=None, return_model=False
 
     model = build_tiny_llama(TinyLlamaConfig())
     fp = copy.deepcopy(model)
-    integration.enable(world, devices, debug_identical=True, auto_world=auto_world)
+    integration.enable(world, devices, parallel_debug=world != "off", auto_world=auto_world)
     fault = inject_fault(block=fail_lane_at[0], after=fail_lane_at[1]) if fail_lane_at else None
     try:
         ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(16, 64), device_map="cpu",
