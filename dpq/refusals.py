@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 __all__ = [
     "AWQ_BALANCE_ON_META", "AWQ_BALANCE_OUTSIDE", "AWQ_CALLS_NOT_PAIRS", "AWQ_NO_WEIGHTS", "BLOCK_NO_PARAMS",
-    "BLOCK_ON_META", "DEBUG_WHILE_OFF", "DEVICES_WHILE_OFF", "DICT_POOL", "DIST_ACTIVE", "EMPTY_DEVICE_LIST",
+    "BLOCK_ON_META", "DEBUG_WHILE_OFF", "DEMO_NEEDS_MATPLOTLIB", "DEVICES_WHILE_OFF", "DICT_POOL", "DIST_ACTIVE",
+    "EMPTY_DEVICE_LIST",
     "GRAD_SCALER", "HPU_MULTI_LANE", "INPUTS_NOT_TENSORS", "LFQ_LOSS", "LINES", "OFF_UNDER_TORCHRUN", "ONE_LANE",
     "OUTPUTS_NOT_TENSORS", "OVERLAP_ONE_LANE", "OVERLAP_ON_CPU", "OVERLAP_WHILE_OFF", "PARALLEL_OFF", "PASS_DICT_POOL",
     "PASS_DIST_ACTIVE", "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME", "RTN_ON_META", "RUN_STOPPED",
@@ -535,6 +536,8 @@ def staging_leftovers(folders: Sequence[str]) -> str:
             "(rm -r) to free the space; --output_dir itself is not affected")
 
 
+DEMO_NEEDS_MATPLOTLIB = ("python -m dpq.demo draws its figure with matplotlib, which is not installed. Fix: pip "
+                         "install 'auto-round-dp[demo]' (or pip install matplotlib)")
 RUN_STOPPED = ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process, "
                "and --output_dir is left as it was (what the run wrote was removed; a model saved there before is "
                "untouched). Fix: rerun the command with --parallel_quantization auto or off")
@@ -602,8 +605,9 @@ def lanes_hung(block: str, world: int, communicator: str, lanes: str, waited_s: 
                 "--parallel_quantization auto such a block is redone serially)")
     return (f"{what}; the {communicator} communicator cannot end work already queued on the GPUs (torch.cuda.nccl has "
             "no abort, a copy between devices has none either), so this process cannot use those GPUs again and the "
-            "block could not be put back. Fix: restart the run; install CuPy's NCCL (pip install dpq[cuda12]), whose "
-            "communicators can be aborted, or raise --parallel_timeout if the block's iterations are that slow")
+            "block could not be put back. Fix: restart the run; install CuPy's NCCL (pip install "
+            "auto-round-dp[cuda12]), whose communicators can be aborted, or raise --parallel_timeout if the block's "
+            "iterations are that slow")
 
 
 def issuing_thread_hung(block: str, world: int, doing: str, iteration: int, waited_s: float, timeout_s: float,

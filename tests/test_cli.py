@@ -198,6 +198,8 @@ def test_cli_lane_failure_says_what_was_kept(tmp_path):
     that was restored and the block finished before it, and no claim that nothing was lost. Small
     shards (auto-round writes them during quantization): a model saved in --output_dir before is
     left bitwise as it was, without a stray shard beside it, and no partial folder stays behind."""
+    from dpq.demo.embedded import DATA_DIR
+
     prelude = "from dpq.testing.faults import inject_fault; inject_fault(block=1, after=1); "
     report = tmp_path / "report.json"
     before = earlier_model(tmp_path / "out")
@@ -217,6 +219,9 @@ def test_cli_lane_failure_says_what_was_kept(tmp_path):
     body = json.loads(report.read_text())
     assert [b["name"] for b in body["blocks"]] == ["model.layers.0"]
     assert body["error"]["kind"] == "lane_failed" and body["error"]["where"] == "model.layers.1"
+    assert body["error"]["block"] == "model.layers.1" and body["exit_status"] == 1  # issue 29: how the run ended
+    assert body["schema"] == "dpq-report/1" and body["command"][:3] == ["auto-round-dp", "--model", str(DATA_DIR)]
+    assert body["devices"] == "cpu,cpu" and body["started"] <= body["ended"] and body["versions"]["auto_round"]
     assert "a lane failed while tuning model.layers.1" in body["error"]["message"]
 
 

@@ -228,7 +228,7 @@ def _auto_choice(rows: list[WorldRow], lanes: list[torch.device], iters: int, co
         return 1, "no second lane fits: the run is serial (auto-round's own loop)"
     kept = lanes[:fitting]
     if len(set(kept)) < len(kept):
-        return fitting, refusals.auto_shared_device(fitting, sorted({str(d) for d in kept})).partition(" Fix: ")[0]
+        return fitting, refusals.auto_shared_device(fitting, sorted({str(d) for d in kept}))
     choice = choose_world(range(1, fitting + 1), iters, costs, label="the first block")
     return choice.world, choice.reason
 
