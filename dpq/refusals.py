@@ -17,7 +17,7 @@ __all__ = [
     "BLOCK_ON_META", "DEBUG_WHILE_OFF", "DEMO_NEEDS_MATPLOTLIB", "DEVICES_WHILE_OFF", "DICT_POOL", "DIST_ACTIVE",
     "EMPTY_DEVICE_LIST",
     "GRAD_SCALER", "HPU_MULTI_LANE", "INPUTS_NOT_TENSORS", "LFQ_LOSS", "LINES", "OFF_UNDER_TORCHRUN", "ONE_LANE",
-    "OUTPUTS_NOT_TENSORS", "OVERLAP_ONE_LANE", "OVERLAP_ON_CPU", "OVERLAP_WHILE_OFF", "PARALLEL_OFF", "PASS_DICT_POOL",
+    "OUTPUTS_NOT_TENSORS", "OVERLAP_ON_CPU", "OVERLAP_WHILE_OFF", "PARALLEL_OFF", "PASS_DICT_POOL",
     "PASS_DIST_ACTIVE", "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME", "RTN_ON_META", "RUN_STOPPED",
     "SIGN_STEP_UPSTREAM_CHANGED", "TASKS_UNDER_TORCHRUN", "UNSTAGED_FOR_RESUME", "accelerator_shared",
     "auto_fewest_lanes", "auto_lanes_for_samples", "auto_round_missing", "auto_round_unsupported", "auto_shared_device",
@@ -466,8 +466,6 @@ _REPORT_FIX = "Fix: --parallel_report with a file path in a writable folder, e.g
 DEBUG_WHILE_OFF = ("--parallel_debug has no effect with --parallel_quantization off (the default). "
                   "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
 OVERLAP_WHILE_OFF = DEBUG_WHILE_OFF.replace("--parallel_debug", "--parallel_overlap")
-OVERLAP_ONE_LANE = ("--parallel_overlap has no effect at world 1: one lane has nothing to exchange. Fix: drop "
-                    "--parallel_overlap, or a world of 2 or more")
 OVERLAP_ON_CPU = ("--parallel_overlap has no effect on CPU lanes: it puts the exchange on a second stream per GPU "
                   "lane, and CPU lanes (which have no streams) exchange during the backward anyway. Fix: drop "
                   "--parallel_overlap, or GPU lanes (--parallel_devices 0,1)")

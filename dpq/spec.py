@@ -148,8 +148,6 @@ def problems(world: object, devices: object = None, *, debug: bool = False, over
         found.append(refusals.DEBUG_WHILE_OFF)
     if overlap and w == "off":
         found.append(refusals.OVERLAP_WHILE_OFF)
-    elif overlap and w == 1:
-        found.append(refusals.OVERLAP_ONE_LANE)
     if (problem := _timeout_problem(timeout)) is not None:
         found.append(problem)
     return list(dict.fromkeys(found))

@@ -102,7 +102,12 @@ def test_overlap_where_it_cannot_apply(capsys, monkeypatch, tmp_path):
                    "--parallel_devices", "cpu,cpu", "--parallel_overlap")
     _once(err, refusals.OVERLAP_ON_CPU)
     err = _refused(capsys, monkeypatch, tmp_path, CPU_MACHINE, "--parallel_quantization", "1", "--parallel_overlap")
-    assert refusals.OVERLAP_ONE_LANE in err
+    _once(err, refusals.OVERLAP_ON_CPU)  # (the home is the CPU: --device_map cpu)
+
+
+def test_overlap_at_world_1_is_a_setting_under_several_processes():
+    """``enable(1, ..., parallel_overlap=True)`` on each of 2 torchrun processes is world 2: not refused."""
+    assert ParallelSpec.build(1, "cuda:0", parallel_overlap=True).overlap is True
 
 
 def test_a_machine_with_the_lanes_passes(monkeypatch):
