@@ -136,7 +136,7 @@ def hands_over(argv: list[str], recipe: str | None) -> bool:
     algorithm's own ``--help``), which auto-round's runner serves as it is, without dpq."""
     if recipe is None and argv and (argv[0] in ("list", "eval", "help") or {"--list", "--eval"} & set(argv)):
         return True
-    return bool({"-h", "--help"} & set(argv)) and any(a.partition("=")[0] in ("--algorithm", "--alg") for a in argv)
+    return bool({"-h", "--help"} & set(argv)) and any(a.startswith("--alg") for a in argv)  # its aliases
 
 
 def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
