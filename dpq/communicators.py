@@ -67,7 +67,8 @@ def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
             elif nccl_comm.cupy_nccl_available():
                 return "cupy-nccl", f"{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
             elif nccl_comm.torch_nccl_available():
-                return "torch-nccl", f"{world} distinct GPUs, CuPy absent (pip install dpq[cuda12]): torch.cuda.nccl"
+                return "torch-nccl", (f"{world} distinct GPUs, CuPy absent (pip install auto-round-dp[cuda12]): "
+                                      "torch.cuda.nccl")
             else:
                 why = f"{world} distinct GPUs but no NCCL (neither CuPy nor torch.cuda.nccl)"
         else:

@@ -135,12 +135,13 @@ def _import_cupy_nccl():
     except Exception as e:  # cupy raises more than ImportError when CUDA libraries are missing
         raise RuntimeError(
             f"dpq: the cupy-nccl communicator needs CuPy with NCCL ({type(e).__name__}: {e}); "
-            "install it with `pip install dpq[cuda12]` (or dpq[cuda13]), or use torch-nccl / p2p / host"
+            "install it with `pip install auto-round-dp[cuda12]` (or auto-round-dp[cuda13]), or use torch-nccl / "
+            "p2p / host"
         ) from e
     if not getattr(nccl, "available", True):
         raise RuntimeError(
-            "dpq: CuPy is installed but cannot load NCCL; install it with `pip install dpq[cuda12]` "
-            "(or dpq[cuda13]), or use torch-nccl / p2p / host"
+            "dpq: CuPy is installed but cannot load NCCL; install it with `pip install auto-round-dp[cuda12]` "
+            "(or auto-round-dp[cuda13]), or use torch-nccl / p2p / host"
         )
     return nccl
 
@@ -396,7 +397,7 @@ class TorchNcclCommunicator(CommunicatorBase):
         "torch.cuda.nccl has no send/recv, so its sums use NCCL's own reduction order (ring or tree, by "
         "topology): results are identical on every lane but can differ in the last bits from the local, "
         "host, p2p, cupy-nccl and process-group communicators at 3+ lanes (2 lanes agree: one add "
-        "commutes); install CuPy (pip install dpq[cuda12]) for the canonical order"
+        "commutes); install CuPy (pip install auto-round-dp[cuda12]) for the canonical order"
     )
 
     def __init__(self, lanes: Sequence[Lane], *, shared: bool = False) -> None:

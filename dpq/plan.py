@@ -29,7 +29,7 @@ from dpq.communicators import COMMUNICATORS, choose_communicator
 from dpq.sign_bits import SIGN_TABLE_BYTES
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
-__all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest", "check_arguments",
+__all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest",
            "device_spec_errors", "lane_device_errors", "parse_device_spec", "price_home", "price_mirror",
            "price_runtime", "resolve", "validate_world"]
 
@@ -551,20 +551,3 @@ def resolve(request: PlanRequest) -> Plan:
     if request.extra_reasons or home.type not in SUPPORTED_HOME_TYPES or n <= 1 or not lane0_ok:
         return _finish(Plan([home], reasons or [refusals.ONE_LANE], notes), request)
     return _finish(Plan(devices[:n], reasons, notes, lane_bytes=lane_bytes[:n]), request)
-
-
-def check_arguments(world: object, devices=None) -> list[str]:
-    """Every problem with a (world, lane devices) pair that is visible without a model: the world's
-    syntax, each malformed device entry, devices given while parallel quantization is off. For
-    argument parsing (``enable()``, ``auto-round-dp``): errors here stop a run before the model loads."""
-    problems = []
-    try:
-        w = validate_world(world)
-    except ValueError as e:
-        problems.append(str(e))
-        w = None
-    if devices is not None:
-        problems += device_spec_errors(devices)
-        if w == "off":
-            problems.append(refusals.DEVICES_WHILE_OFF)
-    return problems

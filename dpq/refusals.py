@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 __all__ = [
     "AWQ_BALANCE_ON_META", "AWQ_BALANCE_OUTSIDE", "AWQ_CALLS_NOT_PAIRS", "AWQ_NO_WEIGHTS", "BLOCK_NO_PARAMS",
-    "BLOCK_ON_META", "DEBUG_WHILE_OFF", "DEVICES_WHILE_OFF", "DICT_POOL", "DIST_ACTIVE", "EMPTY_DEVICE_LIST",
+    "BLOCK_ON_META", "DEBUG_WHILE_OFF", "DEMO_NEEDS_MATPLOTLIB", "DEVICES_WHILE_OFF", "DICT_POOL", "DIST_ACTIVE",
+    "EMPTY_DEVICE_LIST",
     "GRAD_SCALER", "HPU_MULTI_LANE", "INPUTS_NOT_TENSORS", "LFQ_LOSS", "LINES", "OFF_UNDER_TORCHRUN", "ONE_LANE",
-    "OUTPUTS_NOT_TENSORS", "OVERLAP_WHILE_OFF", "PARALLEL_OFF", "PASS_DICT_POOL", "PASS_DIST_ACTIVE",
-    "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME", "RTN_ON_META", "RUN_STOPPED",
+    "OUTPUTS_NOT_TENSORS", "OVERLAP_ON_CPU", "OVERLAP_WHILE_OFF", "PARALLEL_OFF", "PASS_DICT_POOL",
+    "PASS_DIST_ACTIVE", "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME", "RTN_ON_META", "RUN_STOPPED",
     "SIGN_STEP_UPSTREAM_CHANGED", "TASKS_UNDER_TORCHRUN", "UNSTAGED_FOR_RESUME", "accelerator_shared",
     "auto_fewest_lanes", "auto_lanes_for_samples", "auto_round_missing", "auto_round_unsupported", "auto_shared_device",
     "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized",
@@ -26,16 +27,17 @@ __all__ = [
     "dispatch_hooks", "empty_device_list", "forward_replaced", "group_start_failed", "hidden_size_mismatch",
     "home_alone", "hung_process_ends", "inference_tensors", "issuing_thread_hung", "jobs_differ", "lane0_not_home",
     "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung", "malformed_device_entry",
-    "no_accelerator_for_index", "no_quantized_layer", "not_a_cpu_index", "not_a_folder", "on_meta", "others_count",
-    "others_device", "others_empty", "others_not_pairs", "others_on_meta", "output_is_file", "outputs_count",
-    "outputs_shape", "parallel_timeout_bad", "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable",
-    "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices",
-    "pool_spread_over", "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised",
-    "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_in_output",
-    "report_is_dir", "report_not_written", "rotary_length_mismatch", "rtn_override", "samples_mismatched",
-    "serial_every_rank", "setting_differs", "setting_type", "staging_leftovers", "symbol_differs", "symbol_missing",
-    "too_few_devices", "too_few_samples", "unknown_scheme", "unmergeable_hooks", "unsupported_home", "unused_devices",
-    "weights_span", "world_size_without_launcher", "worlds_differ",
+    "no_accelerator_for_index", "no_quantized_layer", "no_such_device_here", "not_a_cpu_index", "not_a_folder",
+    "on_meta", "others_count", "others_device", "others_empty", "others_not_pairs", "others_on_meta", "output_is_file",
+    "outputs_count", "outputs_shape", "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable", "pool_device",
+    "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over",
+    "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first",
+    "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_in_output", "report_is_dir",
+    "report_not_written", "rotary_length_mismatch", "rtn_override", "samples_mismatched", "serial_every_rank",
+    "setting_differs", "setting_type", "staging_leftovers", "symbol_differs", "symbol_missing", "timeout_not_a_number",
+    "timeout_out_of_range", "too_few_devices", "too_few_samples", "torch_lacks_type", "unknown_scheme",
+    "unmergeable_hooks", "unrecognized_arguments", "unsupported_home", "unused_devices", "weights_span",
+    "world_size_without_launcher", "worlds_differ",
 ]
 
 
@@ -103,6 +105,37 @@ def malformed_device_entry(spec: object, item: object, caller: str = "cli") -> s
 def no_accelerator_for_index(raw: str) -> str:
     return (f"lane device {raw!r} names accelerator {raw}, but this machine has no cuda, xpu or hpu device (dpq will "
             "not quietly run it on the CPU). Fix: write cpu for a CPU lane, e.g. cpu,cpu")
+
+
+_TORCH_BUILDS = {  # what to install for lanes of a type the torch build lacks
+    "cuda": "a CUDA build of torch: pip install torch --index-url https://download.pytorch.org/whl/cu128 (or the "
+            "CUDA version your driver supports, https://pytorch.org/get-started/locally/), then pip install "
+            "'auto-round-dp[cuda12]' for CuPy's NCCL",
+    "xpu": "an XPU build of torch: pip install torch --index-url https://download.pytorch.org/whl/xpu",
+    "hpu": "Intel Gaudi's PyTorch bridge (habana_frameworks), as Intel's Gaudi installer sets it up",
+}
+
+
+def torch_lacks_type(devices: Sequence[str], device_type: str, torch_version: str, driver_seen: bool,
+                     example: str) -> str:
+    """Lanes of a type this torch build was not compiled for. ``driver_seen``: this machine has the
+    vendor's driver (the install is what is wrong); ``example``: lanes that exist here."""
+    what = (f"lane device{'s' if len(devices) > 1 else ''} {', '.join(devices)}: this torch ({torch_version}) is a "
+            f"build without {device_type} support")
+    build = _TORCH_BUILDS.get(device_type, f"a torch build with {device_type} support")
+    if driver_seen:
+        return f"{what}, though this machine has an NVIDIA driver. Fix: install {build}"
+    return (f"{what}, and this machine shows no such device either. Fix: lanes that exist here, e.g. "
+            f"--parallel_devices {example}; or, on a machine with {device_type} devices, install {build}")
+
+
+def no_such_device_here(devices: Sequence[str], device_type: str, count: int, example: str) -> str:
+    """Lanes of a type torch supports, with an index this machine does not have."""
+    has = f"{count} {device_type} device{'s' if count != 1 else ''}" + (f" ({device_type}:0..{count - 1})"
+                                                                         if count > 1 else "")
+    return (f"lane device{'s' if len(devices) > 1 else ''} {', '.join(devices)} "
+            f"{'do' if len(devices) > 1 else 'does'} not exist: this machine has {has}. Fix: lanes that exist "
+            f"here, e.g. --parallel_devices {example}")
 
 
 def not_a_cpu_index(device: str) -> str:
@@ -421,10 +454,21 @@ def bad_count(iters: object = None, batch_size: object = None, accumulate: objec
 
 # -- auto-round-dp's flags (dpq.autoround.cli) --------------------------------------------------
 
+def unrecognized_arguments(extras: str, typed: Sequence[str], meant: Sequence[str]) -> str:
+    """argparse's "unrecognized arguments", with the flag each of ``typed`` most likely meant (``meant``)."""
+    if not typed:
+        return f"unrecognized arguments: {extras}. Fix: the arguments as --help lists them"
+    pairs = ", ".join(f"{m} for {t}" if len(typed) > 1 else m for t, m in zip(typed, meant, strict=True))
+    return f"unrecognized arguments: {extras}. Did you mean {pairs}? Fix: write {', '.join(meant)}"
+
+
 _REPORT_FIX = "Fix: --parallel_report with a file path in a writable folder, e.g. ./dpq_report.json"
 DEBUG_WHILE_OFF = ("--parallel_debug has no effect with --parallel_quantization off (the default). "
                   "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
 OVERLAP_WHILE_OFF = DEBUG_WHILE_OFF.replace("--parallel_debug", "--parallel_overlap")
+OVERLAP_ON_CPU = ("--parallel_overlap has no effect on CPU lanes: it puts the exchange on a second stream per GPU "
+                  "lane, and CPU lanes (which have no streams) exchange during the backward anyway. Fix: drop "
+                  "--parallel_overlap, or GPU lanes (--parallel_devices 0,1)")
 REPORT_PATH_EMPTY = f"--parallel_report is empty. {_REPORT_FIX}"
 
 
@@ -490,6 +534,8 @@ def staging_leftovers(folders: Sequence[str]) -> str:
             "(rm -r) to free the space; --output_dir itself is not affected")
 
 
+DEMO_NEEDS_MATPLOTLIB = ("python -m dpq.demo draws its figure with matplotlib, which is not installed. Fix: pip "
+                         "install 'auto-round-dp[demo]' (or pip install matplotlib)")
 RUN_STOPPED = ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process, "
                "and --output_dir is left as it was (what the run wrote was removed; a model saved there before is "
                "untouched). Fix: rerun the command with --parallel_quantization auto or off")
@@ -557,8 +603,9 @@ def lanes_hung(block: str, world: int, communicator: str, lanes: str, waited_s: 
                 "--parallel_quantization auto such a block is redone serially)")
     return (f"{what}; the {communicator} communicator cannot end work already queued on the GPUs (torch.cuda.nccl has "
             "no abort, a copy between devices has none either), so this process cannot use those GPUs again and the "
-            "block could not be put back. Fix: restart the run; install CuPy's NCCL (pip install dpq[cuda12]), whose "
-            "communicators can be aborted, or raise --parallel_timeout if the block's iterations are that slow")
+            "block could not be put back. Fix: restart the run; install CuPy's NCCL (pip install "
+            "auto-round-dp[cuda12]), whose communicators can be aborted, or raise --parallel_timeout if the block's "
+            "iterations are that slow")
 
 
 def issuing_thread_hung(block: str, world: int, doing: str, iteration: int, waited_s: float, timeout_s: float,
@@ -638,10 +685,18 @@ TASKS_UNDER_TORCHRUN = ("--tasks under torchrun (WORLD_SIZE > 1) would run auto-
                         "process (auto-round --eval --model <output_dir> --tasks ...)")
 
 
-def parallel_timeout_bad(value: str, low: float = 10, high: float = 604800) -> str:
-    return (f"--parallel_timeout {value!r} is not a number of seconds from {low:g} to {high:g} (the process group's "
-            "start waits that long for every rank, and a collective for a lost one). Fix: e.g. --parallel_timeout 600 "
-            "(how long a rank waits in a collective for the others before the run stops)")
+_TIMEOUT_WHY = ("the process group's start waits that long for every rank, a collective for a lost one, and the host "
+                "for an iteration's work")
+
+
+def timeout_not_a_number(value: str, low: float = 10, high: float = 604800) -> str:
+    return (f"--parallel_timeout {value!r} is not a number of seconds. Fix: a number from {low:g} to {high:g}, e.g. "
+            "--parallel_timeout 600 (the default)")
+
+
+def timeout_out_of_range(value: str, low: float = 10, high: float = 604800) -> str:
+    return (f"--parallel_timeout {value} is outside {low:g} to {high:g} seconds ({_TIMEOUT_WHY}). Fix: e.g. "
+            "--parallel_timeout 600 (the default)")
 
 
 def world_size_without_launcher(world_size: str, missing: Sequence[str]) -> str:

@@ -17,8 +17,12 @@ NO_SUCH_GPU = "cuda:99"  # cannot exist here, nor on a lent GPU machine
 
 
 def run_main(capsys, *argv: str) -> tuple[int, str]:
+    """(exit status, what was said on stderr; of an argument error, the error itself, past the usage)."""
     rc = cli.main(list(argv))
-    return rc, capsys.readouterr().err
+    err = capsys.readouterr().err
+    usage, said, error = err.partition("auto-round-dp: error:")
+    assert not said or usage.startswith("usage: auto-round-dp "), err  # argparse's format: usage, then the error
+    return rc, said + error if said else err
 
 
 def test_every_bad_flag_is_named_at_once_before_the_model_loads(capsys, tmp_path, monkeypatch):
@@ -130,11 +134,13 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(capsys, 
 def test_the_output_dir_default_is_auto_rounds():
     from auto_round.cli.parser import build_quantize_parser
 
-    from dpq.autoround.outputs import DEFAULT_OUTPUT_DIR, output_dir_of
+    from dpq.autoround.args import autoround_args
+    from dpq.autoround.outputs import DEFAULT_OUTPUT_DIR
 
     assert build_quantize_parser(prog="x").parse_args(["--model", "m"]).output_dir == DEFAULT_OUTPUT_DIR
-    assert output_dir_of(["--model", "m"]) == DEFAULT_OUTPUT_DIR
-    assert output_dir_of(["--output_dir", "a", "--iters", "2"]) == output_dir_of(["--output=a"]) == "a"
+    assert autoround_args(["--model", "m"]).output_dir == DEFAULT_OUTPUT_DIR
+    assert autoround_args(["--output_dir", "a", "--iters", "2"]).output_dir == "a"
+    assert autoround_args(["--output=a"]).output_dir == "a"
 
 
 # -- the real CLI in a subprocess, on the embedded model, stopped early --
@@ -152,18 +158,19 @@ def _cli(tmp: Path, *extra: str, prelude: str = "") -> subprocess.CompletedProce
 
 
 def test_cli_refusal_lists_every_reason_as_a_message(tmp_path):
-    """The issue's example: four reasons (device, device count, samples, LFQ), printed, rc 1."""
+    """What needs the model (samples per iteration, LFQ) is refused before the first block's work, every
+    reason at once, printed, rc 1 (what the flags alone reveal stops earlier: test_cli_refusals)."""
     report = tmp_path / "report.json"
     proc = _cli(tmp_path, "--iters", "2", "--batch_size", "1", "--enable_lfq", "--parallel_quantization", "4",
-                "--parallel_devices", f"cpu,{NO_SUCH_GPU}", "--parallel_report", str(report))
+                "--parallel_devices", "cpu,cpu,cpu,cpu", "--parallel_report", str(report))
     assert proc.returncode == 1, proc.stderr[-3000:]
     err = proc.stderr
     assert "Traceback" not in err, err[-3000:]
-    for needle in (f"{NO_SUCH_GPU} does not exist", "world 4 needs 4 lane devices", "4 lanes but only 1 sample per",
-                   "LFQ loss"):
+    for needle in ("4 lanes but only 1 sample per", "LFQ loss"):
         assert needle in err, (needle, err[-3000:])
     error = json.loads(report.read_text())["error"]
     assert error["kind"] == "refused" and "the requested parallel quantization cannot run" in error["message"]
+    assert set(error) == {"kind", "where", "block", "lane", "message"}
 
 
 def earlier_model(out: Path) -> dict[str, bytes]:
@@ -191,6 +198,8 @@ def test_cli_lane_failure_says_what_was_kept(tmp_path):
     that was restored and the block finished before it, and no claim that nothing was lost. Small
     shards (auto-round writes them during quantization): a model saved in --output_dir before is
     left bitwise as it was, without a stray shard beside it, and no partial folder stays behind."""
+    from dpq.demo.embedded import DATA_DIR
+
     prelude = "from dpq.testing.faults import inject_fault; inject_fault(block=1, after=1); "
     report = tmp_path / "report.json"
     before = earlier_model(tmp_path / "out")
@@ -210,6 +219,9 @@ def test_cli_lane_failure_says_what_was_kept(tmp_path):
     body = json.loads(report.read_text())
     assert [b["name"] for b in body["blocks"]] == ["model.layers.0"]
     assert body["error"]["kind"] == "lane_failed" and body["error"]["where"] == "model.layers.1"
+    assert body["error"]["block"] == "model.layers.1" and body["exit_status"] == 1  # issue 29: how the run ended
+    assert body["schema"] == "dpq-report/1" and body["command"][:3] == ["auto-round-dp", "--model", str(DATA_DIR)]
+    assert body["devices"] == "cpu,cpu" and body["started"] <= body["ended"] and body["versions"]["auto_round"]
     assert "a lane failed while tuning model.layers.1" in body["error"]["message"]
 
 
@@ -231,13 +243,16 @@ def test_requires_python_is_auto_rounds():
 def test_parallel_overlap_reaches_enable(capsys, monkeypatch):
     """--parallel_overlap asks enable() for the overlapped exchange (True); without it, the default (None)."""
     from dpq.autoround import cli, integration
+    from dpq.machine import Machine
 
     seen = []
     monkeypatch.setattr(cli, "runner_for", lambda recipe: lambda: None)  # auto-round itself does not run
-    monkeypatch.setattr(integration, "enable", lambda *a, **k: seen.append(k["overlap"]))
+    monkeypatch.setattr(integration, "enable_spec", lambda spec, **k: seen.append(spec.overlap))
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls: cls("2.13.0+cu128", frozenset({"cuda"}),
+                                                                       {"cuda": 2}, True)))  # two GPUs
     for flag, want in ((["--parallel_overlap"], True), ([], None)):
-        rc, err = run_main(capsys, "--model", "m", "--parallel_quantization", "2", "--parallel_devices", "cpu,cpu",
-                           *flag)
+        rc, err = run_main(capsys, "--model", "m", "--parallel_quantization", "2", "--parallel_devices",
+                           "cuda:0,cuda:1", *flag)
         assert rc == 0, err
         assert seen.pop() is want
 
@@ -251,17 +266,17 @@ from dpq import session
 from dpq.autoround import integration
 hops = []
 atexit.register(lambda: print('HOPS ' + json.dumps(hops), file=sys.stderr))
-real_enable, real_run, real_engine = integration.enable, session.run, session.TuneEngine
-def enable(parallel_quantization='auto', devices=None, **kw):
-    hops.append(['enable', parallel_quantization, devices])
-    return real_enable(parallel_quantization, devices, **kw)
+real_enable, real_run, real_engine = integration.enable_spec, session.run, session.TuneEngine
+def enable(spec, **kw):
+    hops.append(['enable', spec.world, spec.devices])
+    return real_enable(spec, **kw)
 def run(config, task, *, plan=None):
     hops.append(['session.run', config.world, task.name, None if plan is None else plan.local_lanes])
     return real_run(config, task, plan=plan)
 def engine(replicas, *a, **k):
     hops.append(['TuneEngine', k['name'], len(replicas.lanes)])
     return real_engine(replicas, *a, **k)
-integration.enable, session.run, session.TuneEngine = enable, run, engine
+integration.enable_spec, session.run, session.TuneEngine = enable, run, engine
 """
 
 
@@ -346,4 +361,5 @@ def test_a_failed_save_is_reported_as_a_failure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl", "out", "report.json"]
     error = json.loads(report.read_text())["error"]
     # where: None (auto-round's immediate saving writes the shards after the last block, before its save)
-    assert error == {"kind": "error", "where": None, "message": "OSError: [Errno 28] No space left on device"}
+    assert error == {"kind": "error", "where": None, "block": None, "lane": None,
+                     "message": "OSError: [Errno 28] No space left on device"}

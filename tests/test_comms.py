@@ -250,7 +250,7 @@ def test_select_cupy_when_available(monkeypatch):
 def test_select_torch_nccl_without_cupy(monkeypatch, no_cupy):
     monkeypatch.setattr(nccl_comm, "torch_nccl_available", lambda: True)
     comm, reason = select_communicator(lanes_on("cuda:0", "cuda:1", "cuda:2"))
-    assert isinstance(comm, TorchNcclCommunicator) and "pip install dpq[cuda12]" in reason
+    assert isinstance(comm, TorchNcclCommunicator) and "pip install auto-round-dp[cuda12]" in reason
 
 
 @pytest.mark.parametrize(("peer", "name"), [(True, "p2p"), (False, "host")])
@@ -295,7 +295,7 @@ def test_select_prefer(monkeypatch):
     with pytest.raises(ValueError, match="NCCL needs CUDA lanes"):
         select_communicator(make_lanes(["cpu"] * 2), prefer="torch-nccl")
     monkeypatch.setitem(sys.modules, "cupy", None)  # CuPy absent, whatever is installed
-    with pytest.raises(RuntimeError, match=r"pip install dpq\[cuda12\]"):
+    with pytest.raises(RuntimeError, match=r"pip install auto-round-dp\[cuda12\]"):
         select_communicator(lanes_on("cuda:0", "cuda:1"), prefer="cupy-nccl")
     assert not cupy_nccl_available()
 

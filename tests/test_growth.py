@@ -134,7 +134,7 @@ def test_autoround_run_keeps_memory_flat(quiet_process):
     model = build_tiny_llama(TinyLlamaConfig(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128))
     census: list[Counter] = []
     worlds = []
-    with integration.parallel_quantization("auto", devices="cpu,cpu") as records:
+    with integration.parallel_quantization("auto", parallel_devices="cpu,cpu") as records:
         installed = SignRoundQuantizer.quantize_block
 
         def counting(self, block, fp_inputs, input_others, *a, **k):
@@ -178,7 +178,7 @@ def test_autoround_fallback_runs_after_the_failed_lanes_are_freed(quiet_process,
         return real_wrap(block, *a, **k)
 
     monkeypatch.setattr(quantizer, "wrapper_block", wrapper_block)
-    with integration.parallel_quantization("auto", devices="cpu,cpu") as records, \
+    with integration.parallel_quantization("auto", parallel_devices="cpu,cpu") as records, \
             inject_fault(block=1, after=1):
         AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(4, 16), device_map="cpu",
                   enable_torch_compile=False, iters=2, nsamples=4, seqlen=16, batch_size=4, group_size=32,

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from dpq.autoround import cli, job
+from dpq.autoround import job
+from dpq.autoround.args import split_argv
 from dpq.demo.embedded import DATA_DIR
 from dpq.distributed import JobMismatch, ProcessSet, agree_job
 
@@ -26,7 +27,7 @@ class Gathered(ProcessSet):
 
 
 def _settings(*argv: str) -> dict:
-    ours, rest = cli.split_argv(["--model", str(DATA_DIR), "--parallel_quantization", "1", *argv])
+    ours, rest = split_argv(["--model", str(DATA_DIR), "--parallel_quantization", "1", *argv])
     return job.settings(ours, rest, None)
 
 
@@ -45,7 +46,7 @@ def test_a_local_model_counts_by_its_content(tmp_path):
     (copy / ".cache" / "lock").write_text("a host's own")  # hidden entries are not the model
     assert job.content_digest(copy) == job.content_digest(DATA_DIR)
     a = _settings()
-    b = job.settings(*cli.split_argv(["--model", str(copy), "--parallel_quantization", "1"]), None)
+    b = job.settings(*split_argv(["--model", str(copy), "--parallel_quantization", "1"]), None)
     assert a["--model"][0] == b["--model"][0] and a["--model"][1] != b["--model"][1]  # same content, shown apart
     weights = copy / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -109,10 +110,10 @@ def test_a_data_file_counts_by_its_bytes_not_its_name(tmp_path):
 @pytest.mark.parametrize("spelled", ["01", " 1", "1"])
 def test_the_world_compares_by_its_meaning(spelled):
     """Issue 31, item 11: ``--parallel_quantization 01`` on one rank and ``1`` on another is one world."""
-    ours, rest = cli.split_argv(["--model", str(DATA_DIR), "--parallel_quantization", spelled])
+    ours, rest = split_argv(["--model", str(DATA_DIR), "--parallel_quantization", spelled])
     mine = job.settings(ours, rest, None)
     other = _settings()  # --parallel_quantization 1
     assert mine["--parallel_quantization"][0] == other["--parallel_quantization"][0]
     agree_job(Gathered(0, [other, mine]), other)
     assert _settings()["--parallel_quantization"][0] != job.settings(
-        *cli.split_argv(["--model", str(DATA_DIR), "--parallel_quantization", "2"]), None)["--parallel_quantization"][0]
+        *split_argv(["--model", str(DATA_DIR), "--parallel_quantization", "2"]), None)["--parallel_quantization"][0]

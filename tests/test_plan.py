@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import dpq.plan as plan_mod
-from dpq.plan import PlanRefused, PlanRequest, check_arguments, resolve, validate_world
+from dpq.plan import PlanRefused, PlanRequest, resolve, validate_world
+from dpq.spec import problems as check_arguments
 
 NO_SUCH_GPU = "cuda:99"  # cannot exist here, nor on a lent GPU machine
 

@@ -32,6 +32,8 @@ import torch
 
 from dpq import refusals
 from dpq.autoround import cli
+from dpq.autoround.args import split_argv
+from dpq.spec import TIMEOUT_RANGE_S
 from tests.test_shard import _saved as _state  # every saved tensor under a folder
 
 ITERS, NSAMPLES, BATCH, SEQLEN = "4", "8", "4", "32"  # lr 0.02 below: every block keeps a tuned iteration
@@ -192,9 +194,9 @@ def test_off_under_torchrun_is_refused_before_loading(capsys, monkeypatch):
     _as_torchrun_rank(monkeypatch)
     assert cli.main(["--model", "does-not-exist", "--parallel_timeout", "0"]) == 2
     err = capsys.readouterr().err
-    assert refusals.OFF_UNDER_TORCHRUN in err and "--parallel_timeout '0' is not a number of seconds from 10" in err
+    assert refusals.OFF_UNDER_TORCHRUN in err and "--parallel_timeout 0 is outside 10 to 604800 seconds" in err
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert cli.argument_errors(cli.split_argv([])[0]) == []
+    assert cli.argument_errors(split_argv([])[0]) == []
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0.001", "1e9", "-5"])
@@ -202,9 +204,9 @@ def test_a_parallel_timeout_the_group_cannot_take_is_refused(monkeypatch, value)
     """inf overflowed in the group's timedelta and 0.001 let the group's start time out (DistStoreError),
     both after the arguments had passed."""
     _as_torchrun_rank(monkeypatch)
-    ours, rest = cli.split_argv(["--parallel_quantization", "1", "--parallel_timeout", value])
-    assert cli.argument_errors(ours, rest) == [refusals.parallel_timeout_bad(value, *cli.TIMEOUT_RANGE_S)]
-    assert cli.argument_errors(*cli.split_argv(["--parallel_quantization", "1", "--parallel_timeout", "10"])) == []
+    ours, rest = split_argv(["--parallel_quantization", "1", "--parallel_timeout", value])
+    assert cli.argument_errors(ours, rest) == [refusals.timeout_out_of_range(value, *TIMEOUT_RANGE_S)]
+    assert cli.argument_errors(*split_argv(["--parallel_quantization", "1", "--parallel_timeout", "10"])) == []
 
 
 def test_a_stray_world_size_outside_torchrun_is_refused(capsys, monkeypatch):
@@ -222,8 +224,8 @@ def test_a_stray_world_size_outside_torchrun_is_refused(capsys, monkeypatch):
 
 @pytest.mark.parametrize("lanes", ["cuda:99", "hpu", "cpu,cuda:99"])
 def test_a_lane_device_that_does_not_exist_is_refused_before_the_group_starts(capsys, monkeypatch, lanes):
-    """The plan's refusal, as in one process, before the group's setup binds the device (cuda's
-    set_device raised AttributeError on a CPU build) or imports its backend (habana_frameworks)."""
+    """Refused with the flags (exit 2), before the group's setup binds the device (cuda's set_device
+    raised AttributeError on a CPU build) or imports its backend (habana_frameworks)."""
     from dpq.autoround import process_setup
     from dpq.streams import backend
 
@@ -236,10 +238,10 @@ def test_a_lane_device_that_does_not_exist_is_refused_before_the_group_starts(ca
         raise AssertionError("the group must not start")
 
     monkeypatch.setattr(process_setup, "start_group", start_group)
-    assert cli.main(["--model", "m", "--parallel_quantization", "1", "--parallel_devices", lanes]) == 1
+    assert cli.main(["--model", "m", "--parallel_quantization", "1", "--parallel_devices", lanes]) == 2
     err = capsys.readouterr().err
-    assert "the requested parallel quantization cannot run" in err and "does not exist" in err, err
-    assert "Fix: --parallel_devices" in err and "Traceback" not in err
+    assert "is a build without" in err or "does not exist" in err, err
+    assert "Fix: lanes that exist here, e.g. --parallel_devices cpu,cpu" in err and "Traceback" not in err
 
 
 def test_each_process_gets_its_own_gpus():
@@ -255,17 +257,17 @@ def test_each_process_gets_its_own_gpus():
     assert process_lanes(1, "cuda:0", rest, 1, "cuda")[2] == "cuda"
 
 
-@pytest.mark.parametrize("flag", [["--tasks", "piqa"], ["--tasks=piqa"], ["--task"], ["--tas", "piqa"]])
+@pytest.mark.parametrize("flag", [["--tasks", "piqa"], ["--tasks=piqa"], ["--task"], ["--task", "piqa"]])
 def test_tasks_under_torchrun_is_refused_before_loading(capsys, monkeypatch, flag):
     """auto-round's evaluation after quantizing would run on every rank: refused under torchrun, with the fix."""
     monkeypatch.setitem(sys.modules, "auto_round.__main__", None)  # importing auto-round's CLI would fail
     _as_torchrun_rank(monkeypatch)
     assert cli.main(["--model", "does-not-exist", "--parallel_quantization", "1", *flag]) == 2
     assert refusals.TASKS_UNDER_TORCHRUN in capsys.readouterr().err
-    ours, rest = cli.split_argv(["--parallel_quantization", "1", "--target_bits", "4", "--ta", "x"])
+    ours, rest = split_argv(["--parallel_quantization", "1", "--target_bits", "4", "--ta", "x"])
     assert cli.argument_errors(ours, rest) == []  # --ta is ambiguous to auto-round (--target_bits): not --tasks
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert cli.argument_errors(*cli.split_argv(["--parallel_quantization", "1", *flag])) == []
+    assert cli.argument_errors(*split_argv(["--parallel_quantization", "1", *flag])) == []
 
 
 def test_a_non_canonical_communicator_says_so_in_the_plan(monkeypatch):

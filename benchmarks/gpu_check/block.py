@@ -238,7 +238,7 @@ def tune_block(model_template, shape: BlockShape, spec: RunSpec, device: str,
     marks = _Marks(spec, trace_to, cuda)
     identical = {"steps": 0, "checked": 0, "mismatch": None}
     if spec.world is not None:
-        integration.enable(spec.world, list(spec.devices), debug_identical=spec.debug_identical)
+        integration.enable(spec.world, list(spec.devices), parallel_debug=spec.debug_identical)
     tune = SignRoundQuantizer.quantize_block  # dpq's delegation when enabled
 
     def once(self, *a, **kw):

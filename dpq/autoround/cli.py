@@ -1,12 +1,15 @@
-"""``auto-round-dp``: the auto-round CLI, every argument unchanged, plus
+"""``auto-round-dp``: the auto-round CLI, every argument unchanged, plus dpq's flags
+(:data:`dpq.spec.FLAGS`) as the ``dpq`` group of auto-round's own parser (:mod:`dpq.autoround.args`:
+one ``--help``, one usage line, auto-round's error format, under the command's name).
 
-  --parallel_quantization {off,auto,N}   tune each block data-parallel (default off)
-  --parallel_devices LIST                lane devices, e.g. 0,1,2,3 or cpu,cpu
-  --parallel_timeout SECONDS             how long a wait for the lanes' work (and, under torchrun, a
-                                         collective) may take (default 600)
-
-Our flags are taken out of argv, ``enable()`` is called, and auto-round's own runner gets the
-rest. At the end a per-block summary is printed (world, seconds, exchange bytes).
+The whole command line is parsed first; then everything the flags and this machine reveal
+without the model is checked (:func:`argument_errors`: the world against the lane devices, lanes
+this torch build or machine lacks, the timeout, the paths the run writes): any problem stops the
+command with exit 2 before the model loads, each reason once, nothing created. ``--parallel_plan``
+prints the plan screen (:mod:`dpq.autoround.plan_screen`) and exits. Otherwise dpq's flags are taken
+out of argv, ``enable()`` is called with the validated :class:`dpq.spec.ParallelSpec`, and auto-round's
+own runner gets the rest. At the end a summary goes through auto-round's logger
+(:mod:`dpq.autoround.summary`).
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) every process runs this CLI with the same arguments: it
 initialises the process group itself (:mod:`dpq.autoround.process_setup`: gloo for CPU lanes,
@@ -31,33 +34,13 @@ Recipes: ``auto-round-dp-best``, ``-light``, ``-rtn``, ``-opt-rtn``, ``-mllm`` r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
 import os
 import sys
+import time
 from types import MappingProxyType
-
-OUR_HELP = """
-dpq (data-parallel tuning) options:
-  --parallel_quantization {off,auto,N}
-                        tune each block on N lanes (auto: every device that fits; off: plain auto-round).
-                        Default: off
-  --parallel_devices LIST
-                        lane devices, e.g. 0,1,2,3 or cuda:0,cuda:1 or cpu,cpu. Default: the devices of
-                        --device_map when it lists several, else every visible device of that type
-  --parallel_debug      check after every step that all lanes hold bitwise-identical tuned values
-  --parallel_overlap    on GPUs: exchange gradient buckets during the backward, on a second stream per
-                        lane (on for CPU lanes anyway; not yet run on a GPU)
-  --parallel_report PATH
-                        write the per-block records (world, seconds, exchange bytes, per-iteration
-                        losses) as JSON
-  --parallel_timeout SECONDS
-                        how long the host waits for an iteration's work on the lanes before the block
-                        is stopped as hung (its NCCL communicators aborted, the block put back; under
-                        auto it reruns serially), and under torchrun how long a rank waits in a
-                        collective for the others (a hung or lost rank), 10 to 604800; the others
-                        wait for rank 0's save as long as it takes (on its heartbeat). Default: 600
-"""
-
 
 # recipe -> auto-round's runner for it (auto_round.__main__, the targets of its console scripts)
 RECIPES: MappingProxyType[str | None, str] = MappingProxyType({
@@ -70,17 +53,6 @@ def runner_for(recipe: str | None):
     import auto_round.__main__ as ar_main
 
     return getattr(ar_main, RECIPES[recipe])
-
-
-def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--parallel_quantization", default="off")
-    p.add_argument("--parallel_devices", default=None)
-    p.add_argument("--parallel_debug", action="store_true")
-    p.add_argument("--parallel_overlap", action="store_true")
-    p.add_argument("--parallel_report", default=None)
-    p.add_argument("--parallel_timeout", default="600")
-    return p.parse_known_args(argv)
 
 
 def torchrun_processes() -> int:
@@ -101,98 +73,130 @@ def launcher_missing() -> list[str]:
     return [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
 
 
-TIMEOUT_RANGE_S = (10.0, 604800.0)  # --parallel_timeout: the group's start waits that long for every rank; a week
-
-
-def format_summary(records) -> str:
-    if not records:
-        return ""
-    lines = ["dpq summary:", f"{'block':<28} {'world':>5} {'seconds':>8} {'exchange MB':>12}  note"]
-    for r in records:
-        note = "fell back to serial" if r.fell_back else (r.communicator or (r.reasons[0] if r.reasons else ""))
-        lines.append(f"{r.name:<28} {r.world:>5} {r.seconds:>8.2f} {r.wire_bytes / 1e6:>12.2f}  {note}")
-    total = sum(r.seconds for r in records)
-    lines.append(f"{'total':<28} {'':>5} {total:>8.2f} {sum(r.wire_bytes for r in records) / 1e6:>12.2f}")
-    return "\n".join(lines)
-
-
-def asks_for_evaluation(rest: list[str]) -> bool:
-    """Whether auto-round's arguments ask it to evaluate after quantizing: ``--tasks``/``--task``
-    (with or without a value), or an abbreviation argparse accepts (``--tas``; ``--ta`` is ambiguous)."""
-    return any(len(name) >= 5 and "--tasks".startswith(name) for name in (a.partition("=")[0] for a in rest))
-
-
 def argument_errors(ours: argparse.Namespace, rest: list[str] = ()) -> list[str]:
-    """Every problem with our flags (and, under torchrun, auto-round's that dpq cannot serve
-    there: ``rest``), found before anything loads."""
+    """Every problem the flags and this machine reveal without the model (dpq's flags ``ours``; under
+    torchrun also auto-round's that dpq cannot serve there, in ``rest``), each once."""
     from dpq import refusals
-    from dpq.plan import check_arguments
+    from dpq.machine import Machine
+    from dpq.spec import machine_problems, problems
 
-    from .outputs import output_dir_of, path_errors
+    from .args import autoround_args
+    from .outputs import DEFAULT_OUTPUT_DIR, path_errors
 
-    problems = [p.removeprefix("dpq: ") for p in check_arguments(ours.parallel_quantization, ours.parallel_devices)]
-    off = str(ours.parallel_quantization).strip().lower() == "off"
-    if ours.parallel_debug and off:
-        problems.append(refusals.DEBUG_WHILE_OFF)
-    if ours.parallel_overlap and off:
-        problems.append(refusals.OVERLAP_WHILE_OFF)
-    if off and torchrun_processes() > 1:
-        problems.append(refusals.OFF_UNDER_TORCHRUN)
-    if torchrun_processes() > 1 and asks_for_evaluation(list(rest)):
-        problems.append(refusals.TASKS_UNDER_TORCHRUN)  # every rank would evaluate the same model
-    if torchrun_processes() > 1 and (missing := launcher_missing()):
-        problems.append(refusals.world_size_without_launcher(os.environ["WORLD_SIZE"], missing))
+    theirs = autoround_args(list(rest))  # None: auto-round refuses them itself, with its usage
+    world = _screen_world(ours) if ours.parallel_plan else ours.parallel_quantization
+    found = problems(world, ours.parallel_devices, debug=ours.parallel_debug, overlap=ours.parallel_overlap,
+                     timeout=ours.parallel_timeout)
     try:
-        low, high = TIMEOUT_RANGE_S
-        ok = low <= float(ours.parallel_timeout) <= high  # false for nan; inf is out of range
+        from dpq.plan import validate_world
+
+        home = "cpu" if theirs is not None and str(theirs.device_map).strip().lower() == "cpu" else None
+        found += machine_problems(validate_world(world), ours.parallel_devices, Machine.detect(),
+                                  overlap=ours.parallel_overlap, home=home)
     except ValueError:
-        ok = False
-    if not ok:
-        problems.append(refusals.parallel_timeout_bad(str(ours.parallel_timeout), *TIMEOUT_RANGE_S))
-    # only rank 0 writes the output and the report (the others create nothing)
-    return problems + (path_errors(ours.parallel_report, output_dir_of(list(rest))) if _rank() == 0 else [])
+        pass  # a malformed world: said above
+    if ours.parallel_plan:  # the screen runs nothing and writes nothing
+        return list(dict.fromkeys(found))
+    off = str(world).strip().lower() == "off"
+    if off and torchrun_processes() > 1:
+        found.append(refusals.OFF_UNDER_TORCHRUN)
+    if torchrun_processes() > 1 and theirs is not None and theirs.tasks is not None:
+        found.append(refusals.TASKS_UNDER_TORCHRUN)  # every rank would evaluate the same model
+    if torchrun_processes() > 1 and (missing := launcher_missing()):
+        found.append(refusals.world_size_without_launcher(os.environ["WORLD_SIZE"], missing))
+    if _rank() == 0:  # only rank 0 writes the output and the report (the others create nothing)
+        found += path_errors(ours.parallel_report, theirs.output_dir if theirs is not None else DEFAULT_OUTPUT_DIR)
+    return list(dict.fromkeys(found))
+
+
+def _screen_world(ours: argparse.Namespace) -> object:
+    """The world the plan screen is asked about: every world up to the lanes (``auto``) unless one is given."""
+    world = ours.parallel_quantization
+    return "auto" if str(world).strip().lower() == "off" else world
+
+
+def _listed(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems, all listed:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+def spec_of(ours: argparse.Namespace):
+    """The validated :class:`dpq.spec.ParallelSpec` of dpq's flags (:func:`argument_errors` passed them)."""
+    from dpq.spec import ParallelSpec
+
+    return ParallelSpec.build(_screen_world(ours) if ours.parallel_plan else ours.parallel_quantization,
+                              ours.parallel_devices, parallel_debug=ours.parallel_debug,
+                              parallel_overlap=True if ours.parallel_overlap else None,
+                              parallel_timeout=ours.parallel_timeout, parallel_report=ours.parallel_report)
+
+
+def hands_over(argv: list[str], recipe: str | None) -> bool:
+    """Whether ``argv`` is one of auto-round's other commands (``list``, ``eval``, ``help``, or an
+    algorithm's own ``--help``), which auto-round's runner serves as it is, without dpq."""
+    if recipe is None and argv and (argv[0] in ("list", "eval", "help") or {"--list", "--eval"} & set(argv)):
+        return True
+    return bool({"-h", "--help"} & set(argv)) and any(a.startswith("--alg") for a in argv)  # its aliases
 
 
 def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     """Returns the exit status: 0 when the run finished (the model is complete and in place, even
-    if the report could not be written: that is said), 2 for bad dpq arguments or paths the run
-    could not write (nothing was loaded, nothing created), 1 when the plan refused, a lane failed,
+    if the report could not be written: that is said) or the plan screen was shown, 2 for arguments
+    auto-round's parser or dpq's checks refuse (usage and ``auto-round-dp: error: ...``; nothing was
+    loaded, nothing created), 1 when the plan refused, a lane failed,
     a block's issuing thread hung or (torchrun) a rank failed or was lost (the message is printed,
     no traceback; under torchrun the rank whose own error started it prints that error's traceback),
     128 + the signal when the run was cancelled (130 SIGINT, 143 SIGTERM, 129 the launcher gone:
     :mod:`dpq.cancel`). Any other failure propagates (with its traceback; non-zero exit). The
     report (``--parallel_report``, :class:`dpq.autoround.outputs.RunReport`) is written at every
-    one of these ends but exit 2, saying how the run ended. Run as the command (``argv`` None:
-    the console scripts, ``python -m``), it handles SIGTERM and SIGINT itself
+    one of these ends but exit 2 and the plan screen, saying how the run ended. Run as the command
+    (``argv`` None: the console scripts, ``python -m``), it handles SIGTERM and SIGINT itself
     (:func:`dpq.cancel.install`); called with ``argv`` it leaves the caller's signal handling alone."""
     as_command = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    ours, rest = split_argv(argv)
-    problems = argument_errors(ours, rest)
-    if problems:
-        print("auto-round-dp: error:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
-        return 2
+    from .args import build_parser, parse, program, split_argv
+
+    if hands_over(argv, recipe):
+        sys.argv = [program(recipe), *argv]
+        runner_for(recipe)()
+        return 0
+    command = argv[1:] if argv[:1] == ["quantize"] else argv
+    parser = build_parser(recipe)
+    try:
+        parsed = parse(parser, command)  # --help prints the one help and exits 0
+        ours, rest = split_argv(command)
+        problems = argument_errors(ours, rest)
+        if problems:
+            parser.error(_listed(problems))
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 2
+    spec = spec_of(ours)
+    if ours.parallel_plan:
+        from .plan_screen import show_for_command
+
+        return show_for_command(parsed, spec)
+    return _start(spec, ours, recipe, rest, [program(recipe), *argv], as_command)
+
+
+def _start(spec, ours: argparse.Namespace, recipe: str | None, rest: list[str], command: list[str],
+           as_command: bool) -> int:
+    """The run itself (arguments checked): the report set up, cancel handling, one process or several."""
     from dpq import cancel
-    from dpq.plan import validate_world
 
-    from .outputs import RunReport, error_of
+    from .outputs import RunReport, error_of, exit_status_of
 
-    world = validate_world(ours.parallel_quantization)
-    if any(a in ("-h", "--help") for a in rest):
-        print(OUR_HELP)
-    devices = ours.parallel_devices
     # rank 0 alone writes the report; a thread that ends the process (a cancel, a hung block) writes it too
-    report = RunReport(ours.parallel_report, world, devices) if ours.parallel_report and _rank() == 0 else None
+    report = RunReport(spec.report, spec.world, spec.devices, command) if spec.report and _rank() == 0 else None
     unregister = cancel.on_exit(lambda: report.at_exit(_where)) if report is not None else lambda: None
     if as_command:
         cancel.install(watch_parent=torchrun_processes() > 1)  # a worker does not outlive its launcher
     try:
         if torchrun_processes() == 1:
-            return _run(ours, world, devices, recipe, rest, report=report)
-        return _run_processes(ours, world, devices, recipe, rest, report)
+            return _run(spec, recipe, rest, report=report)
+        return _run_processes(spec, ours, recipe, rest, report)
     except cancel.Cancelled as stopped:
         if report is not None:
-            report.write(error_of(stopped, _where()))  # (a no-op when the run wrote it)
+            report.write(error_of(stopped, _where()), exit_status_of(stopped))  # (a no-op when the run wrote it)
         print(f"auto-round-dp: dpq: {cancel.said()}", file=sys.stderr, flush=True)
         return cancel.exit_status(stopped.signum)
     finally:
@@ -212,15 +216,14 @@ def _where() -> str:
 def _stopped_before_run(report, message: str, failure: BaseException) -> None:
     """The run could not start (torchrun's set-up, the job agreement, the patch table): ``message``
     said and, on rank 0, reported with ``failure``."""
-    from .outputs import error_of
+    from .outputs import error_of, exit_status_of
 
     print(f"auto-round-dp: {message}", file=sys.stderr)
     if report is not None:
-        report.write(error_of(failure))
+        report.write(error_of(failure), exit_status_of(failure))
 
 
-def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str],
-                   report=None) -> int:
+def _run_processes(spec, ours: argparse.Namespace, recipe: str | None, rest: list[str], report=None) -> int:
     """Under torchrun: this process's lanes, the group, the job agreed by every rank
     (:mod:`dpq.autoround.job`), the run over the group, the group destroyed."""
     from dpq import cancel, refusals
@@ -230,8 +233,9 @@ def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe:
     from dpq.plan import PlanRefused, lane_device_errors
     from dpq.streams import default_accelerator_type
 
-    devices, rest, kind = process_lanes(world, devices, rest, int(os.environ.get("LOCAL_RANK", "0")),
+    devices, rest, kind = process_lanes(spec.world, spec.devices, rest, int(os.environ.get("LOCAL_RANK", "0")),
                                         default_accelerator_type())
+    spec = dataclasses.replace(spec, devices=devices)
     if report is not None:
         report.devices = devices
     # before the group's setup binds a device or imports a vendor's backend for it: the plan's refusal
@@ -240,14 +244,14 @@ def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe:
         _stopped_before_run(report, str(PlanRefused(missing)), PlanRefused(missing))
         return 1
     try:
-        start_group(kind, float(ours.parallel_timeout), (devices or "").split(",")[0] or None)
+        start_group(kind, spec.timeout, (devices or "").split(",")[0] or None)
     except Exception as err:  # a rank that never came, a store it cannot reach: said, not a traceback
         _stopped_before_run(report, f"dpq: {refusals.group_start_failed(SETUPS[kind].backend, repr(err))}", err)
         return 1
     import torch.distributed as dist
 
     procs = ProcessSet.detect()  # the job's one set: its reports, its cancel (peers) and every block's run
-    procs.timeout_s = float(ours.parallel_timeout)  # also how long the others wait for rank 0's silence in its save
+    procs.timeout_s = spec.timeout  # also how long the others wait for rank 0's silence in its save
     if cancel.installed():
         cancel.install(peers=procs)
     try:
@@ -260,7 +264,7 @@ def _run_processes(ours: argparse.Namespace, world, devices: str | None, recipe:
             failure = procs.stop(err, peer_lost(err))
             _stopped_before_run(report, str(failure), failure)
             return failure.exit_status
-        return _run(ours, world, devices, recipe, rest, procs, report)
+        return _run(spec, recipe, rest, procs, report)
     finally:
         if dist.is_initialized():  # a failure destroyed it already (dpq.distributed.ProcessSet.stop)
             dist.destroy_process_group()
@@ -277,8 +281,18 @@ def _freeze_imported_heap() -> None:
     gc.freeze()
 
 
-def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | None, rest: list[str],
-         procs=None, report=None) -> int:
+@contextlib.contextmanager
+def tqdm_safe_logging():
+    """auto-round's and dpq's log lines during the run go above tqdm's live bars (``tqdm.write``), not
+    into the middle of one."""
+    from auto_round.logger import logger
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logger]):
+        yield
+
+
+def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> int:
     import traceback
 
     from dpq import cancel, refusals
@@ -289,23 +303,25 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
     from dpq.distributed import RankFailure, peer_lost
     from dpq.plan import PlanRefused
 
-    from .outputs import error_of
+    from .args import program
+    from .outputs import error_of, exit_status_of
+    from .summary import log_summary
 
     run, rank = runner_for(recipe), _rank()
-    if world != "off":
+    if spec.world != "off":
         try:
-            integration.enable(world, devices, debug_identical=ours.parallel_debug,
-                               overlap=True if ours.parallel_overlap else None, processes=procs,
-                               timeout=float(ours.parallel_timeout))
+            integration.enable_spec(spec, processes=procs)
         except PatchMismatch as e:
             _stopped_before_run(report, str(e), e)
             return 1
-    sys.argv = ["auto-round-dp" + (f"-{recipe}" if recipe else ""), *rest]
+    sys.argv = [program(recipe), *rest]
     if cancel.installed():  # run as the command (main installed cancel handling): the process is ours
         _freeze_imported_heap()
     failure: BaseException | None = None
+    started = time.perf_counter()
     try:
-        run()
+        with tqdm_safe_logging():
+            run()
     except (PlanRefused, ParallelLaneError, RankFailure) as e:
         failure = e
     except Exception as e:  # outside a block's run: under several processes the others learn which rank
@@ -320,8 +336,10 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
         raise
     finally:
         integration.disable()
-        _print_summary(world, rank)
-        unwritten = report.write(error_of(failure, _where())) if report is not None else None
+        if spec.world != "off" and rank == 0:
+            log_summary(time.perf_counter() - started, failure)
+        status = exit_status_of(failure)
+        unwritten = report.write(error_of(failure, _where()), status) if report is not None else None
         if unwritten is not None:  # said once; the exit status still says whether the model is complete
             why = unwritten.strerror or str(unwritten)
             print(f"auto-round-dp: dpq: {refusals.report_not_written(report.path, why, failure is None)}",
@@ -338,18 +356,6 @@ def _run(ours: argparse.Namespace, world, devices: str | None, recipe: str | Non
             print(f"auto-round-dp: {refusals.RUN_STOPPED}", file=sys.stderr)
         return failure.exit_status if isinstance(failure, RankFailure) else 1
     return 0
-
-
-def _print_summary(world, rank: int) -> None:
-    """Rank 0: the per-block table and the phase seconds of the run that just ended."""
-    from dpq.autoround import integration, seams_common
-
-    records = integration.run_summary() if world != "off" else []
-    phases = seams_common.phase_seconds()
-    if world != "off" and records and rank == 0:
-        print(format_summary(records), flush=True)
-    if world != "off" and any(phases.values()) and rank == 0:
-        print("dpq phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
 
 
 def main_best() -> int:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterator, Sequence
+from types import MappingProxyType
 
 import torch
 from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
@@ -28,14 +30,15 @@ from dpq import refusals, session
 from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet, Topology
 from dpq.nccl_lifecycle import close_communicators
-from dpq.plan import Plan, PlanRequest, check_arguments, price_mirror, resolve, validate_world
+from dpq.plan import Plan, PlanRequest, price_mirror, resolve
+from dpq.spec import DEFAULTS, ParallelSpec, SpecError
 from dpq.streams import release_run_streams
 
 from . import patches
 from .block_task import AutoRoundBlock, task_plan_fields
 from .run import BlockRecord, Run, current_run, reported_run
 
-__all__ = ["auto_world_report", "disable", "enable", "parallel_quantization", "run_summary"]
+__all__ = ["auto_world_report", "disable", "enable", "enable_spec", "parallel_quantization", "run_summary"]
 
 
 def _ORIGINAL(self, *args, **kwargs):
@@ -48,51 +51,90 @@ def _ORIGINAL_DISPATCH(self, *args, **kwargs):
     return patches.original(SignRoundQuantizer, "dispatch_block")(self, *args, **kwargs)
 
 
-def enable(parallel_quantization: int | str = "auto", devices=None, *, debug_identical: bool = False,
-           auto_world: AutoWorld | None = None, overlap: bool | None = None,
-           processes: ProcessSet | None = None, timeout: float = session.DEFAULT_TIMEOUT_S) -> None:
+def enable(parallel_quantization: int | str, parallel_devices=None, *,
+           parallel_debug: bool = DEFAULTS["parallel_debug"],
+           parallel_overlap: bool | None = DEFAULTS["parallel_overlap"],
+           parallel_timeout: float = DEFAULTS["parallel_timeout"],
+           auto_world: AutoWorld | None = None, processes: ProcessSet | None = None, **former) -> None:
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
 
-    ``parallel_quantization``: 'off', 'auto' (use what fits; never refuses) or an int world
-    (refuses before the block starts when it cannot be served). ``devices``: lane devices
-    (``'0,1,2,3'``, ``'cpu,cpu'``); default: auto-round's device list when it has several,
-    else every visible device of the home device's type. Malformed arguments raise
+    The settings are auto-round-dp's flags under their own names, with their defaults
+    (:data:`dpq.spec.FLAGS`); only the world has none (the command's absent flag is ``'off'``, plain
+    auto-round: here say which). ``parallel_quantization``: 'off', 'auto' (use what fits; never
+    refuses) or an int world (refuses before the block starts when it cannot be served).
+    ``parallel_devices``: lane devices (``'0,1,2,3'``, ``'cpu,cpu'``); default: auto-round's device
+    list when it has several, else every visible device of the home device's type.
+    ``parallel_debug``: check after every step that the lanes hold bitwise-identical tuned values.
+    ``parallel_overlap``: as :func:`dpq.parallel_tune`'s ``overlap`` (None: on for CPU lanes, off for
+    accelerator lanes). ``parallel_timeout`` (seconds, 10 to 604800): how long the host waits for an
+    iteration's work on the lanes before the run is stopped as hung (``dpq.tune_loop``: the watchdog),
+    and across processes how long a collective waits for the other ranks. Malformed arguments raise
     ``ValueError`` naming every problem, before anything is patched.
 
     Under an initialised ``torch.distributed`` group of several processes (``torchrun``; the
     CLI initialises it), every block's tune spans them: each process runs its local lanes
-    (``parallel_quantization`` and ``devices`` are per process), the plans are agreed on every
+    (``parallel_quantization`` and ``parallel_devices`` are per process), the plans are agreed on every
     rank, the global world is the processes times the local lanes, and rank 0 alone saves
     (:mod:`dpq.autoround.ranks`). Call it on every rank, after ``init_process_group``.
 
     ``auto_world`` (``'auto'`` only): the cost model that picks each block's world by predicted
     time (:class:`dpq.cost_model.AutoWorld`); default: a fresh one for this ``enable()``, used
     where the lanes are on distinct devices (lanes sharing one device keep every fitting lane:
-    the model divides compute over devices). A given one is used for any lanes. ``overlap``: as
-    :func:`dpq.parallel_tune`'s (None: on for CPU lanes, off for accelerator lanes). ``processes``:
+    the model divides compute over devices). A given one is used for any lanes. ``processes``:
     the group's :class:`dpq.distributed.ProcessSet` when the caller made one for the job already
     (auto-round-dp does, to agree on the job and report a cancel through it; default: detected).
-    ``timeout`` (``--parallel_timeout``, seconds): how long the host waits for an iteration's work
-    on the lanes before the run is stopped as hung (``dpq.tune_loop``: the watchdog), and across
-    processes how long a collective waits for the other ranks.
 
     Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
     back the settings of the ``enable()`` before it (or, after the outermost, auto-round's
     methods as they were when the outermost ``enable()`` patched them). The records of the
     last run stay readable after it (:func:`run_summary`, :func:`auto_world_report`).
+
+    ``former``: the keywords' names before they were the flags' (:data:`FORMER_NAMES`), still taken
+    with a ``DeprecationWarning`` while callers move.
     """
-    problems = check_arguments(parallel_quantization, devices)
+    if former:
+        named = _former(former)
+        parallel_devices = named.pop("parallel_devices", parallel_devices)
+        parallel_debug = named.pop("parallel_debug", parallel_debug)
+        parallel_overlap = named.pop("parallel_overlap", parallel_overlap)
+        parallel_timeout = named.pop("parallel_timeout", parallel_timeout)
+    problems: list[str] = []
+    try:
+        spec = ParallelSpec.build(parallel_quantization, parallel_devices, parallel_debug=parallel_debug,
+                                  parallel_overlap=parallel_overlap, parallel_timeout=parallel_timeout)
+    except SpecError as err:
+        problems, spec = err.problems, None
     if auto_world is not None and not (isinstance(parallel_quantization, str)
                                        and parallel_quantization.strip().lower() == "auto"):
         problems.append(refusals.auto_world_needs_auto(parallel_quantization))
     if problems:
-        raise ValueError("dpq: bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
-    world = validate_world(parallel_quantization)
+        raise SpecError(problems)
+    enable_spec(spec, auto_world=auto_world, processes=processes)
+
+
+FORMER_NAMES = MappingProxyType({"devices": "parallel_devices", "debug_identical": "parallel_debug",
+                                 "overlap": "parallel_overlap", "timeout": "parallel_timeout"})
+
+
+def _former(former: dict) -> dict:
+    """``enable()``'s keywords under their former names, renamed (an unknown one raises ``TypeError``)."""
+    unknown = sorted(set(former) - set(FORMER_NAMES))
+    if unknown:
+        raise TypeError(f"enable() got unexpected keyword arguments {unknown}")
+    warnings.warn(f"dpq.autoround.enable(): {', '.join(f'{k}= is now {FORMER_NAMES[k]}=' for k in former)} "
+                  "(the flags' names)", DeprecationWarning, stacklevel=3)
+    return {FORMER_NAMES[k]: v for k, v in former.items()}
+
+
+def enable_spec(spec: ParallelSpec, *, auto_world: AutoWorld | None = None,
+                processes: ProcessSet | None = None) -> None:
+    """:func:`enable` with settings validated already (auto-round-dp's, :meth:`ParallelSpec.build`)."""
+    world = spec.world
     model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
     procs = (processes if processes is not None else ProcessSet.detect()) if world != "off" else None
-    new = Run(world=world, devices=devices, debug_identical=debug_identical, overlap=overlap,
-                 timeout=float(timeout), auto_world=model,
-                 auto_given=auto_world is not None, processes=procs if procs is not None and procs.size > 1 else None)
+    new = Run(world=world, devices=spec.devices, debug_identical=spec.debug, overlap=spec.overlap,
+              timeout=spec.timeout, auto_world=model, auto_given=auto_world is not None,
+              processes=procs if procs is not None and procs.size > 1 else None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
 
 
@@ -157,10 +199,10 @@ def backend_free(device: torch.device) -> int:
 
 
 @contextlib.contextmanager
-def parallel_quantization(world: int | str = "auto", devices=None, **kw) -> Iterator[list[BlockRecord]]:
-    """``with parallel_quantization(2): AutoRound(...).quantize()``; yields the block records
-    (the run's own list: still readable after the ``with``)."""
-    enable(world, devices, **kw)
+def parallel_quantization(*args, **kw) -> Iterator[list[BlockRecord]]:
+    """``with parallel_quantization(2): AutoRound(...).quantize()`` (:func:`enable`'s arguments); yields
+    the block records (the run's own list: still readable after the ``with``)."""
+    enable(*args, **kw)
     try:
         yield current_run().records
     finally:
@@ -275,7 +317,7 @@ def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, 
         cfg.records.append(BlockRecord(name, ran.world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
                                        ran.communicator, [*ran.said, ran.communicator_reason, f"step: {ran.step}"],
                                        algorithm=algorithm, losses=out.losses, best_iter=out.best_iter,
-                                       issue_s=out.issue_s,
+                                       issue_s=out.issue_s, devices=[str(d) for d in ran.devices],
                                        **_compile_fields(run.compiles), **_prediction(cfg, chosen)))
     cfg.at = ""
     return run.result

@@ -87,19 +87,10 @@ def _dataset(value: str | None) -> tuple[str, str]:
 def settings(ours: argparse.Namespace, rest: list[str], recipe: str | None) -> dict[str, tuple[str, str]] | None:
     """This rank's job: ``--option`` -> (what is compared, what is shown). None when auto-round's
     parser rejects the arguments (auto-round then says why, on the rank it rejects them)."""
-    from auto_round.cli.parser import build_quantize_parser
+    from .args import autoround_args
 
-    if any(a in ("-h", "--help") for a in rest):
-        return None  # auto-round prints its help and exits on every rank
-    parser = build_quantize_parser(prog="auto-round-dp")
-
-    def rejected(message: str = "", *args) -> None:
-        raise ValueError(message)  # auto-round says it (with its usage) when it parses them itself
-
-    parser.error = parser.exit = rejected
-    try:
-        parsed = parser.parse_args(rest)
-    except ValueError:
+    parsed = autoround_args(rest)
+    if parsed is None:
         return None
     args = vars(parsed)
     model = args.pop("model", None) or args.get("model_name")

@@ -1,5 +1,5 @@
 """What auto-round-dp writes besides the model: where it may write (checked before any work) and
-its report (written at every end of a run).
+its report (written at every end of a run, schema :data:`SCHEMA`).
 
 :func:`path_errors` checks ``--output_dir`` and ``--parallel_report`` when the arguments are
 parsed, on the rank that writes them, and creates, changes and deletes nothing: a path with a
@@ -10,41 +10,38 @@ under a model file's name in it: the save would overwrite it, or it one of the m
 to a file not there yet) is written at its target, the link left as it is.
 
 :class:`RunReport` writes the report once, whatever ended the run: success, a failure (its
-``error``: kind, where, message; :func:`error_of`), a lost rank, the user's cancel, a hung issuing
-thread. The main thread writes it as the run unwinds; a thread that ends the process instead (the
-cancel watcher, the iteration watchdog: :func:`dpq.cancel.end_process`) writes it through
-:meth:`RunReport.at_exit`, registered with :func:`dpq.cancel.on_exit`. A regular file is replaced
-whole (written beside, then ``os.replace``), so a report is never half-written; anything else (a
-device such as ``/dev/full``, a pipe) is written in place.
+``error``: kind, where, block, lane, message; :func:`error_of`), a lost rank, the user's cancel, a
+hung issuing thread. Besides the run's records it says what ran and how it ended: ``schema``, the
+versions of dpq, auto-round, torch and Python, the devices and their names, the command line, the
+start and end time (UTC, ISO 8601) and the exit status (:func:`exit_status_of`). The main thread
+writes it as the run unwinds; a thread that ends the process instead (the cancel watcher, the
+iteration watchdog: :func:`dpq.cancel.end_process`) writes it through :meth:`RunReport.at_exit`,
+registered with :func:`dpq.cancel.on_exit`. A regular file is replaced whole (written beside, then
+``os.replace``), so a report is never half-written; anything else (a device such as ``/dev/full``,
+a pipe) is written in place.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
 import threading
+import time
 import uuid
 from dataclasses import asdict
+from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 
 from dpq import cancel, refusals
 from dpq.staging import WEIGHT_SUFFIXES
 
-__all__ = ["DEFAULT_OUTPUT_DIR", "RunReport", "error_of", "output_dir_of", "path_errors", "run_records"]
+__all__ = ["DEFAULT_OUTPUT_DIR", "SCHEMA", "RunReport", "error_of", "exit_status_of", "path_errors", "report_header",
+           "run_records", "versions", "write_whole"]
 
 DEFAULT_OUTPUT_DIR = "./tmp_autoround"  # auto-round's --output_dir default (tests/test_cli.py checks it)
-
-
-def output_dir_of(rest: list[str]) -> str:
-    """auto-round's ``--output_dir`` in its arguments ``rest`` (as its parser reads it: ``=`` or
-    not, an unambiguous abbreviation), else its default."""
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
-    try:
-        return parser.parse_known_args(rest)[0].output_dir
-    except argparse.ArgumentError:  # e.g. no value: auto-round refuses the command line itself
-        return DEFAULT_OUTPUT_DIR
+SCHEMA = "dpq-report/1"  # the report's keys (RunReport.write); bumped when a key changes meaning or goes
 
 
 # files a save may write straight into --output_dir (a diffusion pipeline, a gguf file); the weights by suffix
@@ -108,7 +105,8 @@ def path_errors(report: str | None, output_dir: str) -> list[str]:
 def error_of(failure: BaseException | None, at: str = "") -> dict | None:
     """The report's ``error`` for what ended the run (None: it finished): ``kind`` (refused,
     lane_failed, rank_failed, rank_lost, cancelled, error), ``where`` (the block, "save", or None
-    when not known) and ``message``."""
+    when not known), ``block`` (the block it stopped in, None outside one), ``lane`` (the lane that
+    failed when one is known, else None) and ``message``."""
     from dpq.distributed import RankFailure
     from dpq.plan import PlanRefused
 
@@ -129,7 +127,26 @@ def error_of(failure: BaseException | None, at: str = "") -> dict | None:
         message = str(failure)
     else:
         kind, message = "error", f"{type(failure).__name__}: {failure}"
-    return {"kind": kind, "where": where, "message": message}
+    return structured(kind, message, where, getattr(failure, "lane", None))
+
+
+def structured(kind: str, message: str, where: str | None = None, lane: int | None = None) -> dict:
+    """One ``error`` entry; ``block`` is ``where`` unless that is the save (or unknown)."""
+    return {"kind": kind, "where": where, "block": where if where not in (None, "save") else None, "lane": lane,
+            "message": message}
+
+
+def exit_status_of(failure: BaseException | None) -> int:
+    """The exit status auto-round-dp ends with after ``failure`` (None: 0): a cancel 128 + its signal,
+    a failed rank its own status, anything else 1."""
+    from dpq.distributed import RankFailure
+
+    if failure is None:
+        return 0
+    signum = cancel.cancelled() or getattr(failure, "signum", None)
+    if isinstance(failure, KeyboardInterrupt | cancel.Cancelled) and signum is not None:
+        return cancel.exit_status(signum)
+    return failure.exit_status if isinstance(failure, RankFailure) else 1
 
 
 def run_records() -> tuple[list, dict, list]:
@@ -139,30 +156,64 @@ def run_records() -> tuple[list, dict, list]:
     return integration.run_summary(), seams_common.phase_seconds(), integration.auto_world_report()
 
 
+def _version(*distributions: str) -> str | None:
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    """The software that ran: dpq (this distribution, or the source tree's version), auto-round (either
+    of its distributions), torch and Python."""
+    import dpq
+
+    return {"dpq": _version("auto-round-dp") or dpq.__version__,
+            "auto_round": _version("auto-round", "auto-round-nightly"),
+            "torch": _version("torch"), "python": sys.version.split()[0]}
+
+
+def _utc(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
+
+
+def report_header(command: list[str], started: float, ended: float, exit_status: int, devices: object) -> dict:
+    """The keys every dpq report starts with (the run's and the demo's): ``schema``, ``versions``,
+    ``devices`` (as given) and ``device_names``, ``command``, ``started``/``ended`` (UTC) with
+    ``wall_s``, ``exit_status``. ``started``/``ended``: :func:`time.time` values."""
+    from dpq.machine import device_names
+
+    return {"schema": SCHEMA, "versions": versions(), "devices": devices, "device_names": device_names(devices),
+            "command": list(command), "started": _utc(started), "ended": _utc(ended),
+            "wall_s": round(ended - started, 3), "exit_status": exit_status}
+
+
 class RunReport:
     """``--parallel_report``: written once per run (module docstring). ``world``/``devices``: as
-    given; ``records``: a callable returning (block records, phase seconds, auto's report) as they
-    stand when the report is written (:func:`run_records`)."""
+    given; ``command``: the command line; ``records``: a callable returning (block records, phase
+    seconds, auto's report) as they stand when the report is written (:func:`run_records`)."""
 
-    def __init__(self, path: str, world, devices, records=run_records) -> None:
+    def __init__(self, path: str, world, devices, command: list[str] = (), records=run_records) -> None:
         self.path, self.world, self.devices, self.records = path, world, devices, records
+        self.command, self.started = list(command), time.time()
         self._lock = threading.Lock()
         self.written = False
 
-    def write(self, error: dict | None) -> OSError | None:
-        """Write the report with ``error`` (None: the run finished) unless it was written already;
-        returns the error that stopped the write (None: written)."""
+    def write(self, error: dict | None, exit_status: int = 0) -> OSError | None:
+        """Write the report with ``error`` (None: the run finished) and the ``exit_status`` the command
+        ends with, unless it was written already; returns the error that stopped the write (None: written)."""
         with self._lock:
             if self.written:
                 return None
             self.written = True
             blocks, phases, auto_world = self.records()
-            body = {"world": self.world, "devices": self.devices, "phase_seconds": phases,
-                    "blocks": [asdict(r) for r in blocks], "auto_world": auto_world}
-            if error is not None:
-                body["error"] = error
+            body = report_header(self.command, self.started, time.time(), exit_status, self.devices)
+            body.update({"world": self.world, "phase_seconds": phases, "blocks": [asdict(r) for r in blocks],
+                         "auto_world": auto_world, "error": error})
             try:
-                _write_whole(self.path, json.dumps(body, indent=1))
+                write_whole(self.path, json.dumps(body, indent=1))
             except OSError as err:
                 return err
             return None
@@ -171,10 +222,12 @@ class RunReport:
         """A thread ends the process (:func:`dpq.cancel.end_process`): the report says why
         (:func:`dpq.cancel.ending`). ``at``: where the run was (a callable: read at that moment)."""
         kind, message = cancel.ending() or ("cancelled", "")
-        self.write({"kind": kind, "where": at() or None, "message": message.removeprefix("dpq: ")})
+        signum = cancel.cancelled()
+        status = cancel.exit_status(signum) if kind == "cancelled" and signum is not None else 1
+        self.write(structured(kind, message.removeprefix("dpq: "), at() or None), status)
 
 
-def _write_whole(path: str, text: str) -> None:
+def write_whole(path: str, text: str) -> None:
     """``text`` into the file at ``path`` (its symlinks followed): a regular file replaced whole, in
     one rename; anything else (a device, a pipe) written in place. Missing folders are made."""
     real = Path(os.path.realpath(path))

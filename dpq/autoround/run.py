@@ -54,6 +54,7 @@ class BlockRecord:
     recompiles: list[int] = field(default_factory=list)
     compiles: list[int] = field(default_factory=list)
     compile_s: list[float] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)  # this process's lanes (engine runs only)
 
 
 @dataclass

@@ -5,17 +5,23 @@ Runs the real CLI twice in subprocesses on the model that ships with dpq (``dpq/
 tests/test_integration.py) and ``--parallel_quantization N`` on N lanes (CPU lanes here, GPUs
 when present). Both save in auto-round's format. Then it loads both saved models and prints
 serial vs parallel wall time, per-block best loss, and KL(fp || quantized) on held-out text;
-writes the table as JSON and a PNG of the per-block loss curves.
+writes the table as JSON (the keys of auto-round-dp's ``--parallel_report``: schema, versions,
+devices, command, times, exit status; each run's own report under ``runs``) and a PNG of the
+per-block loss curves beside each block's time, serial vs parallel. Needs matplotlib (the
+``demo`` extra); without it the demo stops before any run and says what to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dpq import refusals
 
 
 def _run_cli(model_dir: Path, calib: Path, out: Path, world: str, devices: str | None, args) -> tuple[float, dict]:
@@ -61,8 +67,8 @@ def _plot(rows: list[dict], serial: dict, parallel: dict, world: int, path: Path
     import matplotlib.pyplot as plt
 
     n = len(serial["blocks"])
-    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3.0), squeeze=False)
-    for ax, s, p in zip(axes[0], serial["blocks"], parallel["blocks"], strict=True):
+    fig, axes = plt.subplots(1, n + 1, figsize=(3.2 * (n + 1), 3.0), squeeze=False)
+    for ax, s, p in zip(axes[0][:n], serial["blocks"], parallel["blocks"], strict=True):
         ax.plot(s["losses"], label="serial (world 1)", color="tab:blue")
         ax.plot(p["losses"], label=f"parallel (world {world})", color="tab:orange", linestyle="--")
         ax.set_title(s["name"], fontsize=9)
@@ -71,10 +77,26 @@ def _plot(rows: list[dict], serial: dict, parallel: dict, world: int, path: Path
         ax.tick_params(labelsize=7)
     axes[0][0].set_ylabel("block loss", fontsize=8)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("dpq: per-block tuning loss, serial vs data-parallel (embedded model)", fontsize=10)
+    _plot_block_seconds(axes[0][n], rows, world)
+    fig.suptitle("dpq: per-block tuning loss and time, serial vs data-parallel (embedded model)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_block_seconds(ax, rows: list[dict], world: int) -> None:
+    """Each block's seconds, serial beside parallel (on CPU lanes the parallel run is slower: they share
+    the cores)."""
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["serial_block_s"] for r in rows], width=0.4, label="serial", color="tab:blue")
+    ax.bar([i + 0.2 for i in x], [r["parallel_block_s"] for r in rows], width=0.4, label=f"world {world}",
+           color="tab:orange")
+    ax.set_xticks(list(x), [r["block"].rsplit(".", 1)[-1] for r in rows], fontsize=7)
+    ax.set_xlabel("block", fontsize=8)
+    ax.set_ylabel("seconds", fontsize=8)
+    ax.set_title("time per block", fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,9 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/demo")
     ap.add_argument("--verbose", action="store_true", help="show auto-round's own output")
     args = ap.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # before minutes of runs, not after them
+        print(f"python -m dpq.demo: {refusals.DEMO_NEEDS_MATPLOTLIB}", file=sys.stderr)
+        return 2
+    started = time.time()
 
     import torch
 
+    from dpq.autoround.outputs import report_header, write_whole
     from dpq.demo.embedded import DATA_DIR, calibration_jsonl, heldout_samples, load_embedded_model
 
     has_gpu = torch.cuda.is_available()
@@ -128,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
           f"serial {kl_s:.5f}  world {world} {kl_p:.5f}  ({(kl_p - kl_s) / kl_s:+.2%})")
     if not has_gpu:
         print("note: CPU lanes share the same cores, so no speedup is expected on CPU; the point here is parity.")
-    report = {"args": vars(args), "world": world, "wall_seconds": {"serial": t_serial, "parallel": t_par},
-              "kl": {"serial": kl_s, "parallel": kl_p}, "blocks": rows,
-              "curves": {"serial": [b["losses"] for b in serial["blocks"]],
-                         "parallel": [b["losses"] for b in parallel["blocks"]]}}
-    (out / "demo_report.json").write_text(json.dumps(report, indent=1))
+    command = ["python", "-m", "dpq.demo", *(sys.argv[1:] if argv is None else argv)]
+    report = report_header(command, started, time.time(), 0, devices or args.device_map)
+    report.update({"args": vars(args), "world": world, "wall_seconds": {"serial": t_serial, "parallel": t_par},
+                   "kl": {"serial": kl_s, "parallel": kl_p}, "blocks": rows, "runs": {"serial": serial,
+                                                                                     "parallel": parallel},
+                   "curves": {"serial": [b["losses"] for b in serial["blocks"]],
+                              "parallel": [b["losses"] for b in parallel["blocks"]]}})
+    write_whole(str(out / "demo_report.json"), json.dumps(report, indent=1))
     _plot(rows, serial, parallel, world, out / "demo_losses.png")
     print(f"wrote {out / 'demo_report.json'}, {out / 'demo_losses.png'}; quantized models under {out}/serial and "
           f"{out}/world{args.world}")

@@ -1,0 +1,252 @@
+"""The plan screen (``auto-round-dp --parallel_plan``, :func:`plan_for`): what this machine would
+get, before anything is tuned.
+
+For the model's first block, built from the model's config on the meta device (no weight is
+read) or taken from a model object, and the lanes (the given devices, else the plan's default),
+it says per world W = 1 .. the lanes: the lanes, each lane's memory price against its device's
+free memory (the plan's own prices, :class:`dpq.plan.BlockPrice` and :func:`dpq.plan.price_runtime`,
+and its verdict, :func:`dpq.plan.resolve`), and the predicted seconds per iteration and per block
+by ``auto``'s cost model (:mod:`dpq.cost_model`: compute from the block's FLOPs at its stated
+throughput, the link probed on the lanes as ``auto`` probes it, the issuing thread's cost unknown
+before a run), then the world ``auto`` would choose and why (the run's rule: lanes sharing a
+device keep every fitting lane; otherwise the fastest prediction). The CUDA timeline model's
+calibrated figures are named where a calibration exists (``benchmarks/calibration/``); where none
+does, the screen says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dpq import refusals
+from dpq.cost_model import ACHIEVABLE_FLOPS, CostInputs, choose_world, predict, probe_link
+from dpq.plan import BlockPrice, PlanRefused, PlanRequest, parse_device_spec, price_runtime, resolve
+from dpq.streams import backend, default_accelerator_type
+
+__all__ = ["LanePrice", "PlanScreen", "WorldRow", "plan_for", "show_for_command"]
+
+CALIBRATIONS = Path(__file__).resolve().parents[2] / "benchmarks" / "calibration"  # in a source tree only
+
+
+@dataclass(frozen=True)
+class LanePrice:
+    device: str
+    need: int  # bytes this lane adds (home: beyond the block and its pool, which it holds anyway)
+    free: int  # the device's free bytes now
+
+
+@dataclass(frozen=True)
+class WorldRow:
+    world: int
+    lanes: list[str]
+    prices: list[LanePrice]
+    per_iter_s: float
+    per_block_s: float
+    refused: list[str] = field(default_factory=list)  # why this world cannot run (empty: it can)
+
+
+@dataclass(frozen=True)
+class PlanScreen:
+    """What :func:`plan_for` found; ``str()`` is the screen."""
+
+    model: str
+    source: str  # "config" (no weights) or "model"
+    block: str
+    block_class: str
+    blocks: int
+    samples_per_iter: int
+    iters: int
+    seqlen: int
+    compute_dtype: str
+    device_names: dict[str, str]
+    link: str
+    rows: list[WorldRow]
+    choice: int
+    why: str
+    calibration: str
+
+    def lines(self) -> list[str]:
+        gib = 2**30
+        names = "; ".join(f"{d}: {n}" for d, n in self.device_names.items() if n)
+        read = "its config only, no weights read" if self.source == "config" else "the model given"
+        out = [f"dpq plan for {self.model} ({read}): {self.blocks} blocks like {self.block} ({self.block_class})",
+               f"per block: {self.iters} iterations of {self.samples_per_iter} samples x {self.seqlen} tokens, "
+               f"computing in {self.compute_dtype}",
+               f"lane devices: {names}", f"link: {self.link}", "",
+               f"{'world':>5}  {'lanes':<24} {'memory per lane, need / free (GiB)':<44} {'s/iter':>8} {'s/block':>9}"
+               f" {'all blocks':>11}  runs"]
+        for r in self.rows:
+            memory = ", ".join(f"{p.need / gib:.2f}/{p.free / gib:.1f}" for p in r.prices)
+            out.append(f"{r.world:>5}  {','.join(r.lanes):<24} {memory:<44} {r.per_iter_s:>8.3g} {r.per_block_s:>9.3g}"
+                       f" {r.per_block_s * self.blocks:>11.3g}  {'yes' if not r.refused else 'no'}")
+            out += [f"{'':>7}- {reason}" for reason in r.refused]
+        out += ["", f"auto would choose world {self.choice}: {self.why}", f"timeline model: {self.calibration}"]
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def _meta_model(model: str, dtype: str | None):
+    """The model built from its config on the meta device: every shape and dtype, no weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    local = Path(model).is_dir()
+    config = AutoConfig.from_pretrained(model, local_files_only=local)
+    chosen = getattr(torch, dtype) if dtype not in (None, "auto") else getattr(config, "dtype", None)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=chosen if isinstance(chosen, torch.dtype) else None)
+
+
+def _first_block(model: torch.nn.Module) -> tuple[str, torch.nn.Module, int]:
+    from auto_round.utils import get_block_names
+
+    names = get_block_names(model)[0]
+    return names[0], model.get_submodule(names[0]), len(names)
+
+
+def _home_compute_dtype(home: torch.device, block: torch.nn.Module) -> torch.dtype:
+    """What auto-round computes a block in: bf16 autocast on accelerators, and on a CPU with
+    AVX512-BF16 (its CPUID probe); else the weights' own dtype."""
+    if home.type != "cpu":
+        return torch.bfloat16
+    from auto_round.utils.device import CpuInfo
+
+    return torch.bfloat16 if CpuInfo().bf16 else torch.float32
+
+
+def _lanes(devices, home: torch.device) -> list[torch.device]:
+    if devices is not None:
+        return [e.device for e in parse_device_spec(devices) if e.device is not None]
+    if home.type == "cpu":
+        return [home]
+    return [torch.device(home.type, i) for i in range(backend(home).device_count())] or [home]
+
+
+def _prices(price: BlockPrice, lanes: list[torch.device], home: torch.device) -> list[LanePrice]:
+    world, out = len(lanes), []
+    for k, dev in enumerate(lanes):
+        is_home = k == 0 and dev == home
+        need = price.home(world) if is_home else price.mirror(world)
+        need += price_runtime(dev, home=is_home, world=world)
+        out.append(LanePrice(str(dev), need, backend(dev).mem_get_info(dev)[0]))
+    return out
+
+
+def _link(lanes: list[torch.device]) -> tuple[float, float, str]:
+    """(latency, bandwidth, said): the link probed on the lanes as 'auto' probes it."""
+    if len(lanes) < 2:
+        return 0.0, float("inf"), "one lane: nothing to exchange"
+    from dpq.communicators import select_communicator
+    from dpq.nccl_lifecycle import close_communicators
+    from dpq.streams import make_lanes, release_run_streams
+
+    try:
+        comm, reason = select_communicator(make_lanes(lanes))
+        latency, bandwidth = probe_link(comm)
+        comm.close()
+    except Exception as err:  # said, not raised: the screen still prices memory
+        return 0.0, float("inf"), f"not probed ({err!r}); exchange time left out"
+    finally:
+        close_communicators()
+        release_run_streams()
+    speed = "unbounded" if bandwidth == float("inf") else f"{bandwidth / 1e9:.3g} GB/s"
+    return latency, bandwidth, f"{comm.name} ({reason}), probed: latency {latency * 1e3:.3g} ms, {speed}"
+
+
+def _calibration() -> str:
+    found = sorted(CALIBRATIONS.glob("*.json")) if CALIBRATIONS.is_dir() else []
+    if not found:
+        return ("no calibration exists (none under benchmarks/calibration/; a GPU check, bash benchmarks/gpu_check.sh, "
+                "measures one), so no calibrated figures: the times above are the cost model's stated guesses")
+    return (f"calibrations {', '.join(p.name for p in found)}: python -m benchmarks.timeline --table "
+            f"--calibration {found[-1]} gives the calibrated figures")
+
+
+def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devices=None, home: str | None = None,
+             iters: int = 200, batch_size: int = 8, gradient_accumulate_steps: int = 1, nsamples: int = 128,
+             seqlen: int = 2048, model_dtype: str | None = None) -> PlanScreen:
+    """The plan screen (module docstring) for ``model``: a model folder or hub id (its config alone
+    is read), or a model object. The settings are auto-round's and auto-round-dp's, with their
+    defaults; ``home``: the block's device (default: the first lane's, else the CPU). An explicit
+    ``parallel_quantization`` N marks the rows above N as not asked for."""
+    from dpq.spec import ParallelSpec
+
+    spec = ParallelSpec.build(parallel_quantization, parallel_devices)
+    source = "model" if isinstance(model, torch.nn.Module) else "config"
+    built = model if source == "model" else _meta_model(str(model), model_dtype)
+    name, block, blocks = _first_block(built)
+    given = _lanes(spec.devices, torch.device("cpu")) if spec.devices is not None else []
+    home_dev = torch.device(home) if home is not None else given[0] if given else \
+        torch.device(default_accelerator_type())
+    lanes = given or _lanes(None, home_dev)
+    compute = _home_compute_dtype(home_dev, block)
+    samples = max(1, min(nsamples, batch_size * gradient_accumulate_steps))
+    hidden = next(p.shape[-1] for p in block.parameters() if p.dim() == 2)
+    inputs = [torch.empty(1, seqlen, hidden, dtype=compute, device="meta")]
+    price = BlockPrice(block, inputs, samples, compute_dtype=compute)
+    weights = [p for p in block.parameters() if p.dim() == 2]
+    n = sum(p.numel() for p in weights)
+    flops = 6.0 * samples * seqlen * n
+    latency, bandwidth, link = _link(lanes)
+    costs = CostInputs(compute_s=flops / ACHIEVABLE_FLOPS.get(home_dev.type, ACHIEVABLE_FLOPS["cpu"]), issue_s=0.0,
+                       tuned_elems=n + n // 8, bandwidth_Bps=bandwidth, latency_s=latency)
+    rows = []
+    for w in range(1, len(lanes) + 1):
+        refused: list[str] = []
+        try:
+            resolve(PlanRequest(world=w, devices=[str(d) for d in lanes[:w]], samples_per_iter=samples, home=home_dev,
+                                price=price, pool_samples=nsamples))
+        except PlanRefused as err:
+            refused = err.reasons
+        p = predict(w, iters, costs)
+        rows.append(WorldRow(w, [str(d) for d in lanes[:w]], _prices(price, lanes[:w], home_dev), p.per_iter_s,
+                             p.seconds, refused))
+    choice, why = _auto_choice(rows, lanes, iters, costs, spec.world)
+    from dpq.machine import device_names
+
+    return PlanScreen(str(getattr(model, "name_or_path", model) if source == "model" else model), source, name,
+                      type(block).__name__, blocks, samples, iters, seqlen, str(compute).removeprefix("torch."),
+                      device_names([str(d) for d in lanes]), link, rows, choice, why, _calibration())
+
+
+def _auto_choice(rows: list[WorldRow], lanes: list[torch.device], iters: int, costs: CostInputs,
+                 world: int | str) -> tuple[int, str]:
+    """The world the run would take and why: an explicit world as asked (or refused); under 'auto'
+    the fitting lanes (the most that run), all of them when they share a device, else the fastest
+    prediction among them."""
+    if isinstance(world, int):
+        row = rows[world - 1] if world <= len(rows) else None
+        if row is None or row.refused:
+            return world, "asked for, but refused (above): the run stops before the first block's work"
+        return world, "asked for (--parallel_quantization); it fits"
+    fitting = max((r.world for r in rows if not r.refused), default=1)
+    if fitting < 2:
+        return 1, "no second lane fits: the run is serial (auto-round's own loop)"
+    kept = lanes[:fitting]
+    if len(set(kept)) < len(kept):
+        return fitting, refusals.auto_shared_device(fitting, sorted({str(d) for d in kept}))
+    choice = choose_world(range(1, fitting + 1), iters, costs, label="the first block")
+    return choice.world, choice.reason
+
+
+def show_for_command(parsed, spec) -> int:
+    """``auto-round-dp --parallel_plan``: the screen for the command's model and settings, printed; 0."""
+    from auto_round.cli.main import RECIPES
+
+    recipe = RECIPES["default"]  # auto-round's values for what the command line leaves unset
+    devices = spec.devices
+    if devices is None and "," in str(parsed.device_map):
+        devices = parsed.device_map  # the plan's default: --device_map's devices when it lists several
+    home = "cpu" if str(parsed.device_map).strip().lower() == "cpu" else None
+    screen = plan_for(parsed.model or parsed.model_name, parallel_quantization=spec.world, parallel_devices=devices,
+                      home=home, iters=recipe["iters"] if getattr(parsed, "iters", None) is None else parsed.iters,
+                      batch_size=parsed.batch_size or recipe["batch_size"],
+                      gradient_accumulate_steps=getattr(parsed, "gradient_accumulate_steps", None) or 1,
+                      nsamples=parsed.nsamples or recipe["nsamples"], seqlen=parsed.seqlen or recipe["seqlen"],
+                      model_dtype=parsed.model_dtype)
+    print(screen, flush=True)
+    return 0

@@ -1,0 +1,195 @@
+"""dpq's settings: their names, defaults and help (:data:`FLAGS`, the one source the CLI's argument
+group, the Python API's keywords and the README's flag table come from), and :class:`ParallelSpec`,
+the settings of one run, validated once where they enter (the command line, ``enable()``, the plan
+screen) and passed down.
+
+Every check here needs no model: the world's syntax, the lane device list's syntax, the world
+against the number of lane devices given, flags that would have no effect, the timeout's range
+(:func:`problems`); and, against this machine and torch build (:class:`dpq.machine.Machine`),
+lanes that cannot exist here (:func:`machine_problems`). What needs the model (memory per lane,
+the block's placement, samples per iteration) is the plan's, before the first block's work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dpq import refusals
+from dpq.machine import Machine
+from dpq.plan import parse_device_spec, validate_world
+
+__all__ = ["FLAGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "machine_problems", "problems"]
+
+TIMEOUT_RANGE_S = (10.0, 604800.0)  # the process group's start waits that long for every rank; a week
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One of dpq's settings: ``name`` is the Python keyword, ``--name`` the flag."""
+
+    name: str
+    default: object
+    help: str
+    metavar: str | None = None  # None: a switch (present or not)
+
+    @property
+    def option(self) -> str:
+        return f"--{self.name}"
+
+    @property
+    def usage(self) -> str:
+        """The flag as the README's table shows it."""
+        return self.option + (f" {self.metavar}" if self.metavar else "")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("parallel_quantization", "off",
+         "off (default): plain auto-round. N: tune every block on N lanes, or stop before the block with every "
+         "reason it cannot. auto: of the lanes that fit, as many as the cost model predicts to be fastest per "
+         "block; falls back to serial per block and says why", "{off,auto,N}"),
+    Flag("parallel_devices", None,
+         "lane devices: 0,1,2,3, cuda:0,cuda:1, cpu,cpu; the first is the block's own device. Default: the devices "
+         "of --device_map when it lists several, else every visible device of the home device's type", "LIST"),
+    Flag("parallel_debug", False, "after every step, check that all lanes hold bitwise-identical tuned values"),
+    Flag("parallel_overlap", None,
+         "GPU lanes: exchange gradient buckets during the backward, on a second stream per lane (not yet run on a "
+         "GPU; CPU lanes overlap anyway, so there it is refused as having no effect)"),
+    Flag("parallel_report", None,
+         "write the run's report as JSON at every end of the run (success, failure, cancel): the schema, "
+         "versions, devices, command line, start and end time, exit status, a structured error, and per block "
+         "the world, seconds, exchange bytes, loss curve, every reason a lane was dropped and auto's predictions",
+         "PATH"),
+    Flag("parallel_timeout", 600.0,
+         "how long one iteration may take (the host's wait for the lanes' work, and a watchdog thread for the "
+         "issuing thread itself) before the block is stopped as hung, and under torchrun how long a collective "
+         "waits for a lost or hung rank (10 to 604800, default 600)", "SECONDS"),
+    Flag("parallel_plan", False,
+         "print what this machine would get, then exit without quantizing: per world the lanes, each lane's "
+         "memory price against its free memory, the predicted seconds per iteration and per block, and the world "
+         "auto would choose and why (from the model's config alone where it suffices)"),
+)
+DEFAULTS = {f.name: f.default for f in FLAGS}
+
+
+class SpecError(ValueError):
+    """Settings that cannot run; ``problems`` holds every one, each with its fix."""
+
+    def __init__(self, problems: Sequence[str], head: str = "dpq: bad arguments") -> None:
+        self.problems = list(problems)
+        super().__init__(f"{head}:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """One run's dpq settings as validated (:meth:`build`): ``world`` 'off', 'auto' or an int >= 1;
+    ``devices`` the lane device list as given (None: the plan's default); ``overlap`` None for the
+    exchange's own default (on for CPU lanes, off for accelerator lanes), True for a second stream per
+    GPU lane; ``timeout`` seconds; ``report`` a path or None."""
+
+    world: int | str = DEFAULTS["parallel_quantization"]
+    devices: object = DEFAULTS["parallel_devices"]
+    debug: bool = DEFAULTS["parallel_debug"]
+    overlap: bool | None = DEFAULTS["parallel_overlap"]
+    timeout: float = DEFAULTS["parallel_timeout"]
+    report: str | None = DEFAULTS["parallel_report"]
+
+    @classmethod
+    def build(cls, parallel_quantization: object = DEFAULTS["parallel_quantization"],
+              parallel_devices: object = DEFAULTS["parallel_devices"], *,
+              parallel_debug: bool = DEFAULTS["parallel_debug"],
+              parallel_overlap: bool | None = DEFAULTS["parallel_overlap"],
+              parallel_timeout: object = DEFAULTS["parallel_timeout"],
+              parallel_report: str | None = DEFAULTS["parallel_report"],
+              machine: Machine | None = None, home: str | None = None) -> ParallelSpec:
+        """The spec, or :class:`SpecError` with every problem (:func:`problems`; with ``machine``, also
+        :func:`machine_problems`, ``home`` the block's device type when known: ``--device_map``'s)."""
+        found = problems(parallel_quantization, parallel_devices, debug=parallel_debug, overlap=parallel_overlap,
+                         timeout=parallel_timeout)
+        if machine is not None and not found:
+            found = machine_problems(validate_world(parallel_quantization), parallel_devices, machine,
+                                     overlap=parallel_overlap, home=home)
+        if found:
+            raise SpecError(found)
+        return cls(validate_world(parallel_quantization), parallel_devices, bool(parallel_debug), parallel_overlap,
+                   float(parallel_timeout), parallel_report)
+
+
+def _timeout_problem(value: object) -> str | None:
+    low, high = TIMEOUT_RANGE_S
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return refusals.timeout_not_a_number(str(value), low, high)
+    if not (low <= seconds <= high) or math.isnan(seconds):  # inf is out of range
+        return refusals.timeout_out_of_range(str(value), low, high)
+    return None
+
+
+def problems(world: object, devices: object = None, *, debug: bool = False, overlap: bool | None = None,
+             timeout: object = DEFAULTS["parallel_timeout"]) -> list[str]:
+    """Every problem visible in the settings alone (module docstring), each once."""
+    found = []
+    try:
+        w = validate_world(world)
+    except ValueError as e:
+        found.append(str(e).removeprefix("dpq: "))
+        w = None
+    if devices is not None:
+        entries = parse_device_spec(devices)
+        found += [e.error for e in entries if e.error]
+        if w == "off":
+            found.append(refusals.DEVICES_WHILE_OFF)
+        named = [e.raw.strip() for e in entries if e.raw.strip()]
+        if isinstance(w, int) and named and len(named) < w:
+            found.append(refusals.too_few_devices(w, named, True))
+    if debug and w == "off":
+        found.append(refusals.DEBUG_WHILE_OFF)
+    if overlap and w == "off":
+        found.append(refusals.OVERLAP_WHILE_OFF)
+    if (problem := _timeout_problem(timeout)) is not None:
+        found.append(problem)
+    return list(dict.fromkeys(found))
+
+
+def machine_problems(world: int | str, devices: object, machine: Machine, *, overlap: bool | None = None,
+                     home: str | None = None) -> list[str]:
+    """What stops well-formed settings on ``machine``: lanes of a type this torch build lacks, or
+    that this machine does not have (each type said once, with lanes that exist here as the fix),
+    and ``overlap`` where every lane is on the CPU (``devices`` all cpu, or none given and ``home``
+    is cpu)."""
+    if world == "off":
+        return []
+    found: dict[str, list[str]] = {}  # sentence kind -> the lanes it names
+    lanes = 2 if not isinstance(world, int) else max(2, world)
+    example = machine.example_lanes(lanes)
+    types = []
+    for e in parse_device_spec(devices) if devices is not None else []:
+        dev = e.device
+        if dev is None:
+            continue
+        types.append(dev.type)
+        if e.bare_index and dev.type == "cpu":
+            found.setdefault(refusals.no_accelerator_for_index(e.raw), [])
+        elif dev.type != "cpu" and dev.type not in machine.built:
+            found.setdefault(f"built:{dev.type}", []).append(str(dev))
+        elif dev.type != "cpu" and (dev.index or 0) >= machine.count(dev.type):
+            found.setdefault(f"count:{dev.type}", []).append(str(dev))
+        elif dev.type == "cpu" and dev.index is not None and dev.index > 0:
+            found.setdefault(refusals.not_a_cpu_index(str(dev)), [])
+    out = []
+    for key, named in found.items():
+        kind, _, device_type = key.partition(":")
+        if kind == "built":
+            out.append(refusals.torch_lacks_type(list(dict.fromkeys(named)), device_type, machine.torch,
+                                                 device_type == "cuda" and machine.nvidia_driver, example))
+        elif kind == "count":
+            out.append(refusals.no_such_device_here(list(dict.fromkeys(named)), device_type,
+                                                    machine.count(device_type), example))
+        else:
+            out.append(key)
+    all_cpu = all(t == "cpu" for t in types) if types else (home == "cpu" or machine.accelerator is None)
+    if overlap and all_cpu:
+        out.append(refusals.OVERLAP_ON_CPU)
+    return out

@@ -1,0 +1,47 @@
+"""Issue 29: ``auto-round-dp --parallel_plan`` and ``dpq.plan_for``: what this machine would get,
+per world, from the model's config alone, without tuning anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import dpq
+from dpq.demo.embedded import DATA_DIR
+
+
+def test_the_plan_command_prints_every_world_from_the_config_alone(tmp_path):
+    """The issue's command, in its own process: the per-world table, auto's choice, the timeline
+    model's state, exit 0, well under 20 s on 2 cores; a weight read would raise, nothing is written."""
+    prelude = ("import safetensors, safetensors.torch\n"
+               "def read(*a, **k): raise SystemExit('a model weight was read')\n"
+               "safetensors.safe_open = safetensors.torch.load_file = read\n")
+    code = prelude + "from dpq.autoround.cli import main; raise SystemExit(main())"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, "--parallel_plan", "--model", str(DATA_DIR), "--device_map",
+                           "cpu", "--parallel_devices", "cpu,cpu"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "its config only, no weights read" in out and "4 blocks like model.layers.0 (LlamaDecoderLayer)" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1], r[-1]) for r in rows] == [("1", "cpu", "yes"), ("2", "cpu,cpu", "yes")], out
+    assert "auto would choose world 2: auto: the 2 lanes share cpu" in out
+    assert "timeline model: no calibration exists" in out
+    assert list(tmp_path.iterdir()) == []
+    assert seconds < 20, seconds
+
+
+def test_plan_for_prices_each_lane_and_says_what_does_not_fit():
+    screen = dpq.plan_for(str(DATA_DIR), parallel_devices="cpu,cpu,cpu", home="cpu", iters=10, batch_size=2,
+                          nsamples=2, seqlen=64)
+    assert [r.world for r in screen.rows] == [1, 2, 3] and [len(r.prices) for r in screen.rows] == [1, 2, 3]
+    assert not screen.rows[1].refused and any("3 lanes but only 2 samples" in x for x in screen.rows[2].refused)
+    assert all(p.need > 0 and p.free > 0 for r in screen.rows for p in r.prices)
+    assert screen.rows[1].per_block_s == screen.rows[1].per_iter_s * 10 and screen.choice == 2
+    assert "3 lanes but only 2 samples" in str(screen)
+    asked = dpq.plan_for(str(DATA_DIR), parallel_quantization=3, parallel_devices="cpu,cpu,cpu", home="cpu",
+                         iters=10, batch_size=2, nsamples=2, seqlen=64)
+    assert asked.choice == 3 and "refused" in asked.why
