@@ -150,7 +150,7 @@ def run_adapter(rec, world: int, *, pool: str = "home", cache: str | None = None
             _mutated(model, mutations):
         model.place(block, "cpu:1")
         _place_pool(model, rec, pool, world)
-        dpq_ar.enable(world, lane_devices(world), overlap=overlap)
+        dpq_ar.enable(world, lane_devices(world), parallel_overlap=overlap)
         try:
             rec.restore_rng()
             rec.serial_quantize_block(block)
