@@ -3,7 +3,9 @@
 # GPU: written against the torch, CuPy and NCCL APIs without a GPU to run it on; only --dry-run has run.
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine: core steps, then the rest (420 s of budgets)
-#   bash benchmarks/gpu_check.sh --core          # the core steps only (240 s): the rerun that still fits
+#   bash benchmarks/gpu_check.sh --core          # the core steps only (240 s): a first run, or the rerun that still fits
+#   bash benchmarks/gpu_check.sh --rest          # versions and the steps outside the core, after a --core run
+#   bash benchmarks/gpu_check.sh --only=race,cli # versions and the steps named: a rerun of those
 #   bash benchmarks/gpu_check.sh --dry-run       # CPU only: CUDA steps say "skipped: no CUDA (dry run)"
 #   bash benchmarks/gpu_check.sh --fetch-wheels  # here, with the package index: the pinned wheels into .whl/
 #
@@ -23,11 +25,13 @@
 # and, if that run fails or overruns, a rerun of the core set: timeout_s=270 with --core.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY="" CORE=""
+DRY="" PART="all"
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY="--dry-run" ;;
-    --core) CORE="--core" ;;
+    --core) PART="core" ;;
+    --rest) PART="rest" ;;
+    --only=*) PART="${arg#--only=}" ;;
     --fetch-wheels)
       PY="${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
       exec "$PY" -m benchmarks.gpu_check.wheels fetch --dest .whl ;;
@@ -57,7 +61,7 @@ if [ -z "$DRY" ] && ! "$PY" -c "import auto_round" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-"$PY" -m benchmarks.gpu_check plan $CORE 2>&1 | tee -a "$LOG"
+"$PY" -m benchmarks.gpu_check plan --part "$PART" 2>&1 | tee -a "$LOG"
 
 step() {  # step NAME SECONDS: one step under a timeout; output appended to the log
   local name=$1 limit=$2
@@ -82,8 +86,8 @@ while read -r name limit; do
   if ! step "$name" "$limit" && [ "$name" = versions ]; then
     stopped="the versions step failed: see its missing wheels"
   fi
-done < <("$PY" -m benchmarks.gpu_check plan --names $CORE)
-"$PY" -m benchmarks.gpu_check summarize --state "$STATE" --out "$OUT" $DRY $CORE 2>&1 | tee -a "$LOG"
+done < <("$PY" -m benchmarks.gpu_check plan --names --part "$PART")
+"$PY" -m benchmarks.gpu_check summarize --state "$STATE" --out "$OUT" $DRY --part "$PART" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 echo "summary: $OUT/summary.json, calibration: $OUT/calibration.json (exit $rc)"
 exit "$rc"

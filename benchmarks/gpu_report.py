@@ -1,7 +1,10 @@
-"""``python -m benchmarks.gpu_report OUT_DIR [--write]``: a GPU check's outputs (``summary.json``,
-``calibration.json`` in OUT_DIR, as ``bash benchmarks/gpu_check.sh`` leaves them) as the rows of
-docs/PERFORMANCE.md's "Measured on a GPU": the card, driver, date and every figure with the command
-that measured it, and each proof's verdict. Printed; with ``--write`` also put into
+"""``python -m benchmarks.gpu_report OUT_DIR [OUT_DIR ...] [--write]``: a GPU check's outputs
+(``summary.json``, ``calibration.json`` in each OUT_DIR, as ``bash benchmarks/gpu_check.sh`` leaves
+them) as the rows of docs/PERFORMANCE.md's "Measured on a GPU": the card, driver, date and every
+figure with the command that measured it, and each proof's verdict. Several OUT_DIRs are the runs of
+one lease in the order they ran (``--core``, then ``--rest`` or ``--only=...``): each figure is the
+last run's that measured it, and every run's verdicts get a column of their own, so a proof that
+failed in one run and passed in the next shows both. Printed; with ``--write`` also put into
 docs/PERFORMANCE.md (a run's rows replace those of the same card and date) and the calibration
 stored as ``benchmarks/calibration/<card>-<date>.json`` (the card's spaces as ``_``), where the
 timeline model finds it by name.
@@ -12,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -30,15 +32,39 @@ def _fmt(x, unit: str = "") -> str:
     return "—" if x is None else f"{x:g}{unit}"
 
 
-def rows(summary: dict, cal: Calibration) -> list[str]:
-    """The markdown of one run: a line naming it, a table of its figures, a table of its proofs."""
-    steps = summary.get("steps", {})
-    lanes = (steps.get("lanes") or {}).get("result") or {}
-    core = " --core" if summary.get("core_only") else ""
+def _part(summary: dict) -> str:
+    part = summary.get("part") or ("core" if summary.get("core_only") else "all")
+    return {"all": "", "core": " --core", "rest": " --rest"}.get(part, f" --only={part}")
+
+
+def merged(cals: list[dict]) -> dict:
+    """One calibration from the runs' (in run order): each key the last run's that measured it
+    (null and empty values measure nothing), the paths per path and batch."""
+    out: dict = {}
+    for cal in cals:
+        for key, value in cal.items():
+            if key == "paths":
+                for path, batches in (value or {}).items():
+                    out.setdefault("paths", {}).setdefault(path, {}).update(batches)
+            elif key == "compile_s":
+                have = out.setdefault("compile_s", {})
+                have.update({k: v for k, v in (value or {}).items() if v is not None or k not in have})
+            elif value not in (None, {}, "unknown", "") or key not in out:
+                out[key] = value
+    return out
+
+
+def rows(summaries: list[dict], cal: Calibration) -> list[str]:
+    """The markdown of one lease's runs: a line naming them, a table of the figures, a table of the
+    proofs with a column per run."""
+    lanes: dict = {}
+    for summary in summaries:
+        lanes = ((summary.get("steps") or {}).get("lanes") or {}).get("result") or lanes
+    commands = "; ".join(f"`{COMMAND}{_part(s)}` ({s.get('date_utc', cal.date)}, "
+                         f"{'passed' if s.get('passed') else 'not all passed'})" for s in summaries)
     out = [f"<!-- gpu_report: {cal.label} -->",
            f"**{cal.card}**, driver {cal.extra.get('driver')}, torch {cal.extra.get('torch')}, auto-round "
-           f"{cal.extra.get('auto_round')}, {summary.get('date_utc', cal.date)}: `{COMMAND}{core}` "
-           f"(calibration `benchmarks/calibration/{cal.label}.json`)", "",
+           f"{cal.extra.get('auto_round')}: {commands} (calibration `benchmarks/calibration/{cal.label}.json`)", "",
            "| figure | value | step (`" + COMMAND + "`) |", "|---|---:|---|"]
     for path in ("compile", "eager"):
         for batch in sorted(cal.paths.get(path, {}), reverse=True):
@@ -59,9 +85,12 @@ def rows(summary: dict, cal: Calibration) -> list[str]:
                    f"{_fmt(entry.get('per_lane_undivided_ms'))} | lanes |")
     out.append(f"| bf16 8192³ matmul, TFLOP/s; device copy, GB/s | {_fmt(cal.extra.get('gemm_8192_tflops'))}; "
                f"{_fmt(cal.extra.get('copy_GBps'))} | paths |")
-    out += ["", "| proof | verdict |", "|---|---|"]
-    out += [f"| {name} | {verdict.splitlines()[0][:300].replace('|', '/')} |"
-            for name, verdict in summary.get("proofs", {}).items()]
+    names = list(dict.fromkeys(n for s in summaries for n in s.get("proofs", {})))
+    out += ["", "| proof | " + " | ".join(f"run {i + 1}" for i in range(len(summaries))) + " |",
+            "|---|" + "---|" * len(summaries)]
+    for name in names:
+        cells = [(s.get("proofs", {}).get(name) or "—").splitlines()[0][:300].replace("|", "/") for s in summaries]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
     return out
 
 
@@ -85,23 +114,25 @@ def insert(docs: str, block: list[str], label: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir", type=Path, help="a GPU check's $OUT (summary.json, calibration.json)")
+    p.add_argument("out_dirs", type=Path, nargs="+",
+                   help="a GPU check's $OUT (summary.json, calibration.json); several: one lease's runs, in order")
     p.add_argument("--write", action="store_true", help="put the rows into the docs and store the calibration")
     p.add_argument("--docs", type=Path, default=DOCS)
     p.add_argument("--calibration-dir", type=Path, default=CALIBRATIONS)
     args = p.parse_args(argv)
-    summary = json.loads((args.out_dir / "summary.json").read_text())
-    cal = Calibration.load(args.out_dir / "calibration.json")
-    if summary.get("dry_run"):
+    summaries = [json.loads((d / "summary.json").read_text()) for d in args.out_dirs]
+    if any(s.get("dry_run") for s in summaries):
         print("a dry run measured no GPU: nothing to report", file=sys.stderr)
         return 1
-    block = rows(summary, cal)
+    data = merged([json.loads((d / "calibration.json").read_text()) for d in args.out_dirs])
+    cal = Calibration.from_dict(data, source=", ".join(str(d) for d in args.out_dirs))
+    block = rows(summaries, cal)
     print("\n".join(block))
     if args.write:
         args.docs.write_text(insert(args.docs.read_text(), block, cal.label))
         args.calibration_dir.mkdir(parents=True, exist_ok=True)
         stored = args.calibration_dir / f"{cal.label}.json"
-        shutil.copyfile(args.out_dir / "calibration.json", stored)
+        stored.write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {args.docs} and {stored}")
     return 0
 

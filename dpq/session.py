@@ -201,7 +201,7 @@ class BlockTask:
     finish: Callable[[LoopOutcome | None, LaneRun], object]
     samples_per_iter: int
     pool_samples: int | None = None  # the calibration samples there are (a refusal names the limit)
-    home: torch.device | str | None = None
+    home: torch.device | str | None = None  # None: the device the block's first parameter is on
     pure_sign: bool = False
     mirror_bytes: int | None = None
     price: BlockPrice | None = None
@@ -237,11 +237,21 @@ class BlockRun:
         return self.ran.topology
 
 
+def block_device(block: torch.nn.Module) -> torch.device | None:
+    """Where the block is: its first parameter's (or buffer's) device; None for a block that holds
+    neither (the plan then takes the machine's default accelerator)."""
+    first = next(block.parameters(), None)
+    if first is None:
+        first = next(block.buffers(), None)
+    return None if first is None else first.device
+
+
 def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
     """The block's plan (raises :class:`dpq.plan.PlanRefused` for an explicit world it cannot serve)."""
     return resolve(PlanRequest(world=config.world, devices=config.devices, samples_per_iter=task.samples_per_iter,
                                pool_samples=task.pool_samples, caller=config.caller,
-                               home=task.home, extra_reasons=list(task.extra_reasons),
+                               home=task.home if task.home is not None else block_device(task.block),
+                               extra_reasons=list(task.extra_reasons),
                                mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign, price=task.price,
                                processes=config.processes.size if config.processes is not None else 1,
                                overlap=config.overlap is True))

@@ -48,8 +48,8 @@ def test_gpu_check_dry_run(tmp_path):
     core_s, total_s = map(int, re.fullmatch(r"gpu_check_plan core_s=(\d+) total_s=(\d+)", plan_lines[0]).groups())
     planned = re.findall(r"^  [a-z]\) (\w+) +(\d+) s (core|rest) ", proc.stdout, re.M)
     assert [n for n, _, _ in planned] == [s.name for s in PLAN]
-    assert core_s == sum(int(b) for _, b, k in planned if k == "core") <= CORE_LIMIT_S == 240
-    assert total_s == sum(int(b) for _, b, _ in planned) <= TOTAL_LIMIT_S == 420
+    assert core_s == sum(int(b) for _, b, k in planned if k == "core") <= CORE_LIMIT_S == 360
+    assert total_s == sum(int(b) for _, b, _ in planned) <= TOTAL_LIMIT_S == 655
     assert [k for _, _, k in planned] == sorted(k for _, _, k in planned)  # core first
 
     result = json.loads((out / "summary.json").read_text())
@@ -246,3 +246,42 @@ def test_gpu_report_writes_the_rows_and_stores_the_calibration(tmp_path, capsys)
     assert Calibration.load(stored).measurement("compile", 8).iteration_ms == 61.0
     assert gpu_report.main(args) == 0  # the same run again replaces its rows
     assert docs.read_text() == text
+
+
+def test_plan_parts_and_a_rerun_of_named_steps():
+    """--core, --rest (what a --core run left) and --only=NAMES (a rerun): each starts with versions,
+    and the named steps run in the order named; a name that is no step is refused by name."""
+    from benchmarks.gpu_check.plan import chosen
+
+    assert [s.name for s in chosen("core")] == [s.name for s in PLAN if s.core]
+    assert [s.name for s in chosen("rest")] == ["versions"] + [s.name for s in PLAN if not s.core]
+    assert [s.name for s in chosen("race,cli,suite")] == ["versions", "race", "cli", "suite"]
+    with pytest.raises(ValueError, match="'rcae'"):
+        chosen("rcae,cli")
+
+
+def test_each_sanitized_run_is_counted_apart_and_its_report_kept(tmp_path, monkeypatch):
+    """The race step's sanitizer: one process per configuration; a report in one run is that run's,
+    the planted race is counted apart (the last run plants it), every text lands in csan_report.txt."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_check import race
+
+    marker = "CSAN detected a possible data race on tensor with data pointer 1"
+    calls = []
+
+    def fake(name, timeout, *args, env=None):
+        config = args[args.index("--config") + 1]
+        calls.append((config, "--control" in args, env.get("TORCH_CUDA_SANITIZER")))
+        text = "CSAN enabled: True\n" + (marker if config == "overlap" else "")
+        if "--control" in args:
+            text += f"\n{race.CONTROL}\n{marker}"
+        return {"rc": 0, "result": {"config": config}, "tail": text[-100:], "text": text}
+
+    monkeypatch.setattr(race, "hidden_step", fake)
+    san = race.sanitized(SimpleNamespace(out=str(tmp_path), sanitizer_timeout=60), "blob.pt")
+    assert [c for c, _, _ in calls] == list(race.SANITIZED) and [k for _, k, _ in calls] == [False, False, True]
+    assert {e for _, _, e in calls} == {"1"}
+    assert {n: r["races"] for n, r in san["runs"].items()} == {n: int(n == "overlap") for n in race.SANITIZED}
+    assert san["races"] == 1 and san["control_races"] == 1 and san["enabled"] and san["complete"]
+    assert (tmp_path / "csan_report.txt").read_text().count(marker) == 2

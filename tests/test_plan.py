@@ -139,3 +139,17 @@ def test_too_few_samples_names_the_limit_that_applies():
     assert "--batch_size" not in by_data
     (by_batch,) = refusal(world=4, devices="cpu,cpu,cpu,cpu", home="cpu", samples_per_iter=2, pool_samples=16)
     assert "(batch_size x gradient_accumulate_steps)" in by_batch and "Fix: --batch_size 4 or more" in by_batch
+
+
+def test_a_task_without_home_is_planned_where_its_block_is(monkeypatch):
+    """Seen on the H200 (2026-12-04): a BlockTask that names no home, its block on the CPU, lanes
+    cpu,cpu, was planned with home = the machine's accelerator (cuda:0) and refused 'lane 0 is cpu,
+    but the block is on cuda:0'. The block's own device is home."""
+    from dpq.session import SessionConfig, plan_for
+    from tests.test_distributed import make_task
+
+    monkeypatch.setattr(plan_mod, "default_accelerator_type", lambda: "cuda")  # a machine with a GPU
+    task = make_task("sign")
+    assert task.home is None and next(task.block.parameters()).device.type == "cpu"
+    plan = plan_for(SessionConfig(world=2, devices=["cpu", "cpu"]), task)
+    assert [d.type for d in plan.devices] == ["cpu", "cpu"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.gpu_check import nccl, race
 from benchmarks.gpu_check.common import SKIP_DRY, any_failed
-from benchmarks.gpu_check.plan import STEPS, names, plan_text
+from benchmarks.gpu_check.plan import PARTS, STEPS, names, plan_text
 from benchmarks.gpu_check.summary import summarize
 
 HIDDEN = {"race-tune": race.race_tune, "nccl-hang": nccl.nccl_hang}  # subprocesses of race and nccl
@@ -59,16 +59,20 @@ def main(argv=None) -> int:
     p.add_argument("--state", help="folder for each step's result and its traces")
     p.add_argument("--out", help="folder for the summary, the calibration, the log and one trace")
     p.add_argument("--dry-run", action="store_true", help="CPU only: CUDA steps are skipped, the rest run small")
-    p.add_argument("--core", action="store_true", help="plan and summarize: the core steps only")
+    p.add_argument("--part", default="all",
+                   help=f"plan and summarize: one of {PARTS} (rest: versions and the non-core steps), or step names "
+                        "joined by commas")
     p.add_argument("--names", action="store_true", help="plan: one 'step budget' line per step (for the .sh)")
-    p.add_argument("--sanitizer-timeout", type=int, default=45)
+    p.add_argument("--sanitizer-timeout", type=int, default=60)
     p.add_argument("--blob", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)  # race-tune: which sanitized run
+    p.add_argument("--control", action="store_true", help=argparse.SUPPRESS)  # race-tune: plant the control race
     args = p.parse_args(argv)
     if args.step == "plan":
-        print(names(args.core) if args.names else plan_text(args.core))
+        print(names(args.part) if args.names else plan_text(args.part))
         return 0
     if args.step == "summarize":
-        return summarize(Path(args.state), Path(args.out), args.dry_run, args.core)
+        return summarize(Path(args.state), Path(args.out), args.dry_run, args.part)
     if args.step in HIDDEN:
         print(json.dumps(HIDDEN[args.step](args), default=str))
         return 0

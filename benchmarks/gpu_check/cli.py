@@ -68,6 +68,9 @@ def pair_diffs(pairs: list[tuple[dict, dict]]) -> dict[str, list[float]]:
     return diffs
 
 
+RUNS_DEADLINE_S = 130  # inside the plan's budget for the step (150 s): a run still going then is killed
+
+
 def run(args, partial: dict) -> dict:
     import json
 
@@ -85,8 +88,14 @@ def run(args, partial: dict) -> dict:
     procs = {n: subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n, c in cmds.items()}
     t0 = time.perf_counter()
-    try:
-        logs = {n: p.communicate()[0] for n, p in procs.items()}
+    logs = {}
+    try:  # every run ends before the shell's limit, so each one's output is kept
+        for n, p in procs.items():
+            try:
+                logs[n] = p.communicate(timeout=max(1.0, RUNS_DEADLINE_S - (time.perf_counter() - t0)))[0]
+            except subprocess.TimeoutExpired:
+                p.kill()
+                logs[n] = p.communicate()[0] + f"\n[killed after {RUNS_DEADLINE_S} s]"
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import threading
 import time
+from pathlib import Path
 
 from benchmarks.gpu_check.common import (
     NOT_DRY,
@@ -110,33 +111,85 @@ def issuing_threads():
         exchange.GradBuckets.__init__.__defaults__ = real_cap
 
 
+SANITIZED = {"plain": (None, False), "overlap": (True, False),
+             "overlap, each bucket waits for all its compute lane queued": (True, True)}
+CONTROL = "CONTROL: a planted race follows"
+
+
 def race_tune(args) -> dict:
-    """Subprocess of step_race (TORCH_CUDA_SANITIZER=1): world 2 with debug_identical off (a host sync
-    every step would hide a race across iterations), plain and with --parallel_overlap; then a planted
-    race after the marker line, which the sanitizer must report (it is on and reporting)."""
+    """Subprocess of step_race (TORCH_CUDA_SANITIZER=1), one per entry of SANITIZED (a fresh process
+    each: the sanitizer keeps what it saw by address, and a later run reusing an address would meet
+    an earlier run's accesses): world 2 with debug_identical off (a host sync every step would hide a
+    race across iterations), plain, with --parallel_overlap, or with overlap whose communication
+    streams wait for everything their compute lane queued before each bucket instead of the
+    backward's marks (a diagnosis: a race the marks let through is gone there); the streams the
+    marks were recorded on. ``--control``: then a planted race after the CONTROL line, which the
+    sanitizer must report (it is on and reporting)."""
     import torch
     import torch.cuda._sanitizer as csan
 
     import dpq
+    from dpq.comm_streams import CommStreams
+    from dpq.streams import Lane
 
     print(f"CSAN enabled: {csan.cuda_sanitizer.enabled}", flush=True)
     saved = torch.load(args.blob, weights_only=False)
-    out = {"sanitizer_enabled": bool(csan.cuda_sanitizer.enabled)}
-    for overlap in (None, True):
-        res = dpq.parallel_tune(saved["block"] if overlap is None else saved["block2"], saved["inputs"],
-                                world=2, devices=["cuda:0", "cuda:0"], debug_identical=False, seed=None,
-                                overlap=overlap, **saved["kw"])
-        torch.cuda.synchronize()
-        out[f"overlap={overlap}"] = {"world": res.world, "best_loss": res.best_loss}
-    print("CONTROL: a planted race follows", flush=True)
-    a = torch.rand(1 << 12, device="cuda:0")
+    overlap, full_wait = SANITIZED[args.config]
+    out = {"config": args.config, "sanitizer_enabled": bool(csan.cuda_sanitizer.enabled)}
+    real_begin, real_mark = CommStreams.begin_bucket, Lane.mark_current
+    marks_on: set = set()
+
+    def mark_current(lane):
+        marks_on.add((lane.index, torch.cuda.current_stream(lane.device).stream_id))
+        return real_mark(lane)
+
+    Lane.mark_current = mark_current
+    if full_wait:
+        CommStreams.begin_bucket = lambda self, marks=None: real_begin(self, None)
     try:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            torch.mul(a, 5, out=a)  # written on another stream without a wait: the sanitizer's own example
+        res = dpq.parallel_tune(saved["block"], saved["inputs"], world=2, devices=["cuda:0", "cuda:0"],
+                                debug_identical=False, seed=None, overlap=overlap, **saved["kw"])
         torch.cuda.synchronize()
-    except Exception as e:  # the sanitizer raises its report
+        out.update(world=res.world, best_loss=res.best_loss)
+    except Exception as e:  # the sanitizer raises its report (printed whole: the run's text keeps it)
         print(e, flush=True)
+        out["raised"] = type(e).__name__
+    finally:
+        CommStreams.begin_bucket, Lane.mark_current = real_begin, real_mark
+    out["marks_on_streams"] = sorted(marks_on)
+    out["default_stream"] = torch.cuda.default_stream(0).stream_id
+    if args.control:
+        print(CONTROL, flush=True)
+        a = torch.rand(1 << 12, device="cuda:0")
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                torch.mul(a, 5, out=a)  # written on another stream without a wait: the sanitizer's own example
+            torch.cuda.synchronize()
+        except Exception as e:  # the sanitizer raises its report
+            print(e, flush=True)
     return out
+
+
+def sanitized(args, blob: str) -> dict:
+    """Each SANITIZED run in its own sanitized process (the last also plants the control race); every
+    report whole in ``$OUT/csan_report.txt``. Per run: its races, and the whole's verdict inputs."""
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+    marker = "CSAN detected a possible data race"
+    runs, texts, control_races, enabled = {}, [], 0, True
+    names = list(SANITIZED)
+    for name in names:
+        extra = ["--control"] if name == names[-1] else []
+        proc = hidden_step("race-tune", args.sanitizer_timeout, "--blob", blob, "--config", name, *extra, env=env)
+        text = proc.pop("text", proc.get("tail", ""))
+        texts.append(f"=== CSAN run: {name} (rc {proc.get('rc')})\n{text}")
+        tune_part, _, control = text.partition(CONTROL)
+        control_races += control.count(marker)
+        enabled = enabled and "CSAN enabled: True" in tune_part
+        runs[name] = {"races": tune_part.count(marker), "rc": proc.get("rc"), "result": proc.get("result"),
+                      "error": proc.get("error")}
+    Path(args.out, "csan_report.txt").write_text("\n".join(texts))
+    return {"runs": runs, "races": sum(r["races"] for r in runs.values()), "control_races": control_races,
+            "enabled": enabled, "complete": all(r["result"] is not None for r in runs.values())}
 
 
 def run(args, partial: dict) -> dict:
@@ -153,8 +206,8 @@ def run(args, partial: dict) -> dict:
     from dpq.testing.autoround_blocks import record_autoround_blocks
     from dpq.tune_loop import LanesHung
 
-    out: dict = {}
-    proofs: dict = {}
+    out = partial  # what ran is kept if a later part raises (run_step writes it)
+    proofs: dict = out.setdefault("proofs", {})
     recs = record_autoround_blocks(device_map="cuda:0")
     rec = recs[0]
     q = rec.quantizer
@@ -260,18 +313,11 @@ def run(args, partial: dict) -> dict:
                   amp=q.model_context.amp, amp_dtype=q.model_context.amp_dtype,
                   valid_token_mask=rec.valid_token_mask)
         torch.save({"block": rec.fresh_block(), "block2": rec.fresh_block(), "inputs": list(inputs), "kw": kw}, blob)
-        env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-        proc = hidden_step("race-tune", args.sanitizer_timeout, "--blob", blob, env=env)
-    text = proc.pop("text", "")
-    tune_part, _, control = text.partition("CONTROL: a planted race follows")
-    marker = "CSAN detected a possible data race"
-    out["sanitizer"] = dict(proc, races=tune_part.count(marker), control_races=control.count(marker),
-                            enabled="CSAN enabled: True" in tune_part)
-    san = out["sanitizer"]
-    print(f"sanitizer active: {san['enabled']} (planted race reported: {san['control_races'] > 0})")
+        out["sanitizer"] = san = sanitized(args, blob)
+    print(f"sanitizer active: {san['enabled']} (planted race reported: {san['control_races'] > 0}); races by run: "
+          f"{ {n: r['races'] for n, r in san['runs'].items()} }")
     proofs["sanitizer active"] = verdict(san["enabled"] and san["control_races"] > 0, san)
-    proofs["sanitizer: no race"] = verdict(san["enabled"] and san["races"] == 0 and san["result"] is not None, san)
-    out["proofs"] = proofs
+    proofs["sanitizer: no race"] = verdict(san["enabled"] and san["races"] == 0 and san["complete"], san)
     check(out["one_op_step_used"] and out["one_op_vs_per_lane_step"] == "bitwise equal",
           f"one-op sign step: used {out['one_op_step_used']}, vs per-lane {out['one_op_vs_per_lane_step']}")
     check(not any(v.startswith("failed") for v in proofs.values()), f"race proofs failed: {proofs}")

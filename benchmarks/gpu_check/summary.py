@@ -12,7 +12,7 @@ from pathlib import Path
 
 from benchmarks.gpu_check.block import BlockShape
 from benchmarks.gpu_check.common import SKIP_DRY, any_failed
-from benchmarks.gpu_check.plan import PLAN, budgets
+from benchmarks.gpu_check.plan import PLAN, budgets, chosen
 from dpq.testing.timeline.calibration import SCHEMA
 
 PASSING = ("passed", SKIP_DRY)
@@ -26,10 +26,10 @@ def gpu_class(card: str) -> str:
     return next((c for key, c in GPU_CLASSES.items() if key in card), "")
 
 
-def read_steps(state: Path, core_only: bool = False) -> dict[str, dict]:
+def read_steps(state: Path, part: str = "all") -> dict[str, dict]:
     """Each planned step's entry: its result file, its exit code and seconds from the shell."""
     steps = {}
-    for step in (s for s in PLAN if s.core or not core_only):
+    for step in chosen(part):
         f, rc_file = state / f"{step.name}.json", state / f"{step.name}.rc"
         entry = json.loads(f.read_text()) if f.exists() else {}
         if rc_file.exists():
@@ -85,15 +85,15 @@ def calibration(steps: dict[str, dict], date: str) -> dict:
     return out
 
 
-def summarize(state: Path, out: Path, dry_run: bool, core_only: bool = False) -> int:
-    steps = read_steps(state, core_only)
+def summarize(state: Path, out: Path, dry_run: bool, part: str = "all") -> int:
+    steps = read_steps(state, part)
     proofs = proofs_of(steps)
     ok = all(e.get("status") in PASSING for e in steps.values()) and not any_failed(proofs)
     date = time.strftime("%Y-%m-%d", time.gmtime())
-    core_s, total_s = budgets(core_only)
+    core_s, total_s = budgets(part)
     summary = {"dry_run": dry_run, "passed": ok, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "core_only": core_only, "budget_s": {"core": core_s, "total": total_s}, "proofs": proofs,
-               "steps": steps}
+               "core_only": part == "core", "part": part, "budget_s": {"core": core_s, "total": total_s},
+               "proofs": proofs, "steps": steps}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "calibration.json").write_text(json.dumps(calibration(steps, date), indent=1, default=str))
     print(json.dumps({k: v.get("status") for k, v in steps.items()}, indent=1))
