@@ -285,3 +285,19 @@ def test_each_sanitized_run_is_counted_apart_and_its_report_kept(tmp_path, monke
     assert {n: r["races"] for n, r in san["runs"].items()} == {n: int(n == "overlap") for n in race.SANITIZED}
     assert san["races"] == 1 and san["control_races"] == 1 and san["enabled"] and san["complete"]
     assert (tmp_path / "csan_report.txt").read_text().count(marker) == 2
+
+
+def test_attention_kernels_are_not_counted_as_matmul():
+    """The first H200 lease put cuDNN's attention kernels (their names hold 'wgmma') under matmul, so
+    its calibration's matmul includes attention. Names as that run's trace recorded them."""
+    from benchmarks.gpu_check.trace import Event, classify
+
+    def kernel(name):
+        return Event(name=name, cat="kernel", ts=0.0, dur=1.0, tid=1, args={})
+
+    sdpa = ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0_0",
+            "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0")
+    marks = {name: [] for name in ("gpu_check/step", "gpu_check/qdq")}
+    for name in sdpa:
+        assert classify(kernel(name), None, 1, marks, []) == "attention"
+    assert classify(kernel("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN"), None, 1, marks, []) == "matmul"

@@ -224,6 +224,22 @@ def test_timeline_calibration_changes_what_it_measured_only():
     assert changed(gpu, g) == set() and "eager_op_s" in changed(host, h)
 
 
+def test_timeline_calibration_with_attention_inside_matmul_keeps_the_models_ratio():
+    """A run whose matmul phase also holds attention (attention_in_matmul): both rates scale by one
+    factor and the model's matmul + attention time is the measured time; read apart, the matmul rate
+    alone would absorb attention's time (and attention would keep the stated rate)."""
+    gpu, host = GPUS["h200"], HOST
+    data = {"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200", "date": "2026-12-04",
+            "block": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
+            "paths": {"compile": {"8": {"phases_ms": {"matmul": 40.0, "attention": 0.0}}}}}
+    g, _, _ = rebase(Calibration.from_dict({**data, "attention_in_matmul": True}), "h200", gpu, host, COUNTS)
+    assert changed(gpu, g) == {"matmul_flops", "attention_flops"}
+    assert 2.0e13 / g.matmul_flops + 2.0e12 / g.attention_flops == pytest.approx(0.040)
+    assert g.matmul_flops / g.attention_flops == pytest.approx(gpu.matmul_flops / gpu.attention_flops)
+    apart, _, _ = rebase(Calibration.from_dict(data), "h200", gpu, host, COUNTS)
+    assert changed(gpu, apart) == {"matmul_flops"} and apart.matmul_flops < g.matmul_flops
+
+
 def test_timeline_calibration_moves_the_table(tmp_path, one_lane, two_lanes):
     """A calibration file read by benchmarks/timeline.py changes the figures it measures."""
     from benchmarks import timeline as bench

@@ -23,7 +23,7 @@ blocking call). Phases (GPU time of each iteration's kernels, classified in this
 ``qdq_backward`` (eager: launched inside ``QDQ``, or by a backward op whose sequence number is a
 forward op's inside ``QDQ``; compiled: inductor's fused kernels whose names hold ``round``, the
 rounding only the quantize-dequantize does, forward when the issuing thread launched them, else
-backward: an approximation, said so in the results), ``matmul`` and ``attention`` (kernel names),
+backward: an approximation, said so in the results), ``attention`` then ``matmul`` (kernel names),
 ``elementwise`` (everything else: norms, activations, copies, the loss, reductions).
 """
 
@@ -155,10 +155,10 @@ def classify(kernel: Event, launch: Event | None, issuing_tid: object, marks_by_
             return "qdq_backward"
     if kernel.cat != "kernel":
         return "elementwise"
+    if ATTENTION.search(kernel.name):  # first: cuDNN's attention kernels name their wgmma (an H200 run's trace)
+        return "attention"
     if MATMUL.search(kernel.name):
         return "matmul"
-    if ATTENTION.search(kernel.name):
-        return "attention"
     if QDQ_COMPILED.search(kernel.name):
         return "qdq_forward" if launch is None or launch.tid == issuing_tid else "qdq_backward"
     return "elementwise"

@@ -37,6 +37,10 @@ Schema ``dpq-calibration/1`` (JSON; times in the units their names say)::
       "copy_GBps": 4300.0                # a device-to-device copy, bytes read + written per second
     }
 
+``attention_in_matmul`` (optional, true): the run's ``matmul`` phase also holds its attention
+kernels (the first H200 lease classified cuDNN's attention kernels, whose names hold ``wgmma``, as
+matmul); the model then re-bases both rates by one factor so that their sum is the measured time.
+
 Every number is optional except ``schema``, ``card``, ``date`` and ``gpu_class``; the phases are the
 profiler's kernels classified by name and by the autograd phase they ran in (``benchmarks/gpu_check/trace.py``
 says how). The model re-bases: the GPU class's matmul and attention rates (its FLOPs / the measured
@@ -203,13 +207,22 @@ def rebase(cal: Calibration, gpu_key: str, gpu, host, counts: dict[str, ModelCou
 
     if cal.gpu_class == gpu_key:
         path = "compile" if cal.measurement("compile", 8) is not None else "eager"
-        for figure, phase, work in (("matmul_flops", "matmul", counts[path].matmul_flops if path in counts else 0),
-                                    ("attention_flops", "attention",
-                                     counts[path].attention_flops if path in counts else 0)):
-            s = seconds(path, phase)
-            if s and work:
-                gpu_figures[figure] = work / s
-                notes.append(f"{figure} {work / s / 1e12:.0f} TFLOP/s ({label}: {phase} {s * 1e3:.2f} ms)")
+        mm_work = counts[path].matmul_flops if path in counts else 0
+        at_work = counts[path].attention_flops if path in counts else 0
+        s = seconds(path, "matmul")
+        if cal.extra.get("attention_in_matmul") and s and mm_work and at_work:
+            # one measured time for both: both rates scale by one factor, the model's ratio kept
+            f = (mm_work / gpu.matmul_flops + at_work / gpu.attention_flops) / s
+            gpu_figures.update(matmul_flops=gpu.matmul_flops * f, attention_flops=gpu.attention_flops * f)
+            notes.append(f"matmul_flops {gpu.matmul_flops * f / 1e12:.0f}, attention_flops "
+                         f"{gpu.attention_flops * f / 1e12:.0f} TFLOP/s ({label}: matmul and attention together "
+                         f"{s * 1e3:.2f} ms)")
+        else:
+            for figure, phase, work in (("matmul_flops", "matmul", mm_work), ("attention_flops", "attention", at_work)):
+                s = seconds(path, phase)
+                if s and work:
+                    gpu_figures[figure] = work / s
+                    notes.append(f"{figure} {work / s / 1e12:.0f} TFLOP/s ({label}: {phase} {s * 1e3:.2f} ms)")
         qdq = [seconds(path, p) for p in ("qdq_forward", "qdq_backward")]
         if all(qdq) and path in counts and counts[path].qdq_bytes:
             gpu_figures["mem_bw"] = counts[path].qdq_bytes / sum(qdq)
