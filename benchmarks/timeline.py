@@ -44,7 +44,13 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from dpq.testing.timeline.calibration import Calibration, block_shape, counts_of, rebase  # noqa: E402
+from dpq.testing.timeline.calibration import (  # noqa: E402
+    Calibration,
+    block_shape,
+    counts_of,
+    issuing_scale,
+    rebase,
+)
 from dpq.testing.timeline.devices import GPUS, HOST, GpuClass, HostCosts  # noqa: E402
 from dpq.testing.timeline.record import TimelineModel  # noqa: E402
 from dpq.testing.timeline.replay import BREAKDOWN, Pricing, Timeline, simulate  # noqa: E402
@@ -130,17 +136,26 @@ def host_costs(host_per_op_us: float | None) -> HostCosts:
                         wait_s=HOST.wait_s * k)
 
 
-def calibrated(cal: Calibration | None, gpu_key: str, host: HostCosts,
-               one_lane: dict[str, TimelineModel]) -> tuple[GpuClass, HostCosts, list[str]]:
+def calibrated(cal: Calibration | None, gpu_key: str, host: HostCosts, one_lane: dict[str, TimelineModel],
+               lanes: dict[tuple[str, int], TimelineModel] | None = None) -> tuple[GpuClass, HostCosts, list[str]]:
     """The GPU class and host, re-based by ``cal`` (the model's own counts: its 1-lane records of
-    each path replayed on the calibration's block)."""
+    each path replayed on the calibration's block). With ``dpq_issuing`` in ``cal`` and a record of
+    several lanes on its path in ``lanes``, the host's per-op costs come from dpq's issuing thread
+    (the model's replay of that record on the calibration's block, per lane-iteration, against it)."""
     gpu = GPUS[gpu_key]
     if cal is None:
         return gpu, host, []
     shape = block_shape(cal)
     counts = {path: counts_of(simulate(model, Pricing(RECORDED, shape, gpu, host)))
               for path, model in one_lane.items()}
-    return rebase(cal, gpu_key, gpu, host, counts)
+    issuing = cal.extra.get("dpq_issuing") or {}
+    several = sorted(w for p, w in (lanes or {}) if p == issuing.get("path") and w > 1)
+    if not several:
+        return rebase(cal, gpu_key, gpu, host, counts)
+    modeled = simulate(lanes[(issuing["path"], several[0])], Pricing(RECORDED, shape, gpu, host))
+    host, notes = issuing_scale(cal, host, modeled.breakdown()["host_per_lane_iteration"] * 1e3)
+    gpu, host, more = rebase(cal, gpu_key, gpu, host, counts, paths_host=False)
+    return gpu, host, notes + more
 
 
 # -- one world ----------------------------------------------------------------------------------
@@ -250,7 +265,7 @@ def table(records: dict[tuple[str, int], TimelineModel], cal: Calibration | None
     rows, notes = [], []
     for mname, gpu_key, lanes in MACHINES:
         one_lane = {p: records[(p, 1)] for p in paths}
-        gpu, host_k, cal_notes = calibrated(cal, gpu_key, host, one_lane)
+        gpu, host_k, cal_notes = calibrated(cal, gpu_key, host, one_lane, records)
         notes += [f"{mname}: {n}" for n in cal_notes]
         for path in paths:
             for bkey in ("8b", "32b", "70b"):
@@ -369,12 +384,12 @@ def main(argv=None) -> int:
     path = "eager" if args.eager else "compile"
     rec = record_block(compile=not args.eager)
     one = {path: run_adapter(rec, 1, iters=args.iters)} if cal else {}
-    gpu, host, notes = calibrated(cal, args.gpu or gpu_key, host, one)
-    for n in notes:
-        print(f"calibrated: {n}")
     block = BLOCKS[args.block or block_key]
     run = run_adapter if args.path == "adapter" else run_api
     model = run(rec, args.world, pool=args.pool, iters=args.iters, mutations=LEGACY if args.legacy else ())
+    gpu, host, notes = calibrated(cal, args.gpu or gpu_key, host, one, {(path, args.world): model})
+    for n in notes:
+        print(f"calibrated: {n}")
     tl = simulate(model, Pricing(RECORDED, block, gpu, host))
     label = (f"{args.path} path, {path}, world {args.world}, pool on {args.pool}"
              f"{', legacy data path' if args.legacy else ''}; {block.name} on {gpu.name}")

@@ -150,6 +150,8 @@ def test_phases_launches_and_host_time_of_a_recorded_run():
                                 "elementwise": 0.16, "optimizer_step": 0.06, "readback": 0.006}
     assert got["launches_per_iteration"] == 12  # 2 lanes x 4 forward kernels, 3 backward, 1 step
     assert got["host_ms_per_iteration"] == pytest.approx(got["per_iteration"][0]["ms"] - 2.5)  # less the wait
+    # the issuing thread's own time: less the backward call too (3 ms there: it waits on autograd's thread)
+    assert got["issuing_own_ms_per_iteration"] == pytest.approx(got["host_ms_per_iteration"] - 3.0)
 
 
 def test_cli_bitwise_and_parity_verdicts():
@@ -301,3 +303,20 @@ def test_attention_kernels_are_not_counted_as_matmul():
     for name in sdpa:
         assert classify(kernel(name), None, 1, marks, []) == "attention"
     assert classify(kernel("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN"), None, 1, marks, []) == "matmul"
+
+
+def test_the_stored_h200_calibration_is_what_its_trace_gives():
+    """benchmarks/calibration/NVIDIA_H200-2026-12-04.json's dpq_issuing was recomputed after the lease
+    from the lanes step's world-2 profile, stored beside it: the same function gives the same figure."""
+    import statistics
+
+    from dpq.testing.timeline.calibration import Calibration
+
+    folder = ROOT / "benchmarks" / "calibration"
+    cal = Calibration.load(folder / "NVIDIA_H200-2026-12-04.json")
+    iters = trace.analyze(trace.load(folder / "NVIDIA_H200-2026-12-04.trace_world2.json.gz"))
+    own = statistics.fmean(it.own_ms for it in iters)
+    issuing = cal.extra["dpq_issuing"]
+    assert issuing["own_ms_per_iteration"] == pytest.approx(own, abs=1e-3)
+    assert issuing["own_ms_per_lane_iteration"] == pytest.approx(own / issuing["world"], abs=1e-3)
+    assert cal.extra["attention_in_matmul"] is True  # that lease's classifier (test_attention_kernels_...)

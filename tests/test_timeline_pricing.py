@@ -240,6 +240,26 @@ def test_timeline_calibration_with_attention_inside_matmul_keeps_the_models_rati
     assert changed(gpu, apart) == {"matmul_flops"} and apart.matmul_flops < g.matmul_flops
 
 
+def test_timeline_host_calibrated_from_dpqs_issuing_thread():
+    """dpq_issuing: every per-op host cost scales by measured / modeled issuing time per
+    lane-iteration; the paths' host times (an upper bound) are then left alone; no key, no change."""
+    from dpq.testing.timeline.calibration import HOST_OP_COSTS, issuing_scale
+
+    data = {"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200", "date": "2026-12-04",
+            "block": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
+            "paths": {"eager": {"8": {"host_ms_per_iteration": 9.0}}},
+            "dpq_issuing": {"world": 2, "path": "compile", "own_ms_per_lane_iteration": 21.0}}
+    cal = Calibration.from_dict(data)
+    h, notes = issuing_scale(cal, HOST, 7.0)
+    assert changed(HOST, h) == set(HOST_OP_COSTS) and len(notes) == 1
+    for name in HOST_OP_COSTS:
+        assert getattr(h, name) == pytest.approx(3.0 * getattr(HOST, name))
+    _, h2, _ = rebase(cal, "h200", GPUS["h200"], h, COUNTS, paths_host=False)
+    assert h2 == h  # the eager path's 9 ms (an upper bound) does not overwrite it
+    del data["dpq_issuing"]
+    assert issuing_scale(Calibration.from_dict(data), HOST, 7.0) == (HOST, [])
+
+
 def test_timeline_calibration_moves_the_table(tmp_path, one_lane, two_lanes):
     """A calibration file read by benchmarks/timeline.py changes the figures it measures."""
     from benchmarks import timeline as bench

@@ -81,8 +81,21 @@ def calibration(steps: dict[str, dict], date: str) -> dict:
     out["paths"] = paths
     out["compile_s"] = {"block": compile_s, "second_device": None}  # one GPU: no second lane device
     out["dpq_world1_vs_serial"] = lanes.get("dpq_world1_vs_serial")
+    out["dpq_issuing"] = dpq_issuing(lanes)
     out.update(p.get("ceilings") or {})
     return out
+
+
+def dpq_issuing(lanes: dict) -> dict | None:
+    """dpq's issuing thread in the lanes step's profiled world (compile on, the block at batch 8 over
+    the lanes): its own ms per iteration (outside blocking calls, the readback wait and the backward
+    call), per lane-iteration: what the timeline model's host costs are re-based on."""
+    for w, entry in sorted((lanes.get("worlds") or {}).items()):
+        own = (((entry.get("timed") or {}).get("profile")) or {}).get("issuing_own_ms_per_iteration")
+        if own:
+            return {"world": int(w), "path": "compile", "batch": 8, "own_ms_per_iteration": own,
+                    "own_ms_per_lane_iteration": round(own / int(w), 3)}
+    return None
 
 
 def summarize(state: Path, out: Path, dry_run: bool, part: str = "all") -> int:

@@ -85,7 +85,8 @@ class Iteration:
     launches: int = 0
     blocking_syncs: list[str] = field(default_factory=list)  # "<call> on thread <tid>"
     readback_waits: int = 0
-    host_ms: float = 0.0
+    host_ms: float = 0.0  # the issuing thread's wall time not in a blocking call or dpq's readback wait
+    own_ms: float = 0.0  # host_ms without the backward call (the thread waits there for autograd's threads)
     phases_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     lane_forwards: list[LaneForward] = field(default_factory=list)
 
@@ -222,6 +223,8 @@ def analyze(events: list[Event]) -> list[Iteration]:
         waited = sum(e.dur for e in host if e.tid == issuing and e.name in BLOCKING and it.start <= e.ts < it.end)
         waited += sum(w.dur for w in by_name[WAIT] if it.start <= w.ts < it.end)
         it.host_ms = max(0.0, (it.end - it.start - waited) / 1e3)
+        backward = sum(m.dur for m in by_name[BACKWARD] if m.tid == issuing and it.start <= m.ts < it.end)
+        it.own_ms = max(0.0, it.host_ms - backward / 1e3)
     return iters
 
 
@@ -232,5 +235,6 @@ def summarize(iters: list[Iteration]) -> dict:
     return {"iterations": len(iters),
             "phases_ms": {p: round(statistics.fmean(it.phases_ms[p] for it in iters), 4) for p in PHASES},
             "host_ms_per_iteration": round(statistics.fmean(it.host_ms for it in iters), 3),
+            "issuing_own_ms_per_iteration": round(statistics.fmean(it.own_ms for it in iters), 3),
             "launches_per_iteration": round(statistics.fmean(it.launches for it in iters), 1),
             "per_iteration": [it.as_dict() for it in iters]}

@@ -33,6 +33,9 @@ Schema ``dpq-calibration/1`` (JSON; times in the units their names say)::
       "compile_s": {"block": 41.0,       # first compile of the block's forward + backward (host seconds)
                     "second_device": null},   # a second lane device's recompile (null: one GPU)
       "dpq_world1_vs_serial": 1.01,      # dpq world 1 / auto-round serial, per iteration, compile on
+      "dpq_issuing": {"world": 2, "path": "compile", "batch": 8,   # dpq on lanes of one GPU (profiled):
+                      "own_ms_per_iteration": 42.1,                 # its issuing thread outside blocking calls,
+                      "own_ms_per_lane_iteration": 21.1},           # the readback wait and the backward call
       "gemm_8192_tflops": 780.0,         # a plain 8192^3 bf16 torch.matmul
       "copy_GBps": 4300.0                # a device-to-device copy, bytes read + written per second
     }
@@ -46,7 +49,9 @@ profiler's kernels classified by name and by the autograd phase they ran in (``b
 says how). The model re-bases: the GPU class's matmul and attention rates (its FLOPs / the measured
 phase), its memory bandwidth (its weight-sized quantize-dequantize bytes / the measured qdq phases),
 the host's cost per op on each path (measured host time per iteration / the model's ops per
-lane-iteration) and the compile seconds; ``launches_per_iteration`` and ``iteration_ms`` are reported
+lane-iteration; with ``dpq_issuing``, instead every per-op cost by the one factor that makes the
+model's issuing thread per lane-iteration what dpq's measured: :func:`issuing_scale`) and the compile
+seconds; ``launches_per_iteration`` and ``iteration_ms`` are reported
 beside the model's own counts and times, not used to re-base.
 """
 
@@ -57,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["PHASES", "SCHEMA", "Calibration", "CalibrationError", "ModelCounts", "PathMeasurement", "block_shape",
-           "counts_of", "rebase"]
+           "counts_of", "issuing_scale", "rebase"]
 
 SCHEMA = "dpq-calibration/1"
 PHASES = ("matmul", "attention", "qdq_forward", "qdq_backward", "elementwise", "optimizer_step", "readback")
@@ -192,9 +197,34 @@ def block_shape(cal: Calibration):
                       group_size=int(b.get("group_size", 128)))
 
 
-def rebase(cal: Calibration, gpu_key: str, gpu, host, counts: dict[str, ModelCounts]):
+HOST_OP_COSTS = ("eager_op_s", "compiled_kernel_s", "compiled_extern_s", "region_call_s", "wait_s")
+
+
+def issuing_scale(cal: Calibration, host, model_ms_per_lane_iteration: float):
+    """``host`` with every per-op cost scaled by one factor, so that the model's issuing thread per
+    lane-iteration (``model_ms_per_lane_iteration``, its replay of the calibration's block at the
+    measured world and path with ``host``) is what dpq's issuing thread measured (``dpq_issuing``:
+    its own time, outside blocking calls, the readback wait and the backward call). Returns (host,
+    notes); ``host`` unchanged where the file has no such figure."""
+    got = cal.extra.get("dpq_issuing") or {}
+    measured = got.get("own_ms_per_lane_iteration")
+    if not measured or model_ms_per_lane_iteration <= 0:
+        return host, []
+    k = measured / model_ms_per_lane_iteration
+    figures = {name: getattr(host, name) * k for name in HOST_OP_COSTS}
+    source = f"calibrated: {cal.label} (dpq's issuing thread)"
+    host = host.rebased(**figures, calibrated=cal.label, sources={**host.sources, **dict.fromkeys(figures, source)})
+    return host, [f"host per-op costs x{k:.2f}: eager op {host.eager_op_s * 1e6:.1f} us ({cal.label}: dpq's issuing "
+                  f"thread {measured:.2f} ms per lane-iteration at world {got.get('world')}, {got.get('path')}; the "
+                  f"model gave {model_ms_per_lane_iteration:.2f})"]
+
+
+def rebase(cal: Calibration, gpu_key: str, gpu, host, counts: dict[str, ModelCounts], *, paths_host: bool = True):
     """``gpu`` and ``host`` with the figures ``cal`` measured put in their place (module docstring);
-    ``counts``: the model's own :class:`ModelCounts` per path at batch 8. Returns (gpu, host, notes)."""
+    ``counts``: the model's own :class:`ModelCounts` per path at batch 8. ``paths_host`` False: the
+    host's per-op costs are left alone (:func:`issuing_scale` sets them from dpq's own issuing
+    thread; the paths' host times are an upper bound: they include the thread's wait for the
+    backward and auto-round's own loop). Returns (gpu, host, notes)."""
     notes: list[str] = []
     gpu_figures: dict[str, float] = {}
     host_figures: dict[str, float] = {}
@@ -230,6 +260,8 @@ def rebase(cal: Calibration, gpu_key: str, gpu, host, counts: dict[str, ModelCou
                          f"{sum(qdq) * 1e3:.2f} ms)")
     eager_m, compile_m = cal.measurement("eager", 8), cal.measurement("compile", 8)
     eager_op = host.eager_op_s
+    if not paths_host:
+        eager_m = compile_m = None
     if eager_m is not None and eager_m.host_ms_per_iteration and "eager" in counts and counts["eager"].eager_ops:
         eager_op = eager_m.host_ms_per_iteration / 1e3 / counts["eager"].eager_ops
         host_figures.update(eager_op_s=eager_op, compiled_extern_s=eager_op)
