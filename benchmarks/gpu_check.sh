@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# dpq's one-GPU check for a lent single-H200 machine (the `device` tool). PREPARED, NOT YET RUN ON A
-# GPU: written against the torch, CuPy and NCCL APIs without a GPU to run it on; only --dry-run has run.
+# dpq's one-GPU check for a lent single-H200 machine (the `device` tool). First run on an H200 on
+# 2026-12-04 (docs/PERFORMANCE.md, "Measured on a GPU"); its budgets are what that lease measured.
 #
-#   bash benchmarks/gpu_check.sh                 # on the GPU machine: core steps, then the rest (420 s of budgets)
-#   bash benchmarks/gpu_check.sh --core          # the core steps only (240 s): a first run, or the rerun that still fits
+#   bash benchmarks/gpu_check.sh                 # on the GPU machine: core steps, then the rest (655 s of budgets)
+#   bash benchmarks/gpu_check.sh --core          # the core steps only (360 s): the first call of a lease
 #   bash benchmarks/gpu_check.sh --rest          # versions and the steps outside the core, after a --core run
 #   bash benchmarks/gpu_check.sh --only=race,cli # versions and the steps named: a rerun of those
 #   bash benchmarks/gpu_check.sh --dry-run       # CPU only: CUDA steps say "skipped: no CUDA (dry run)"
@@ -12,17 +12,18 @@
 # The plan (steps, budgets, what each proves) is printed first; its last line is
 # `gpu_check_plan core_s=<n> total_s=<m>`. Each step runs under its own timeout (a dry run gets four
 # times as long). A failed versions step (a missing wheel) stops the run there. Outputs under $OUT
-# (else out/gpu_check), four files: summary.json (every step and proof: "passed", "failed: ..." or
-# "not proven: ..."), calibration.json (dpq-calibration/1, for the timeline model), gpu_check.log,
-# trace_world2.json.gz. `python -m benchmarks.gpu_report $OUT --write` puts the figures into
-# docs/PERFORMANCE.md and the calibration under benchmarks/calibration/.
+# (else out/gpu_check), up to five files: summary.json (every step and proof: "passed", "failed: ..."
+# or "not proven: ..."), calibration.json (dpq-calibration/1, for the timeline model), gpu_check.log,
+# trace_world2.json.gz (lanes), csan_report.txt (race). `python -m benchmarks.gpu_report OUT1 [OUT2 ...]
+# --write` puts one lease's runs into docs/PERFORMANCE.md and the calibration under benchmarks/calibration/.
 #
 # The H200 image has CUDA torch 2.11, CuPy and NCCL, no network, and lacks auto-round and some of its
 # pure-Python needs: benchmarks/gpu_wheels.txt pins them (tests/test_gpu_wheels.py resolves the set
 # offline against the image's package list). Bring them in .whl/ (ignored; name it in the device
 # tool's `carry`): `bash benchmarks/gpu_check.sh --fetch-wheels` here, then on the device tool:
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=450)
-# and, if that run fails or overruns, a rerun of the core set: timeout_s=270 with --core.
+#   run(command="bash benchmarks/gpu_check.sh --core", carry=[".whl"], timeout_s=400)
+# then at once (the machine stays warm 30 s) the same with --rest, timeout_s=360; what is left reruns
+# named steps (--only=race,cli).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY="" PART="all"

@@ -54,8 +54,9 @@ FLAGS: tuple[Flag, ...] = (
          "of --device_map when it lists several, else every visible device of the home device's type", "LIST"),
     Flag("parallel_debug", False, "after every step, check that all lanes hold bitwise-identical tuned values"),
     Flag("parallel_overlap", None,
-         "GPU lanes: exchange gradient buckets during the backward, on a second stream per lane (not yet run on a "
-         "GPU; CPU lanes overlap anyway, so there it is refused as having no effect)"),
+         "GPU lanes: exchange gradient buckets during the backward, on a second stream per lane (bitwise the plain "
+         "run on one H200's lanes, not yet on several GPUs; CPU lanes overlap anyway, so there it is refused as having "
+         "no effect)"),
     Flag("parallel_report", None,
          "write the run's report as JSON at every end of the run (success, failure, cancel): the schema, "
          "versions, devices, command line, start and end time, exit status, a structured error, and per block "

@@ -325,8 +325,9 @@ def parallel_tune(
     time (``dpq.cost_model.AutoWorld``; None: a fresh one for this call). ``overlap``: exchange
     gradient buckets during the backward (None: on for CPU lanes, off for accelerator lanes; True
     on accelerators puts the exchange on a second stream per lane, ``dpq.comm_streams``: checked
-    for stream order on CPU, not yet run on a GPU). ``timeout``: seconds the host waits for an
-    iteration's work on the lanes before the run stops as hung (``dpq.tune_loop``: the watchdog).
+    for stream order on CPU; on one H200's lanes bitwise the plain run, not yet on several GPUs).
+    ``timeout``: seconds the host waits for an iteration's work on the lanes before the run stops as
+    hung (``dpq.tune_loop``: the watchdog).
 
     Bad arguments (block, pool, settings, lanes) raise one ``ValueError`` listing every problem
     with its fix, before the block is touched. Any later failure (an exception or out-of-memory
