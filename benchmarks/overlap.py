@@ -394,15 +394,15 @@ class Breakdown:
     def patched(self, link):
         from dpq import exchange as ex
 
-        saved = [(ex, n, getattr(ex, n)) for n in ("pack_signs", "unpack_signs")]
+        saved = [(ex, n, getattr(ex, n)) for n in ("pack_into", "unpack_into")]
         saved += [(ex._Exchange, n, getattr(ex._Exchange, n)) for n in ("exchange_bucket", "wait")]
         saved += [(ex.BackwardExchange, "_hook", ex.BackwardExchange._hook), (torch.autograd, "backward",
                                                                               torch.autograd.backward)]
         real_backward = torch.autograd.backward
         saved += [(link, n, getattr(link, n)) for n in ("reduce_scatter", "all_gather", "all_reduce")]
         for owner, name, fn in saved:
-            key = {"_hook": None, "backward": None, "exchange_bucket": "exchange host",
-                   "wait": "link wait at step"}.get(name, name)
+            key = {"_hook": None, "backward": None, "exchange_bucket": "exchange host", "pack_into": "pack_signs",
+                   "unpack_into": "unpack_signs", "wait": "link wait at step"}.get(name, name)
             if key is not None:
                 setattr(owner, name, self.timed(key, fn))
         real_hook = saved[4][2]

@@ -70,12 +70,24 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dpq.comm_base import Communicator
-from dpq.sign_bits import SignBuffers, pack_signs, sign_groups, sign_padded_length, take, unpack_signs
+from dpq.sign_bits import (
+    PackViews,
+    SignBuffers,
+    UnpackViews,
+    pack_into,
+    pack_views,
+    sign_groups,
+    sign_padded_length,
+    take,
+    unpack_into,
+    unpack_views,
+)
 from dpq.streams import Lane
 
 __all__ = ["BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange", "bucket_layout"]
@@ -550,6 +562,30 @@ class FullSumExchange(_Exchange):
         self.comm.all_reduce(buckets.bucket(i))
 
 
+@dataclass
+class _GroupPlan:
+    """One group's views for one bucket (:meth:`SignExchange._plan`)."""
+
+    pad_copies: list[tuple[Tensor, Tensor]]  # (padded row's first n, the lane's grads) when the bucket pads
+    pad_tail: Tensor | None  # the padding, zeroed before each reduce-scatter (the buffer serves every bucket)
+    pack: PackViews
+    unpack: UnpackViews | None
+    signs: Tensor | None  # the unpacked signs, the bucket's n elements
+    dests: list[Tensor]  # per lane of the group: where its signs go (kept apart, or its grads)
+
+
+@dataclass
+class _BucketPlan:
+    """Every group's views for one bucket, and what the collectives take (in lane order)."""
+
+    lanes: list[Lane]
+    groups: list[_GroupPlan]
+    send: list[Tensor]
+    recv: list[Tensor]
+    packed: list[Tensor]
+    gathered: list[Tensor]
+
+
 class SignExchange(_Exchange):
     """Pure SignSGD: every lane's grads become exactly ``sign(sum of lane grads)`` in {-1.0, 0.0, +1.0}.
 
@@ -604,54 +640,93 @@ class SignExchange(_Exchange):
         return cached
 
     def _exchange(self, buckets: GradBuckets, i: int) -> None:
-        grads = buckets.bucket(i)
-        comm, lanes, world = self.comm, self.comm.lanes, self.comm.world
+        comm, world = self.comm, self.comm.world
         if world == 1:
-            with lanes[0].issue():
-                grads[0].sign_()
+            with comm.lanes[0].issue():
+                buckets.bucket(i)[0].sign_()
             return
+        plan = self._plan(buckets, i)
+        for group, lane in zip(plan.groups, plan.lanes, strict=True):
+            if group.pad_copies:
+                with lane.issue():
+                    for dst, src in group.pad_copies:  # zero-padded copies; reduce_scatter only reads send
+                        dst.copy_(src)
+                    group.pad_tail.zero_()
+        comm.reduce_scatter(plan.send, plan.recv)
+        for group, lane in zip(plan.groups, plan.lanes, strict=True):
+            with lane.issue():
+                pack_into(group.pack)
+        comm.all_gather(plan.packed, plan.gathered)
+        for group, lane in zip(plan.groups, plan.lanes, strict=True):
+            with lane.issue():
+                # Every lane gathered the same bytes: a group of lanes without streams unpacks once.
+                unpack_into(group.unpack)
+                for dst in group.dests:
+                    dst.copy_(group.signs)  # int8 into the signs kept apart, or int8 -> fp32 grads: -1.0, 0.0, +1.0
+
+    def _plan(self, buckets: GradBuckets, i: int) -> _BucketPlan:
+        """Bucket ``i``'s views, made on its first exchange and kept with the groups.
+
+        Note [views made once]: every tensor an exchange touches is a slice of a buffer that lives
+        as long as the buckets (the flat gradients, the signs kept apart, :class:`SignBuffers`), and
+        which slice depends only on the bucket, the world and the groups: so the slices are made
+        once, and each iteration issues only the ops that compute or move data. On an accelerator
+        every op, a view too, is host time on the one issuing thread, and that thread is what the
+        H200 run found limiting (docs/PERFORMANCE.md). A plan is dropped with its groups when the
+        lanes change, and keyed by whether the signs are kept apart (that changes where they go).
+        The ops, their operands and their order are those of the per-iteration slicing they replace,
+        so every result is bitwise the same (tests/test_exchange.py)."""
+        _, groups, plans = self._entry(buckets)
+        key = (i, self._apart)
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = self._make_plan(buckets, i, groups)
+        return plan
+
+    def _make_plan(self, buckets: GradBuckets, i: int, groups) -> _BucketPlan:
+        grads = buckets.bucket(i)
+        world = self.comm.world
         n = grads[0].numel()
         m = sign_padded_length(n, world)
         c = m // world  # world counts every rank (a process group spans more ranks than these lanes)
-        groups = self._groups(buckets)
-        send, recv, packed, gathered = [], [], [], []
-        for ks, buf, lane in groups:  # one group per lane, or one for all lanes (SignBuffers)
-            with lane.issue():
-                if m != n:  # zero-padded copies; reduce_scatter only reads send
-                    pad = take(buf.pad, len(ks), m)
-                    for row, k in enumerate(ks):
-                        pad[row, :n].copy_(grads[k])
-                    pad[:, n:].zero_()
-                    send += list(pad)
-                else:
-                    send += [grads[k] for k in ks]
-                recv += list(take(buf.recv, len(ks), c))
-                packed += list(take(buf.packed, len(ks), c // 4))
-                gathered += list(take(buf.gathered, len(ks), m // 4))
-        comm.reduce_scatter(send, recv)
-        for ks, buf, lane in groups:
-            with lane.issue():
-                rows = len(ks)
-                pack_signs(take(buf.recv, rows, c), take(buf.planes, rows, 2, c), take(buf.words, rows * c // 4),
-                           take(buf.tmp, rows * c // 4), take(buf.packed, rows, c // 4))
-        comm.all_gather(packed, gathered)
         apart = self._apart_buffers(buckets) if self._apart else None
         start, end = buckets.bucket_ranges[i]
-        for ks, buf, lane in groups:
+        plan = _BucketPlan([], [], [], [], [], [])
+        for ks, buf, lane in groups:  # one group per lane, or one for all lanes (SignBuffers)
+            rows = len(ks)
             with lane.issue():
-                # Every lane gathered the same bytes: a group of lanes without streams unpacks once.
-                signs = unpack_signs(gathered[ks[0]], world, buf.table, buf.idx, buf.signs)[:n]
-                for k in ks:
-                    if apart is not None:
-                        apart[k][start:end].copy_(signs)  # int8, one byte per element
-                    else:
-                        grads[k].copy_(signs)  # int8 -> fp32: exactly -1.0, 0.0, +1.0
+                if m != n:
+                    pad = take(buf.pad, rows, m)
+                    pad_copies = [(pad[row, :n], grads[k]) for row, k in enumerate(ks)]
+                    pad_tail = pad[:, n:]
+                    plan.send += list(pad)
+                else:
+                    pad_copies, pad_tail = [], None
+                    plan.send += [grads[k] for k in ks]
+                plan.recv += list(take(buf.recv, rows, c))
+                plan.packed += list(take(buf.packed, rows, c // 4))
+                plan.gathered += list(take(buf.gathered, rows, m // 4))
+                pack = pack_views(take(buf.recv, rows, c), take(buf.planes, rows, 2, c), take(buf.words, rows * c // 4),
+                                  take(buf.tmp, rows * c // 4), take(buf.packed, rows, c // 4))
+                dests = [apart[k][start:end] if apart is not None else grads[k] for k in ks]
+            plan.lanes.append(lane)
+            plan.groups.append(_GroupPlan(pad_copies, pad_tail, pack, None, None, dests))
+        for group, (ks, buf, lane) in zip(plan.groups, groups, strict=True):
+            with lane.issue():
+                group.unpack = unpack_views(plan.gathered[ks[0]], world, buf.table, buf.idx, buf.signs)
+                group.signs = group.unpack.signs[:n]
+        return plan
 
     def _groups(self, buckets: GradBuckets) -> list[tuple[list[int], SignBuffers, Lane]]:
         """The lanes' buffer groups (:func:`dpq.sign_bits.sign_groups`), made on first use per buckets and lanes."""
+        return self._entry(buckets)[1]
+
+    def _entry(self, buckets: GradBuckets) -> tuple[list[Lane], list, dict]:
+        """(lanes, their groups, the buckets' plans over those groups): made again, plans emptied,
+        when the communicator's lanes are other objects."""
         lanes = self.comm.lanes
         cached = buckets.scratch.get(self.name)
         if cached is None or [id(a) for a in cached[0]] != [id(b) for b in lanes]:
             lengths = [e - s for s, e in buckets.bucket_ranges]
-            cached = buckets.scratch[self.name] = (list(lanes), sign_groups(lanes, self.comm.world, lengths))
-        return cached[1]  # keyed by the lanes held in the entry (identity)
+            cached = buckets.scratch[self.name] = (list(lanes), sign_groups(lanes, self.comm.world, lengths), {})
+        return cached  # keyed by the lanes held in the entry (identity)

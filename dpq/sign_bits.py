@@ -12,6 +12,7 @@ bucket is then a fixed, small number of ops, none of them an allocation).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -20,15 +21,21 @@ from dpq.streams import Lane
 
 __all__ = [
     "SIGN_TABLE_BYTES",
+    "PackViews",
     "SignBuffers",
+    "UnpackViews",
     "lanes_share_buffers",
+    "pack_into",
     "pack_signs",
+    "pack_views",
     "sign_groups",
     "sign_padded_length",
     "sign_table",
     "take",
     "unpack_by_shifts",
+    "unpack_into",
     "unpack_signs",
+    "unpack_views",
 ]
 
 # pack_signs reads 8 bools as one int64 word, bool b in byte b: that is the little-endian order.
@@ -51,6 +58,41 @@ def take(buf: Tensor, *shape: int) -> Tensor:
     return buf[:numel].view(shape)
 
 
+@dataclass(frozen=True)
+class PackViews:
+    """:func:`pack_signs`' operands as the views its ops write and read, made once (:func:`pack_views`):
+    a bucket reuses them every iteration, so :func:`pack_into` issues only the ten ops that compute,
+    no view op (on an accelerator every op is host time on the one issuing thread)."""
+
+    r: Tensor  # (L, c) fp32 sums
+    negative: Tensor  # planes[:, 0]
+    nonzero: Tensor  # planes[:, 1]
+    x: Tensor  # the planes' bytes as int64 words
+    words: Tensor
+    tmp: Tensor
+    out: Tensor  # (L * c/4,) uint8, flat
+
+
+def pack_views(r: Tensor, planes: Tensor, words: Tensor, tmp: Tensor, out: Tensor) -> PackViews:
+    """The views :func:`pack_into` works on (:func:`pack_signs` says what each operand is)."""
+    return PackViews(r, planes[:, 0], planes[:, 1], planes.view(-1).view(torch.uint8).view(torch.int64), words, tmp,
+                     out.view(-1))
+
+
+def pack_into(v: PackViews) -> None:
+    """:func:`pack_signs` on views made once: ten ops, whatever the rows."""
+    torch.lt(v.r, 0, out=v.negative)
+    torch.gt(v.r, 0, out=v.nonzero)
+    v.nonzero.logical_or_(v.negative)  # nonzero = negative or positive: NaN is neither
+    torch.bitwise_right_shift(v.x, 7, out=v.tmp)  # bools are bytes holding 0 or 1
+    torch.bitwise_or(v.x, v.tmp, out=v.words).bitwise_and_(0x0003000300030003)  # bits 2j, 2j+1 in each 16-bit lane
+    torch.bitwise_right_shift(v.words, 14, out=v.tmp)
+    v.words.bitwise_or_(v.tmp).bitwise_and_(0x0000000F0000000F)  # 4 bits in each 32-bit lane
+    torch.bitwise_right_shift(v.words, 28, out=v.tmp)
+    v.words.bitwise_or_(v.tmp).bitwise_and_(0xFF)  # the 8 bits in the low byte, nothing above
+    v.out.copy_(v.words)
+
+
 def pack_signs(r: Tensor, planes: Tensor, words: Tensor, tmp: Tensor, out: Tensor) -> None:
     """Rows of fp32 sums ``r`` (L, c), c a multiple of 8 -> ``out`` (L, c/4) uint8: per row the
     negative plane then the nonzero plane, element 8*i + b in bit b of byte i of its plane.
@@ -61,17 +103,40 @@ def pack_signs(r: Tensor, planes: Tensor, words: Tensor, tmp: Tensor, out: Tenso
     into its low byte (bit i of byte i moves to bit i of byte 0: pairs, then nibbles, then the
     byte), which the final copy keeps.
     """
-    torch.lt(r, 0, out=planes[:, 0])
-    torch.gt(r, 0, out=planes[:, 1])
-    planes[:, 1].logical_or_(planes[:, 0])  # nonzero = negative or positive: NaN is neither
-    x = planes.view(-1).view(torch.uint8).view(torch.int64)  # bools are bytes holding 0 or 1
-    torch.bitwise_right_shift(x, 7, out=tmp)
-    torch.bitwise_or(x, tmp, out=words).bitwise_and_(0x0003000300030003)  # bits 2j, 2j+1 in each 16-bit lane
-    torch.bitwise_right_shift(words, 14, out=tmp)
-    words.bitwise_or_(tmp).bitwise_and_(0x0000000F0000000F)  # 4 bits in each 32-bit lane
-    torch.bitwise_right_shift(words, 28, out=tmp)
-    words.bitwise_or_(tmp).bitwise_and_(0xFF)  # the 8 bits in the low byte, nothing above
-    out.view(-1).copy_(words)
+    pack_into(pack_views(r, planes, words, tmp, out))
+
+
+@dataclass(frozen=True)
+class UnpackViews:
+    """:func:`unpack_signs`' operands as views made once (:func:`unpack_views`): :func:`unpack_into`
+    then issues its three ops and no view op."""
+
+    negative: Tensor  # the gathered negative planes, (W, c/8) uint8
+    nonzero: Tensor
+    rows: Tensor  # the index, (W, c/8) int64
+    idx: Tensor  # the same, flat
+    table: Tensor
+    out: Tensor  # int64 (W*c/8,)
+    signs: Tensor  # ``out`` as int8 (W*c,): the result
+
+
+def unpack_views(packed: Tensor, world: int, table: Tensor, idx: Tensor | None = None,
+                 out: Tensor | None = None) -> UnpackViews:
+    """The views :func:`unpack_into` works on; ``idx`` and ``out`` (int64, at least W*c/8 each) are
+    allocated here when not given."""
+    planes = packed.view(world, 2, -1)
+    words = planes.shape[2] * world
+    idx = torch.empty(words, dtype=torch.int64, device=packed.device) if idx is None else idx[:words]
+    out = torch.empty(words, dtype=torch.int64, device=packed.device) if out is None else out[:words]
+    return UnpackViews(planes[:, 0], planes[:, 1], idx.view(world, -1), idx, table, out, out.view(torch.int8))
+
+
+def unpack_into(v: UnpackViews) -> Tensor:
+    """:func:`unpack_signs` on views made once: the index, its low byte, the gather."""
+    v.rows.copy_(v.negative)
+    v.rows.bitwise_left_shift_(8).add_(v.nonzero)
+    torch.index_select(v.table, 0, v.idx, out=v.out)
+    return v.signs
 
 
 def unpack_signs(packed: Tensor, world: int, table: Tensor, idx: Tensor | None = None,
@@ -83,14 +148,7 @@ def unpack_signs(packed: Tensor, world: int, table: Tensor, idx: Tensor | None =
     index, its low byte, the gather), reading 2 bytes and writing 8 per 8 elements, where a shift per
     bit position reads and writes every element several times. ``idx`` and ``out`` (int64, W*c/8
     each) may be given to reuse their memory."""
-    planes = packed.view(world, 2, -1)
-    words = planes.shape[2] * world
-    idx = torch.empty(words, dtype=torch.int64, device=packed.device) if idx is None else idx[:words]
-    rows = idx.view(world, -1)
-    rows.copy_(planes[:, 0])
-    rows.bitwise_left_shift_(8).add_(planes[:, 1])
-    out = torch.empty(words, dtype=torch.int64, device=packed.device) if out is None else out[:words]
-    return torch.index_select(table, 0, idx, out=out).view(torch.int8)
+    return unpack_into(unpack_views(packed, world, table, idx, out))
 
 
 def unpack_by_shifts(planes: Tensor) -> Tensor:
