@@ -569,8 +569,8 @@ class _GroupPlan:
     pad_copies: list[tuple[Tensor, Tensor]]  # (padded row's first n, the lane's grads) when the bucket pads
     pad_tail: Tensor | None  # the padding, zeroed before each reduce-scatter (the buffer serves every bucket)
     pack: PackViews
-    unpack: UnpackViews | None
-    signs: Tensor | None  # the unpacked signs, the bucket's n elements
+    unpack: UnpackViews
+    signs: Tensor  # the unpacked signs, the bucket's n elements
     dests: list[Tensor]  # per lane of the group: where its signs go (kept apart, or its grads)
 
 
@@ -709,21 +709,15 @@ class SignExchange(_Exchange):
                 pack = pack_views(take(buf.recv, rows, c), take(buf.planes, rows, 2, c), take(buf.words, rows * c // 4),
                                   take(buf.tmp, rows * c // 4), take(buf.packed, rows, c // 4))
                 dests = [apart[k][start:end] if apart is not None else grads[k] for k in ks]
+                unpack = unpack_views(plan.gathered[ks[0]], world, buf.table, buf.idx, buf.signs)
             plan.lanes.append(lane)
-            plan.groups.append(_GroupPlan(pad_copies, pad_tail, pack, None, None, dests))
-        for group, (ks, buf, lane) in zip(plan.groups, groups, strict=True):
-            with lane.issue():
-                group.unpack = unpack_views(plan.gathered[ks[0]], world, buf.table, buf.idx, buf.signs)
-                group.signs = group.unpack.signs[:n]
+            plan.groups.append(_GroupPlan(pad_copies, pad_tail, pack, unpack, unpack.signs[:n], dests))
         return plan
 
-    def _groups(self, buckets: GradBuckets) -> list[tuple[list[int], SignBuffers, Lane]]:
-        """The lanes' buffer groups (:func:`dpq.sign_bits.sign_groups`), made on first use per buckets and lanes."""
-        return self._entry(buckets)[1]
-
-    def _entry(self, buckets: GradBuckets) -> tuple[list[Lane], list, dict]:
-        """(lanes, their groups, the buckets' plans over those groups): made again, plans emptied,
-        when the communicator's lanes are other objects."""
+    def _entry(self, buckets: GradBuckets) -> tuple[list[Lane], list[tuple[list[int], SignBuffers, Lane]], dict]:
+        """(lanes, their buffer groups (:func:`dpq.sign_bits.sign_groups`), the buckets' plans over
+        those groups): made on first use per buckets and lanes, and again, plans emptied, when the
+        communicator's lanes are other objects."""
         lanes = self.comm.lanes
         cached = buckets.scratch.get(self.name)
         if cached is None or [id(a) for a in cached[0]] != [id(b) for b in lanes]:
