@@ -131,7 +131,8 @@ def host_costs(host_per_op_us: float | None) -> HostCosts:
     if host_per_op_us is None:
         return HOST
     k = host_per_op_us * 1e-6 / HOST.eager_op_s
-    return HOST.rebased(eager_op_s=HOST.eager_op_s * k, compiled_kernel_s=HOST.compiled_kernel_s * k,
+    return HOST.rebased(eager_op_s=HOST.eager_op_s * k, view_op_s=HOST.view_op_s * k,
+                        compiled_kernel_s=HOST.compiled_kernel_s * k,
                         compiled_extern_s=HOST.compiled_extern_s * k, region_call_s=HOST.region_call_s * k,
                         wait_s=HOST.wait_s * k)
 
@@ -153,7 +154,8 @@ def calibrated(cal: Calibration | None, gpu_key: str, host: HostCosts, one_lane:
     if not several:
         return rebase(cal, gpu_key, gpu, host, counts)
     modeled = simulate(lanes[(issuing["path"], several[0])], Pricing(RECORDED, shape, gpu, host))
-    host, notes = issuing_scale(cal, host, modeled.breakdown()["host_per_lane_iteration"] * 1e3)
+    host, notes = issuing_scale(cal, host, modeled.breakdown()["host_per_lane_iteration"] * 1e3,
+                                modeled.views_per_lane_iteration())
     gpu, host, more = rebase(cal, gpu_key, gpu, host, counts, paths_host=False)
     return gpu, host, notes + more
 

@@ -221,6 +221,18 @@ def test_calibration_of_an_h200_run_loads():
     assert cal.extra["gemm_8192_tflops"] == 780.0
 
 
+def test_calibration_keeps_every_worlds_unprofiled_wall_beside_the_profiled_issuing():
+    """dpq_issuing holds the profiled world's own time and each world's unprofiled median (the bound
+    of Note [the profiler's bound])."""
+    steps = h200_steps()
+    steps["lanes"]["result"]["worlds"] = {
+        "2": {"timed": {"median_ms": 46.0, "profile": {"issuing_own_ms_per_iteration": 42.0}}},
+        "4": {"timed": {"median_ms": 48.8}}}
+    issuing = summary.calibration(steps, "2026-12-04")["dpq_issuing"]
+    assert issuing["own_ms_per_lane_iteration"] == 21.0
+    assert issuing["wall_ms_per_iteration"] == {"2": 46.0, "4": 48.8}
+
+
 def test_gpu_report_writes_the_rows_and_stores_the_calibration(tmp_path, capsys):
     from benchmarks import gpu_report
 
@@ -319,4 +331,9 @@ def test_the_stored_h200_calibration_is_what_its_trace_gives():
     issuing = cal.extra["dpq_issuing"]
     assert issuing["own_ms_per_iteration"] == pytest.approx(own, abs=1e-3)
     assert issuing["own_ms_per_lane_iteration"] == pytest.approx(own / issuing["world"], abs=1e-3)
+    from dpq.testing.timeline.work import is_view
+
+    counted = trace.summarize(trace.analyze(trace.load(folder / "NVIDIA_H200-2026-12-04.trace_world2.json.gz"),
+                                            is_view))["issuing_ops_per_iteration"]
+    assert issuing["ops_per_lane_iteration"] == {k: v / issuing["world"] for k, v in counted.items()}
     assert cal.extra["attention_in_matmul"] is True  # that lease's classifier (test_attention_kernels_...)

@@ -218,7 +218,7 @@ def test_timeline_calibration_changes_what_it_measured_only():
     assert g.matmul_flops == pytest.approx(2.0e13 / 0.040) and g.calibrated == "NVIDIA_H200-2026-12-04"
     cal = fixture(eager={"8": {"host_ms_per_iteration": 9.0}})
     g, h, _ = rebase(cal, "h200", gpu, host, COUNTS)
-    assert changed(gpu, g) == set() and changed(host, h) == {"eager_op_s", "compiled_extern_s"}
+    assert changed(gpu, g) == set() and changed(host, h) == {"eager_op_s", "compiled_extern_s", "view_op_s"}
     assert h.eager_op_s == pytest.approx(9.0e-3 / 900)
     g, h, notes = rebase(cal, "h100", gpu, host, COUNTS)  # another class: only the host's figures
     assert changed(gpu, g) == set() and "eager_op_s" in changed(host, h)
@@ -258,6 +258,58 @@ def test_timeline_host_calibrated_from_dpqs_issuing_thread():
     assert h2 == h  # the eager path's 9 ms (an upper bound) does not overwrite it
     del data["dpq_issuing"]
     assert issuing_scale(Calibration.from_dict(data), HOST, 7.0) == (HOST, [])
+
+
+def test_timeline_issuing_figure_is_bounded_by_the_unprofiled_walls():
+    """Note [the profiler's bound]: the one issuing thread's own time per lane-iteration is at most an
+    unprofiled iteration's wall / W; the profiled figure is used only where it is smaller."""
+    from dpq.testing.timeline.calibration import issuing_bound, issuing_scale
+
+    got = {"world": 2, "path": "compile", "own_ms_per_lane_iteration": 21.0,
+           "wall_ms_per_iteration": {"2": 46.0, "4": 48.8}}
+    ms, whence = issuing_bound(got)
+    assert ms == pytest.approx(12.2) and "world 4" in whence
+    assert issuing_bound({**got, "own_ms_per_lane_iteration": 10.0}) == (10.0, "profiled")
+    assert issuing_bound({"own_ms_per_lane_iteration": 21.0}) == (21.0, "profiled")
+    assert issuing_bound({**got, "wall_ms_per_iteration": {"1": 5.0}}) == (21.0, "profiled")  # one lane bounds nothing
+    data = {"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200", "date": "2026-12-04",
+            "block": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
+            "dpq_issuing": got}
+    h, notes = issuing_scale(Calibration.from_dict(data), HOST, 6.1)
+    assert h.eager_op_s == pytest.approx(2.0 * HOST.eager_op_s) and "unprofiled" in notes[0]
+
+
+def test_timeline_issuing_scale_compares_the_measured_codes_views():
+    """Note [the measured code's views]: the run's view ops per lane-iteration stand in for today's
+    before the scale is taken, so fewer views today make the model's issuing thread cheaper."""
+    from dpq.testing.timeline.calibration import issuing_scale
+
+    data = {"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200", "date": "2026-12-04",
+            "block": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
+            "dpq_issuing": {"world": 2, "path": "compile", "own_ms_per_lane_iteration": 20.0,
+                            "ops_per_lane_iteration": {"views": 1000.0, "other": 200.0}}}
+    cal = Calibration.from_dict(data)
+    then = 1000 * HOST.view_op_s * 1e3  # the run's views, today's none
+    h, notes = issuing_scale(cal, HOST, 5.0, model_views=0.0)
+    assert h.eager_op_s == pytest.approx(HOST.eager_op_s * 20.0 / (5.0 + then)) and "1000 view ops" in notes[0]
+    same, _ = issuing_scale(cal, HOST, 5.0, model_views=1000.0)  # as many as the run made: no change
+    assert same.eager_op_s == pytest.approx(HOST.eager_op_s * 4.0)
+    assert issuing_scale(cal, HOST, 5.0)[0] == same  # today's views unknown: none assumed apart
+
+
+def test_timeline_views_cost_the_issuing_thread_only(two_lanes):
+    """An op that only makes a view is recorded (kind ``view``), priced at ``view_op_s`` on its
+    thread and nothing on a device; the exchange makes its views once, in its first iteration."""
+    views = [op for op in two_lanes.ops if op.kind == "view"]
+    assert views and all(op.stream is None for op in views)
+    tl = replay(two_lanes, "8b", "h100")
+    dear = replay(two_lanes, "8b", "h100", host=HOST.rebased(view_op_s=HOST.view_op_s + 1e-4))
+    n = tl.views_per_lane_iteration()
+    assert n > 0
+    got = dear.breakdown()["host_per_lane_iteration"] - tl.breakdown()["host_per_lane_iteration"]
+    assert got == pytest.approx(n * 1e-4, rel=1e-6)
+    bucket_views = [{op.iteration for op in views if op.bucket == b} for b in {op.bucket for op in views} - {None}]
+    assert bucket_views and all(its == {0} for its in bucket_views)
 
 
 def test_timeline_calibration_moves_the_table(tmp_path, one_lane, two_lanes):

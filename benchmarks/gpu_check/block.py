@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.gpu_check import trace
+from dpq.testing.timeline.work import is_view
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,7 @@ def _finish(result: TuneResult, marks: _Marks, watch, identical: dict, spec: Run
     if spec.debug_identical:
         result.identical = dict(identical, steps=len(marks.step_ends))
     if marks.trace_to is not None and marks.trace_to.is_file():
-        result.profile = trace.summarize(trace.analyze(trace.load(marks.trace_to)))
+        result.profile = trace.summarize(trace.analyze(trace.load(marks.trace_to), is_view))
 
 
 def _record(r) -> dict:

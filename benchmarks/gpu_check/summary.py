@@ -89,12 +89,20 @@ def calibration(steps: dict[str, dict], date: str) -> dict:
 def dpq_issuing(lanes: dict) -> dict | None:
     """dpq's issuing thread in the lanes step's profiled world (compile on, the block at batch 8 over
     the lanes): its own ms per iteration (outside blocking calls, the readback wait and the backward
-    call), per lane-iteration: what the timeline model's host costs are re-based on."""
-    for w, entry in sorted((lanes.get("worlds") or {}).items()):
-        own = (((entry.get("timed") or {}).get("profile")) or {}).get("issuing_own_ms_per_iteration")
+    call), per lane-iteration, and every world's unprofiled wall per iteration (the bound of
+    Note [the profiler's bound], dpq/testing/timeline/calibration.py): what the timeline model's host
+    costs are re-based on."""
+    worlds = sorted((lanes.get("worlds") or {}).items(), key=lambda kv: int(kv[0]))
+    medians = {str(w): (e.get("timed") or {}).get("median_ms") for w, e in worlds}
+    walls = {w: ms for w, ms in medians.items() if ms}
+    for w, entry in worlds:
+        profile = ((entry.get("timed") or {}).get("profile")) or {}
+        own = profile.get("issuing_own_ms_per_iteration")
         if own:
+            ops = profile.get("issuing_ops_per_iteration") or {}
             return {"world": int(w), "path": "compile", "batch": 8, "own_ms_per_iteration": own,
-                    "own_ms_per_lane_iteration": round(own / int(w), 3)}
+                    "own_ms_per_lane_iteration": round(own / int(w), 3), "wall_ms_per_iteration": walls,
+                    "ops_per_lane_iteration": {k: v / int(w) for k, v in ops.items()} or None}
     return None
 
 

@@ -87,6 +87,10 @@ class Iteration:
     readback_waits: int = 0
     host_ms: float = 0.0  # the issuing thread's wall time not in a blocking call or dpq's readback wait
     own_ms: float = 0.0  # host_ms without the backward call (the thread waits there for autograd's threads)
+    # the issuing thread's outermost aten ops outside the backward call: those that only make views, the others
+    # (counted when analyze() is given a view test: the timeline model prices the two apart)
+    view_ops: int = 0
+    other_ops: int = 0
     phases_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     lane_forwards: list[LaneForward] = field(default_factory=list)
 
@@ -174,9 +178,20 @@ def _qdq_backward_ops(events: list[Event], qdq_marks: list[Event]) -> list[Event
     return [e for e in events if e.cat == "cpu_op" and e.tid != issuing and e.args.get("Sequence number") in forward]
 
 
-def analyze(events: list[Event]) -> list[Iteration]:
+def outermost(ops: list[Event]) -> list[Event]:
+    """The events of one thread not inside another of them (the ops its code called, not their parts)."""
+    out, end = [], float("-inf")
+    for e in sorted(ops, key=lambda e: (e.ts, -e.dur)):
+        if e.ts >= end:
+            out.append(e)
+            end = e.end
+    return out
+
+
+def analyze(events: list[Event], is_view=None) -> list[Iteration]:
     """Every profiled iteration with its launches, host syncs, readback waits, host time, phases
-    and lanes' forwards."""
+    and lanes' forwards; with ``is_view`` (an aten op name -> whether it only makes views:
+    ``dpq.testing.timeline.work.is_view``) also the issuing thread's view and other ops."""
     iters = iterations(events)
     if not iters:
         return []
@@ -225,7 +240,27 @@ def analyze(events: list[Event]) -> list[Iteration]:
         it.host_ms = max(0.0, (it.end - it.start - waited) / 1e3)
         backward = sum(m.dur for m in by_name[BACKWARD] if m.tid == issuing and it.start <= m.ts < it.end)
         it.own_ms = max(0.0, it.host_ms - backward / 1e3)
+    if is_view is not None:
+        _count_ops(events, iters, issuing, [m for m in by_name[BACKWARD] if m.tid == issuing], is_view)
     return iters
+
+
+def _count_ops(events: list[Event], iters: list[Iteration], issuing: object, backwards: list[Event], is_view) -> None:
+    """Each iteration's outermost aten ops on the issuing thread outside the backward call, views and
+    the rest (``aten::to`` that did nothing, no op inside it, is a view: it returned its input)."""
+    ops = [e for e in events if e.tid == issuing and e.cat == "cpu_op"]
+    inner = {id(e) for e in ops} - {id(e) for e in outermost(ops)}
+    starts = sorted(e.ts for e in ops if id(e) in inner)
+    for it in iters:
+        for e in outermost(ops):
+            if not (it.start <= e.ts < it.end) or not e.name.startswith("aten::") or \
+                    any(b.ts <= e.ts < b.end for b in backwards):
+                continue
+            empty = bisect.bisect_left(starts, e.ts) == bisect.bisect_left(starts, e.end)
+            if is_view(e.name) and (e.name != "aten::to" or empty):
+                it.view_ops += 1
+            else:
+                it.other_ops += 1
 
 
 def summarize(iters: list[Iteration]) -> dict:
@@ -237,4 +272,6 @@ def summarize(iters: list[Iteration]) -> dict:
             "host_ms_per_iteration": round(statistics.fmean(it.host_ms for it in iters), 3),
             "issuing_own_ms_per_iteration": round(statistics.fmean(it.own_ms for it in iters), 3),
             "launches_per_iteration": round(statistics.fmean(it.launches for it in iters), 1),
+            "issuing_ops_per_iteration": {"views": statistics.fmean(it.view_ops for it in iters),
+                                          "other": statistics.fmean(it.other_ops for it in iters)},
             "per_iteration": [it.as_dict() for it in iters]}

@@ -35,7 +35,9 @@ Schema ``dpq-calibration/1`` (JSON; times in the units their names say)::
       "dpq_world1_vs_serial": 1.01,      # dpq world 1 / auto-round serial, per iteration, compile on
       "dpq_issuing": {"world": 2, "path": "compile", "batch": 8,   # dpq on lanes of one GPU (profiled):
                       "own_ms_per_iteration": 42.1,                 # its issuing thread outside blocking calls,
-                      "own_ms_per_lane_iteration": 21.1},           # the readback wait and the backward call
+                      "own_ms_per_lane_iteration": 21.1,            # the readback wait and the backward call
+                      "wall_ms_per_iteration": {"2": 46.0, "4": 48.9},  # unprofiled, lanes of one GPU
+                      "ops_per_lane_iteration": {"views": 328, "other": 204.5}},  # its outermost aten ops
       "gemm_8192_tflops": 780.0,         # a plain 8192^3 bf16 torch.matmul
       "copy_GBps": 4300.0                # a device-to-device copy, bytes read + written per second
     }
@@ -62,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["PHASES", "SCHEMA", "Calibration", "CalibrationError", "ModelCounts", "PathMeasurement", "block_shape",
-           "counts_of", "issuing_scale", "rebase"]
+           "counts_of", "issuing_bound", "issuing_scale", "rebase"]
 
 SCHEMA = "dpq-calibration/1"
 PHASES = ("matmul", "attention", "qdq_forward", "qdq_backward", "elementwise", "optimizer_step", "readback")
@@ -197,26 +199,60 @@ def block_shape(cal: Calibration):
                       group_size=int(b.get("group_size", 128)))
 
 
-HOST_OP_COSTS = ("eager_op_s", "compiled_kernel_s", "compiled_extern_s", "region_call_s", "wait_s")
+HOST_OP_COSTS = ("eager_op_s", "view_op_s", "compiled_kernel_s", "compiled_extern_s", "region_call_s", "wait_s")
 
 
-def issuing_scale(cal: Calibration, host, model_ms_per_lane_iteration: float):
+def issuing_bound(got: dict) -> tuple[float | None, str]:
+    """The issuing thread's own ms per lane-iteration that ``dpq_issuing`` supports, and whence.
+
+    Note [the profiler's bound]
+    ``own_ms_per_lane_iteration`` comes from a profiled world (the profiler's per-op events cost host
+    time: the H200 lease's auto-round alone took 12.2 ms of host per profiled iteration against a
+    10.4 ms unprofiled iteration). ``wall_ms_per_iteration`` holds the same step's *unprofiled*
+    iterations per world of lanes on one GPU: the one issuing thread does all of an iteration's
+    host work inside its wall time, so its own time per lane-iteration is at most the wall / W.
+    The smaller of the two is an upper bound of the unprofiled figure, and the one used."""
+    profiled = got.get("own_ms_per_lane_iteration")
+    walls = {int(w): ms for w, ms in (got.get("wall_ms_per_iteration") or {}).items() if int(w) > 1 and ms}
+    if not walls:
+        return profiled, "profiled"
+    w, ms = min(walls.items(), key=lambda kv: kv[1] / kv[0])
+    if profiled and profiled <= ms / w:
+        return profiled, "profiled"
+    return ms / w, f"bounded by world {w}'s unprofiled {ms:.1f} ms per iteration / {w} (profiled: {profiled})"
+
+
+def issuing_scale(cal: Calibration, host, model_ms_per_lane_iteration: float, model_views: float | None = None):
     """``host`` with every per-op cost scaled by one factor, so that the model's issuing thread per
     lane-iteration (``model_ms_per_lane_iteration``, its replay of the calibration's block at the
     measured world and path with ``host``) is what dpq's issuing thread measured (``dpq_issuing``:
-    its own time, outside blocking calls, the readback wait and the backward call). Returns (host,
-    notes); ``host`` unchanged where the file has no such figure."""
+    its own time, outside blocking calls, the readback wait and the backward call; at most the
+    unprofiled bound, :func:`issuing_bound`). Returns (host, notes); ``host`` unchanged where the
+    file has no such figure.
+
+    Note [the measured code's views]
+    The run measured the code of its day; the model replays today's. Where the file counts the
+    view ops the issuing thread made per lane-iteration (``ops_per_lane_iteration.views``, from its
+    trace) and ``model_views`` says how many today's code makes, the model's figure is first moved
+    by the difference at ``view_op_s``: the scale then compares like with like, and a change that
+    makes fewer views (7816b19: the exchange's views made once) shows in the table instead of being
+    absorbed into the scale."""
     got = cal.extra.get("dpq_issuing") or {}
-    measured = got.get("own_ms_per_lane_iteration")
+    measured, whence = issuing_bound(got)
     if not measured or model_ms_per_lane_iteration <= 0:
         return host, []
-    k = measured / model_ms_per_lane_iteration
+    views = (got.get("ops_per_lane_iteration") or {}).get("views")
+    then_ms, then = model_ms_per_lane_iteration, ""
+    if views is not None and model_views is not None:
+        then_ms += (views - model_views) * host.view_op_s * 1e3
+        then = f" with the run's {views:.0f} view ops per lane-iteration for today's {model_views:.0f}"
+    k = measured / then_ms
     figures = {name: getattr(host, name) * k for name in HOST_OP_COSTS}
     source = f"calibrated: {cal.label} (dpq's issuing thread)"
     host = host.rebased(**figures, calibrated=cal.label, sources={**host.sources, **dict.fromkeys(figures, source)})
     return host, [f"host per-op costs x{k:.2f}: eager op {host.eager_op_s * 1e6:.1f} us ({cal.label}: dpq's issuing "
-                  f"thread {measured:.2f} ms per lane-iteration at world {got.get('world')}, {got.get('path')}; the "
-                  f"model gave {model_ms_per_lane_iteration:.2f})"]
+                  f"thread {measured:.2f} ms per lane-iteration at world {got.get('world')}, {got.get('path')}, "
+                  f"{whence}; the model gave {then_ms:.2f}{then})"]
 
 
 def rebase(cal: Calibration, gpu_key: str, gpu, host, counts: dict[str, ModelCounts], *, paths_host: bool = True):
@@ -264,7 +300,8 @@ def rebase(cal: Calibration, gpu_key: str, gpu, host, counts: dict[str, ModelCou
         eager_m = compile_m = None
     if eager_m is not None and eager_m.host_ms_per_iteration and "eager" in counts and counts["eager"].eager_ops:
         eager_op = eager_m.host_ms_per_iteration / 1e3 / counts["eager"].eager_ops
-        host_figures.update(eager_op_s=eager_op, compiled_extern_s=eager_op)
+        host_figures.update(eager_op_s=eager_op, compiled_extern_s=eager_op,
+                            view_op_s=eager_op * host.view_op_s / host.eager_op_s)  # the stated ratio kept
         notes.append(f"eager_op_s {eager_op * 1e6:.2f} us ({label}: eager host {eager_m.host_ms_per_iteration:.2f} "
                      f"ms per iteration / {counts['eager'].eager_ops:.0f} ops)")
     if compile_m is not None and compile_m.host_ms_per_iteration and "compile" in counts:

@@ -45,6 +45,7 @@ class HostCosts:
     """The issuing host's time per thing it issues (a server CPU, CUDA torch)."""
 
     eager_op_s: float  # an eager aten op on CUDA: Python, dispatcher, autograd, cudaLaunchKernel
+    view_op_s: float  # an op that only makes a view (slice, view, select): Python, dispatcher, no launch
     compiled_kernel_s: float  # one kernel of an inductor-compiled graph: its wrapper line + Triton's launcher
     compiled_extern_s: float  # an extern call (cuBLAS, flash attention) inside a compiled graph: an aten op
     region_call_s: float  # one call of a compiled graph, forward or backward: guards, AOT wrappers, the graph call
@@ -113,13 +114,18 @@ _TRITONBENCH = ("meta-pytorch/tritonbench#1016/#1017 (GB200 host): an inductor k
                 "with Triton's binder and cuLaunchKernel) 6.8-9.1 us; a one-kernel compiled graph end to end "
                 "(guards, DeviceGuard, CompiledFxGraph) 33-44 us")
 HOST = HostCosts(
-    eager_op_s=6.5e-6, compiled_kernel_s=8e-6, compiled_extern_s=6.5e-6, region_call_s=40e-6, wait_s=1.5e-6,
+    eager_op_s=6.5e-6, view_op_s=1.0e-6, compiled_kernel_s=8e-6, compiled_extern_s=6.5e-6, region_call_s=40e-6,
+    wait_s=1.5e-6,
     host_copy_bw=10e9, compile_s=60.0, recompile_s=15.0,
     sources={
         "eager_op_s": "published breakdowns of one eager CUDA op's CPU path (Python ~1 us, binding ~1 us, autograd "
                       "1-3 us, ATen dispatch 1-2 us, cudaLaunchKernel 1-3 us: ~5-8 us on a server CPU; e.g. "
                       "jiahuanglin.xyz 'From PyTorch op to kernel launch'); the CPU-measured figure of "
                       "benchmarks/timeline.py is reported beside it as an upper bound",
+        "view_op_s": "the H200 lease's world-2 trace (benchmarks/calibration/NVIDIA_H200-2026-12-04"
+                     ".trace_world2.json.gz): on dpq's issuing thread the median view op (slice, view, "
+                     "select, unbind) took 3.3 us against 21.2 us for the other aten ops (profiled; 1308 and "
+                     "770 ops): 0.16 x eager_op_s",
         "compiled_kernel_s": _TRITONBENCH,
         "compiled_extern_s": "an extern kernel of a compiled graph goes through aten like an eager op",
         "region_call_s": _TRITONBENCH + "; a block's graph guards on more inputs (assumed 40 us per call)",

@@ -93,7 +93,7 @@ from torch.utils.flop_counter import flop_registry
 import dpq.streams as dpq_streams
 from dpq.comm_base import CommunicatorBase, ordered_sum
 from dpq.testing.timeline.shapes import TensorMeta
-from dpq.testing.timeline.work import attention_flops, named_args, work_of
+from dpq.testing.timeline.work import attention_flops, is_view_schema, named_args, work_of
 
 __all__ = ["HOST", "ModelNccl", "Op", "TimelineModel", "device_of_place", "lead_of", "place_of_device", "without_modes"]
 
@@ -124,7 +124,8 @@ def device_of_place(place: int | None) -> torch.device:
 class Op:
     """One recorded op, in issue order. ``kind``: kernel (device work), copy (a transfer), collective,
     wait (a stream waiting for an event), sync (the host waiting), host (host work on host memory),
-    marker (iteration and backward boundaries)."""
+    marker (iteration and backward boundaries), view (an op that only makes views: the issuing
+    thread's dispatch, no device work)."""
 
     id: int
     name: str
@@ -749,8 +750,10 @@ class TimelineModel:
     def on_op(self, func, args, kwargs, out) -> None:
         schema = func._schema
         name = schema.name
-        if schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
-            return  # a view: metadata only
+        if is_view_schema(schema):
+            # metadata only: no kernel, but the issuing thread's dispatch (replay: ``view_op_s``)
+            self._add(self._new(name, "view"))
+            return
         ins, outs = _tensors((args, kwargs)), _tensors(out)
         if name == "aten::copy_":
             dst_t, src_t = args[0], args[1]

@@ -95,6 +95,8 @@ class Pricing:
             return host.region_call_s
         if op.kind == "host":
             return host.eager_op_s + self.scaled_bytes(op) / host.host_copy_bw
+        if op.kind == "view":
+            return host.view_op_s
         if op.kind == "kernel" and op.region:
             return host.compiled_extern_s if op.work != "elementwise" else host.compiled_kernel_s
         if op.kind in ("kernel", "copy", "collective"):
@@ -202,6 +204,12 @@ class Timeline:
         out["iteration"] = self.seconds_per_iteration()
         return out
 
+    def views_per_lane_iteration(self) -> float:
+        """The issuing thread's view ops (kind ``view``) per steady lane-iteration."""
+        steady = {it.index for it in self.steady()}
+        views = sum(1 for op in self.ops if op.kind == "view" and op.thread == "main" and op.iteration in steady)
+        return views / len(steady) / len(self.lane_streams)
+
 
 def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     """Replay the record with CUDA's semantics (module docstring) as ``pricing`` says.
@@ -274,7 +282,7 @@ def _host_pass(ops: list[Op], cost: dict[int, float], device_end: dict[int, floa
         begin = gil.place(host[th], cost[op.id]) if op.gil else host[th]
         host[th] = begin + cost[op.id]
         issue[op.id] = host[th]
-        if op.kind in ("host", "call"):
+        if op.kind in ("host", "call", "view"):
             host_end[op.id] = host[th]
         else:
             issued_end = max(issued_end, device_end.get(op.id, 0.0))

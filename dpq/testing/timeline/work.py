@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["ATTENTION", "MATMULS", "attention_flops", "named_args", "work_of"]
+__all__ = ["ATTENTION", "MATMULS", "attention_flops", "is_view", "is_view_schema", "named_args", "work_of"]
 
 MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
                      "extern_kernels.mm", "extern_kernels.addmm", "extern_kernels.bmm", "extern_kernels.baddbmm"})
@@ -29,6 +29,25 @@ _ATTENTION_BACKWARD = frozenset({
     "aten::_scaled_dot_product_cudnn_attention_backward", "aten::_flash_attention_backward",
     "aten::_efficient_attention_backward"})
 ATTENTION = _ATTENTION_FORWARD | _ATTENTION_BACKWARD
+
+
+def is_view_schema(schema) -> bool:
+    """An op that only makes views (every output aliases an input, none written): metadata, no
+    kernel. On an accelerator it still costs the issuing thread an op's dispatch (``view_op_s``)."""
+    return bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write
+                                        for r in schema.returns)
+
+
+def is_view(name: str) -> bool:
+    """:func:`is_view_schema` for a profiler's op name (``aten::slice``): some overload of it is a view."""
+    import torch
+
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None) if name.startswith("aten::") else None
+    try:
+        overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+    except (AttributeError, RuntimeError):
+        return False
+    return any(is_view_schema(o._schema) for o in overloads)
 
 
 def work_of(name: str) -> str:
