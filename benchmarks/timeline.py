@@ -154,8 +154,7 @@ def calibrated(cal: Calibration | None, gpu_key: str, host: HostCosts, one_lane:
     if not several:
         return rebase(cal, gpu_key, gpu, host, counts)
     modeled = simulate(lanes[(issuing["path"], several[0])], Pricing(RECORDED, shape, gpu, host))
-    host, notes = issuing_scale(cal, host, modeled.breakdown()["host_per_lane_iteration"] * 1e3,
-                                modeled.views_per_lane_iteration())
+    host, notes = issuing_scale(cal, host, modeled.breakdown()["host_per_lane_iteration"] * 1e3)
     gpu, host, more = rebase(cal, gpu_key, gpu, host, counts, paths_host=False)
     return gpu, host, notes + more
 

@@ -279,22 +279,21 @@ def test_timeline_issuing_figure_is_bounded_by_the_unprofiled_walls():
     assert h.eager_op_s == pytest.approx(2.0 * HOST.eager_op_s) and "unprofiled" in notes[0]
 
 
-def test_timeline_issuing_scale_compares_the_measured_codes_views():
-    """Note [the measured code's views]: the run's view ops per lane-iteration stand in for today's
-    before the scale is taken, so fewer views today make the model's issuing thread cheaper."""
+def test_timeline_issuing_scale_prices_the_measured_codes_own_ops():
+    """Note [the measured code's ops]: with the run's op counts the scale is the measured time over
+    those ops at the stated costs, whatever today's code issues (the model's figure is not used)."""
     from dpq.testing.timeline.calibration import issuing_scale
 
     data = {"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200", "date": "2026-12-04",
             "block": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
             "dpq_issuing": {"world": 2, "path": "compile", "own_ms_per_lane_iteration": 20.0,
                             "ops_per_lane_iteration": {"views": 1000.0, "other": 200.0}}}
-    cal = Calibration.from_dict(data)
-    then = 1000 * HOST.view_op_s * 1e3  # the run's views, today's none
-    h, notes = issuing_scale(cal, HOST, 5.0, model_views=0.0)
-    assert h.eager_op_s == pytest.approx(HOST.eager_op_s * 20.0 / (5.0 + then)) and "1000 view ops" in notes[0]
-    same, _ = issuing_scale(cal, HOST, 5.0, model_views=1000.0)  # as many as the run made: no change
-    assert same.eager_op_s == pytest.approx(HOST.eager_op_s * 4.0)
-    assert issuing_scale(cal, HOST, 5.0)[0] == same  # today's views unknown: none assumed apart
+    then = (200 * HOST.eager_op_s + 1000 * HOST.view_op_s) * 1e3
+    h, notes = issuing_scale(Calibration.from_dict(data), HOST, 5.0)
+    assert h.eager_op_s == pytest.approx(HOST.eager_op_s * 20.0 / then) and "200 ops and 1000 views" in notes[0]
+    assert issuing_scale(Calibration.from_dict(data), HOST, 1.0) == (h, notes)  # today's code: not the scale's
+    del data["dpq_issuing"]["ops_per_lane_iteration"]
+    assert issuing_scale(Calibration.from_dict(data), HOST, 5.0)[0].eager_op_s == pytest.approx(4 * HOST.eager_op_s)
 
 
 def test_timeline_views_cost_the_issuing_thread_only(two_lanes):
@@ -304,7 +303,8 @@ def test_timeline_views_cost_the_issuing_thread_only(two_lanes):
     assert views and all(op.stream is None for op in views)
     tl = replay(two_lanes, "8b", "h100")
     dear = replay(two_lanes, "8b", "h100", host=HOST.rebased(view_op_s=HOST.view_op_s + 1e-4))
-    n = tl.views_per_lane_iteration()
+    steady = {it.index for it in tl.steady()}
+    n = sum(op.kind == "view" and op.thread == "main" and op.iteration in steady for op in tl.ops) / len(steady) / 2
     assert n > 0
     got = dear.breakdown()["host_per_lane_iteration"] - tl.breakdown()["host_per_lane_iteration"]
     assert got == pytest.approx(n * 1e-4, rel=1e-6)

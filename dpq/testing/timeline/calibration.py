@@ -222,37 +222,40 @@ def issuing_bound(got: dict) -> tuple[float | None, str]:
     return ms / w, f"bounded by world {w}'s unprofiled {ms:.1f} ms per iteration / {w} (profiled: {profiled})"
 
 
-def issuing_scale(cal: Calibration, host, model_ms_per_lane_iteration: float, model_views: float | None = None):
-    """``host`` with every per-op cost scaled by one factor, so that the model's issuing thread per
-    lane-iteration (``model_ms_per_lane_iteration``, its replay of the calibration's block at the
-    measured world and path with ``host``) is what dpq's issuing thread measured (``dpq_issuing``:
-    its own time, outside blocking calls, the readback wait and the backward call; at most the
-    unprofiled bound, :func:`issuing_bound`). Returns (host, notes); ``host`` unchanged where the
-    file has no such figure.
+def issuing_scale(cal: Calibration, host, model_ms_per_lane_iteration: float):
+    """``host`` with every per-op cost scaled by one factor, so that the issuing thread per
+    lane-iteration of the code the run measured costs what dpq's issuing thread measured
+    (``dpq_issuing``: its own time, outside blocking calls, the readback wait and the backward call;
+    at most the unprofiled bound, :func:`issuing_bound`). Returns (host, notes); ``host`` unchanged
+    where the file has no such figure.
 
-    Note [the measured code's views]
-    The run measured the code of its day; the model replays today's. Where the file counts the
-    view ops the issuing thread made per lane-iteration (``ops_per_lane_iteration.views``, from its
-    trace) and ``model_views`` says how many today's code makes, the model's figure is first moved
-    by the difference at ``view_op_s``: the scale then compares like with like, and a change that
-    makes fewer views (7816b19: the exchange's views made once) shows in the table instead of being
-    absorbed into the scale."""
+    Note [the measured code's ops]
+    The run measured the code of its day; the model replays today's. Where the file counts the ops
+    the issuing thread issued per lane-iteration (``ops_per_lane_iteration``: its outermost aten
+    ops, views and others, from its trace), the scale prices *those* at the stated costs
+    (``eager_op_s``, ``view_op_s``) and compares them with the measured time: the per-op cost is the
+    measured code's, and today's code is priced by its own ops, so a change that issues fewer ops
+    (7816b19's views made once, the five-op pack) shows in the table instead of being absorbed
+    into the scale. Without counts, ``model_ms_per_lane_iteration`` (the model's replay of the
+    calibration's block at the measured world and path with ``host``) stands in for them."""
     got = cal.extra.get("dpq_issuing") or {}
     measured, whence = issuing_bound(got)
-    if not measured or model_ms_per_lane_iteration <= 0:
+    ops = got.get("ops_per_lane_iteration") or {}
+    if ops:
+        then_ms = (ops.get("other", 0.0) * host.eager_op_s + ops.get("views", 0.0) * host.view_op_s) * 1e3
+        then = (f"the run's own {ops.get('other', 0.0):.0f} ops and {ops.get('views', 0.0):.0f} views per "
+                f"lane-iteration at the stated costs: {then_ms:.2f}")
+    else:
+        then_ms, then = model_ms_per_lane_iteration, f"the model gave {model_ms_per_lane_iteration:.2f}"
+    if not measured or then_ms <= 0:
         return host, []
-    views = (got.get("ops_per_lane_iteration") or {}).get("views")
-    then_ms, then = model_ms_per_lane_iteration, ""
-    if views is not None and model_views is not None:
-        then_ms += (views - model_views) * host.view_op_s * 1e3
-        then = f" with the run's {views:.0f} view ops per lane-iteration for today's {model_views:.0f}"
     k = measured / then_ms
     figures = {name: getattr(host, name) * k for name in HOST_OP_COSTS}
     source = f"calibrated: {cal.label} (dpq's issuing thread)"
     host = host.rebased(**figures, calibrated=cal.label, sources={**host.sources, **dict.fromkeys(figures, source)})
     return host, [f"host per-op costs x{k:.2f}: eager op {host.eager_op_s * 1e6:.1f} us ({cal.label}: dpq's issuing "
                   f"thread {measured:.2f} ms per lane-iteration at world {got.get('world')}, {got.get('path')}, "
-                  f"{whence}; the model gave {then_ms:.2f}{then})"]
+                  f"{whence}; {then})"]
 
 
 def rebase(cal: Calibration, gpu_key: str, gpu, host, counts: dict[str, ModelCounts], *, paths_host: bool = True):

@@ -204,12 +204,6 @@ class Timeline:
         out["iteration"] = self.seconds_per_iteration()
         return out
 
-    def views_per_lane_iteration(self) -> float:
-        """The issuing thread's view ops (kind ``view``) per steady lane-iteration."""
-        steady = {it.index for it in self.steady()}
-        views = sum(1 for op in self.ops if op.kind == "view" and op.thread == "main" and op.iteration in steady)
-        return views / len(steady) / len(self.lane_streams)
-
 
 def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     """Replay the record with CUDA's semantics (module docstring) as ``pricing`` says.
