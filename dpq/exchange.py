@@ -706,8 +706,8 @@ class SignExchange(_Exchange):
                 plan.recv += list(take(buf.recv, rows, c))
                 plan.packed += list(take(buf.packed, rows, c // 4))
                 plan.gathered += list(take(buf.gathered, rows, m // 4))
-                pack = pack_views(take(buf.recv, rows, c), take(buf.planes, rows, 2, c), take(buf.words, rows * c // 4),
-                                  take(buf.tmp, rows * c // 4), take(buf.packed, rows, c // 4))
+                pack = pack_views(take(buf.recv, rows, c), take(buf.planes, rows, 2, c), buf.weights,
+                                  take(buf.weighted, rows * 2 * c), take(buf.packed, rows, c // 4))
                 dests = [apart[k][start:end] if apart is not None else grads[k] for k in ks]
                 unpack = unpack_views(plan.gathered[ks[0]], world, buf.table, buf.idx, buf.signs)
             plan.lanes.append(lane)

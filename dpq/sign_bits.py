@@ -24,6 +24,7 @@ __all__ = [
     "PackViews",
     "SignBuffers",
     "UnpackViews",
+    "bit_weights",
     "lanes_share_buffers",
     "pack_into",
     "pack_signs",
@@ -38,10 +39,11 @@ __all__ = [
     "unpack_views",
 ]
 
-# pack_signs reads 8 bools as one int64 word, bool b in byte b: that is the little-endian order.
-# Every device torch runs on is little-endian; a big-endian host would need another packing.
+# unpack_signs reads a table entry's 8 signs as one int64 word, sign b in byte b: that is the
+# little-endian order. Every device torch runs on is little-endian; a big-endian host would need
+# another table.
 if sys.byteorder != "little":  # pragma: no cover - no such machine in CI
-    raise ImportError("dpq: the sign exchange's bit packing assumes a little-endian host")
+    raise ImportError("dpq: the sign exchange's bit unpacking assumes a little-endian host")
 
 
 def sign_padded_length(n: int, world: int) -> int:
@@ -61,49 +63,51 @@ def take(buf: Tensor, *shape: int) -> Tensor:
 @dataclass(frozen=True)
 class PackViews:
     """:func:`pack_signs`' operands as the views its ops write and read, made once (:func:`pack_views`):
-    a bucket reuses them every iteration, so :func:`pack_into` issues only the ten ops that compute,
+    a bucket reuses them every iteration, so :func:`pack_into` issues only the five ops that compute,
     no view op (on an accelerator every op is host time on the one issuing thread)."""
 
     r: Tensor  # (L, c) fp32 sums
     negative: Tensor  # planes[:, 0]
     nonzero: Tensor  # planes[:, 1]
-    x: Tensor  # the planes' bytes as int64 words
-    words: Tensor
-    tmp: Tensor
-    out: Tensor  # (L * c/4,) uint8, flat
+    octets: Tensor  # the planes' bytes, 8 a row: (L*2c/8, 8) uint8
+    weights: Tensor  # (8,) uint8: 1, 2, 4, ... 128 (bit_weights)
+    weighted: Tensor  # (L*2c/8, 8) uint8 scratch: each byte times its bit's weight
+    out: Tensor  # (L*2c/8,) uint8, flat
 
 
-def pack_views(r: Tensor, planes: Tensor, words: Tensor, tmp: Tensor, out: Tensor) -> PackViews:
+def bit_weights(device: torch.device | str = "cpu") -> Tensor:
+    """uint8 (8,): byte b of an octet of 0/1 bytes weighs 2**b (made on ``device``, no copy)."""
+    return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=device),
+                                    torch.arange(8, dtype=torch.uint8, device=device))
+
+
+def pack_views(r: Tensor, planes: Tensor, weights: Tensor, weighted: Tensor, out: Tensor) -> PackViews:
     """The views :func:`pack_into` works on (:func:`pack_signs` says what each operand is)."""
-    return PackViews(r, planes[:, 0], planes[:, 1], planes.view(-1).view(torch.uint8).view(torch.int64), words, tmp,
-                     out.view(-1))
+    octets = planes.view(-1).view(torch.uint8).view(-1, 8)
+    return PackViews(r, planes[:, 0], planes[:, 1], octets, weights, weighted.view(-1, 8), out.view(-1))
 
 
 def pack_into(v: PackViews) -> None:
-    """:func:`pack_signs` on views made once: ten ops, whatever the rows."""
+    """:func:`pack_signs` on views made once: five ops, whatever the rows."""
     torch.lt(v.r, 0, out=v.negative)
     torch.gt(v.r, 0, out=v.nonzero)
     v.nonzero.logical_or_(v.negative)  # nonzero = negative or positive: NaN is neither
-    torch.bitwise_right_shift(v.x, 7, out=v.tmp)  # bools are bytes holding 0 or 1
-    torch.bitwise_or(v.x, v.tmp, out=v.words).bitwise_and_(0x0003000300030003)  # bits 2j, 2j+1 in each 16-bit lane
-    torch.bitwise_right_shift(v.words, 14, out=v.tmp)
-    v.words.bitwise_or_(v.tmp).bitwise_and_(0x0000000F0000000F)  # 4 bits in each 32-bit lane
-    torch.bitwise_right_shift(v.words, 28, out=v.tmp)
-    v.words.bitwise_or_(v.tmp).bitwise_and_(0xFF)  # the 8 bits in the low byte, nothing above
-    v.out.copy_(v.words)
+    torch.mul(v.octets, v.weights, out=v.weighted)  # bools are bytes holding 0 or 1: bit b's value or 0
+    torch.sum(v.weighted, 1, dtype=torch.uint8, out=v.out)  # distinct bits: the sum is their OR, at most 255
 
 
-def pack_signs(r: Tensor, planes: Tensor, words: Tensor, tmp: Tensor, out: Tensor) -> None:
+def pack_signs(r: Tensor, planes: Tensor, weighted: Tensor, out: Tensor, weights: Tensor | None = None) -> None:
     """Rows of fp32 sums ``r`` (L, c), c a multiple of 8 -> ``out`` (L, c/4) uint8: per row the
     negative plane then the nonzero plane, element 8*i + b in bit b of byte i of its plane.
 
     (negative, nonzero): 0 and NaN -> (0, 0), +x -> (0, 1), -x -> (1, 1), as ``torch.sign``.
-    Scratch: ``planes`` bool (L, 2, c), ``words`` and ``tmp`` int64 (L*c/4,). Ten ops whatever
-    L is: each word holds 8 bools (bytes 0 or 1), and three shift-or-mask steps gather them
-    into its low byte (bit i of byte i moves to bit i of byte 0: pairs, then nibbles, then the
-    byte), which the final copy keeps.
+    Scratch: ``planes`` bool (L, 2, c), ``weighted`` uint8 (L*2c,). Five ops whatever L is: the two
+    planes (three comparisons), then each octet of 0/1 bytes times (1, 2, ..., 128) and summed in
+    uint8 (``weights``: :func:`bit_weights` on the device, made here when not given). Integer
+    arithmetic on distinct bits: the bytes are exact, on every device and CPU capability.
     """
-    pack_into(pack_views(r, planes, words, tmp, out))
+    w = bit_weights(r.device) if weights is None else weights
+    pack_into(pack_views(r, planes, w, weighted, out))
 
 
 @dataclass(frozen=True)
@@ -193,8 +197,8 @@ class SignBuffers:
             self.pad = torch.empty(rows * pad_max, dtype=torch.float32, device=dev)
             self.recv = torch.empty(rows * c, dtype=torch.float32, device=dev)
             self.planes = torch.empty(rows * 2 * c, dtype=torch.bool, device=dev)
-            self.words = torch.empty(rows * c // 4, dtype=torch.int64, device=dev)
-            self.tmp = torch.empty(rows * c // 4, dtype=torch.int64, device=dev)
+            self.weighted = torch.empty(rows * 2 * c, dtype=torch.uint8, device=dev)
+            self.weights = bit_weights(dev)  # a constant, like the table below
             self.packed = torch.empty(rows * c // 4, dtype=torch.uint8, device=dev)
             self.gathered = torch.empty(rows * m_max // 4, dtype=torch.uint8, device=dev)
             # the unpack's table (a constant: written here on the lane's stream, only read after), its

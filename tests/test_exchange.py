@@ -338,15 +338,36 @@ def test_pack_and_unpack_signs_are_torch_sign(world):
     special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 1e-45, -1e-45, 0.0, 3.0])
     r[:, :8] = special
     planes = torch.empty(2 * world * c, dtype=torch.bool)
-    words, tmp = torch.empty(2, world * c // 4, dtype=torch.int64)
+    weighted = torch.empty(world * 2 * c, dtype=torch.uint8)
     packed = torch.empty(world, c // 4, dtype=torch.uint8)
-    pack_signs(r, take(planes, world, 2, c), words, tmp, packed)
+    pack_signs(r, take(planes, world, 2, c), weighted, packed)
     expected = torch.sign(r).view(-1).to(torch.int8)
     table = sign_table()
     assert torch.equal(unpack_signs(packed.view(-1), world, table), expected)
     assert torch.equal(unpack_by_shifts(packed.view(world, 2, -1)), expected)
     idx, out = torch.empty(2, world * c // 8 + 5, dtype=torch.int64)  # reused memory, longer than needed
     assert torch.equal(unpack_signs(packed.view(-1), world, table, idx, out), expected)
+
+
+def test_pack_gives_every_byte_and_issues_five_ops():
+    """Every octet pattern packs to its byte in both planes (bit b from element 8*i + b), in the five
+    ops pack_into names: three comparisons, the weights, the uint8 sum (the int64-word packing it
+    replaced issued ten)."""
+    from dpq.sign_bits import bit_weights, pack_into, pack_views, take
+
+    octet = torch.arange(256).unsqueeze(1)
+    bits = ((octet >> torch.arange(8)) & 1).view(1, -1).float()  # octet i: element b is bit b of i
+    r = torch.cat([bits, -bits])  # row 0 positive where set, row 1 negative where set
+    c = r.shape[1]
+    planes, weighted = torch.empty(2 * 2 * c, dtype=torch.bool), torch.empty(2 * 2 * c, dtype=torch.uint8)
+    packed = torch.empty(2, c // 4, dtype=torch.uint8)
+    v = pack_views(r, take(planes, 2, 2, c), bit_weights(), weighted, packed)
+    views, others = _ops_of(lambda: pack_into(v))
+    names = [op.split(" at ")[0] for op in others]
+    assert views == [] and names == ["aten::lt", "aten::gt", "aten::logical_or_", "aten::mul", "aten::sum"], others
+    every = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(packed[0], torch.cat([torch.zeros(256, dtype=torch.uint8), every]))  # negative | nonzero
+    assert torch.equal(packed[1], torch.cat([every, every]))
 
 
 def _ops_of(fn) -> tuple[list[str], list[str]]:
