@@ -597,7 +597,8 @@ class SignExchange(_Exchange):
     rounded values, which gives exactly-zero gradients on every lane). A single sign bit
     would turn 0 into +-1 and move parameters serial SignSGD leaves alone. So each element
     gets a "negative" bit and a "nonzero" bit, each plane packed 8 elements to a byte; a
-    lane's packed chunk is [negative plane | nonzero plane]. The gather moves 2 bits per
+    lane's packed chunk holds, per octet of elements, its negative byte then its nonzero byte
+    (one uint16 per octet, which the unpack looks up whole). The gather moves 2 bits per
     element, so wire bytes per element per lane are (W-1)/W x (4 + 0.25) = (W-1)/W x 4.25,
     counted on the padded length m (exactly ``17*(W-1)*m // (4*W)`` per bucket; docs/DESIGN.md,
     contract 3).
@@ -706,7 +707,7 @@ class SignExchange(_Exchange):
                 plan.recv += list(take(buf.recv, rows, c))
                 plan.packed += list(take(buf.packed, rows, c // 4))
                 plan.gathered += list(take(buf.gathered, rows, m // 4))
-                pack = pack_views(take(buf.recv, rows, c), take(buf.planes, rows, 2, c), buf.weights,
+                pack = pack_views(take(buf.recv, rows, c), take(buf.planes, rows, c // 8, 2, 8), buf.weights,
                                   take(buf.weighted, rows * 2 * c), take(buf.packed, rows, c // 4))
                 dests = [apart[k][start:end] if apart is not None else grads[k] for k in ks]
                 unpack = unpack_views(plan.gathered[ks[0]], world, buf.table, buf.idx, buf.signs)

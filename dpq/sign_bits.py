@@ -2,9 +2,10 @@
 
 Sign is three-valued and exact zeros are common, so one bit per element cannot carry it
 (see :class:`dpq.exchange.SignExchange`). :func:`pack_signs` turns rows of summed fp32
-gradients into [negative plane | nonzero plane] bytes per row; :func:`unpack_signs` turns the
-gathered chunks back into int8 signs in {-1, 0, +1}, exactly what ``torch.sign`` gives for the
-summed gradient. :class:`SignBuffers` holds every buffer one group of lanes needs for it,
+gradients into byte pairs, per octet of elements its negative byte then its nonzero byte;
+:func:`unpack_signs` reads each pair as one little-endian uint16 and turns the gathered chunks
+back into int8 signs in {-1, 0, +1}, exactly what ``torch.sign`` gives for the summed gradient.
+:class:`SignBuffers` holds every buffer one group of lanes needs for it,
 allocated once and reused for every bucket and iteration (the exchange's host work per
 bucket is then a fixed, small number of ops, none of them an allocation).
 """
@@ -66,10 +67,10 @@ class PackViews:
     a bucket reuses them every iteration, so :func:`pack_into` issues only the five ops that compute,
     no view op (on an accelerator every op is host time on the one issuing thread)."""
 
-    r: Tensor  # (L, c) fp32 sums
-    negative: Tensor  # planes[:, 0]
-    nonzero: Tensor  # planes[:, 1]
-    octets: Tensor  # the planes' bytes, 8 a row: (L*2c/8, 8) uint8
+    r: Tensor  # (L, c/8, 8) fp32 sums, an octet a row
+    negative: Tensor  # planes[:, :, 0]
+    nonzero: Tensor  # planes[:, :, 1]
+    octets: Tensor  # the planes' bytes, 8 a row: (L*2c/8, 8) uint8, each octet's negative then nonzero
     weights: Tensor  # (8,) uint8: 1, 2, 4, ... 128 (bit_weights)
     weighted: Tensor  # (L*2c/8, 8) uint8 scratch: each byte times its bit's weight
     out: Tensor  # (L*2c/8,) uint8, flat
@@ -84,7 +85,8 @@ def bit_weights(device: torch.device | str = "cpu") -> Tensor:
 def pack_views(r: Tensor, planes: Tensor, weights: Tensor, weighted: Tensor, out: Tensor) -> PackViews:
     """The views :func:`pack_into` works on (:func:`pack_signs` says what each operand is)."""
     octets = planes.view(-1).view(torch.uint8).view(-1, 8)
-    return PackViews(r, planes[:, 0], planes[:, 1], octets, weights, weighted.view(-1, 8), out.view(-1))
+    return PackViews(r.view(r.shape[0], -1, 8), planes[:, :, 0], planes[:, :, 1], octets, weights,
+                     weighted.view(-1, 8), out.view(-1))
 
 
 def pack_into(v: PackViews) -> None:
@@ -97,11 +99,11 @@ def pack_into(v: PackViews) -> None:
 
 
 def pack_signs(r: Tensor, planes: Tensor, weighted: Tensor, out: Tensor, weights: Tensor | None = None) -> None:
-    """Rows of fp32 sums ``r`` (L, c), c a multiple of 8 -> ``out`` (L, c/4) uint8: per row the
-    negative plane then the nonzero plane, element 8*i + b in bit b of byte i of its plane.
+    """Rows of fp32 sums ``r`` (L, c), c a multiple of 8 -> ``out`` (L, c/4) uint8: per row and octet
+    i of elements, byte 2i its negative bits and byte 2i+1 its nonzero bits, element 8*i + b in bit b.
 
     (negative, nonzero): 0 and NaN -> (0, 0), +x -> (0, 1), -x -> (1, 1), as ``torch.sign``.
-    Scratch: ``planes`` bool (L, 2, c), ``weighted`` uint8 (L*2c,). Five ops whatever L is: the two
+    Scratch: ``planes`` bool (L, c/8, 2, 8), ``weighted`` uint8 (L*2c,). Five ops whatever L is: the two
     planes (three comparisons), then each octet of 0/1 bytes times (1, 2, ..., 128) and summed in
     uint8 (``weights``: :func:`bit_weights` on the device, made here when not given). Integer
     arithmetic on distinct bits: the bytes are exact, on every device and CPU capability.
@@ -113,12 +115,10 @@ def pack_signs(r: Tensor, planes: Tensor, weighted: Tensor, out: Tensor, weights
 @dataclass(frozen=True)
 class UnpackViews:
     """:func:`unpack_signs`' operands as views made once (:func:`unpack_views`): :func:`unpack_into`
-    then issues its three ops and no view op."""
+    then issues its two ops and no view op."""
 
-    negative: Tensor  # the gathered negative planes, (W, c/8) uint8
-    nonzero: Tensor
-    rows: Tensor  # the index, (W, c/8) int64
-    idx: Tensor  # the same, flat
+    pairs: Tensor  # the gathered byte pairs as uint16 (W*c/8,): nonzero << 8 | negative
+    idx: Tensor  # int32 (W*c/8,): the table's index
     table: Tensor
     out: Tensor  # int64 (W*c/8,)
     signs: Tensor  # ``out`` as int8 (W*c,): the result
@@ -126,41 +126,43 @@ class UnpackViews:
 
 def unpack_views(packed: Tensor, world: int, table: Tensor, idx: Tensor | None = None,
                  out: Tensor | None = None) -> UnpackViews:
-    """The views :func:`unpack_into` works on; ``idx`` and ``out`` (int64, at least W*c/8 each) are
-    allocated here when not given."""
-    planes = packed.view(world, 2, -1)
-    words = planes.shape[2] * world
-    idx = torch.empty(words, dtype=torch.int64, device=packed.device) if idx is None else idx[:words]
-    out = torch.empty(words, dtype=torch.int64, device=packed.device) if out is None else out[:words]
-    return UnpackViews(planes[:, 0], planes[:, 1], idx.view(world, -1), idx, table, out, out.view(torch.int8))
+    """The views :func:`unpack_into` works on; ``idx`` (int32) and ``out`` (int64), at least W*c/8
+    each, are allocated here when not given (``world``: the chunks gathered, for the caller's
+    reading; the pairs need no shape)."""
+    pairs = packed.view(-1).view(torch.uint16)
+    n = pairs.numel()
+    idx = torch.empty(n, dtype=torch.int32, device=packed.device) if idx is None else idx[:n]
+    out = torch.empty(n, dtype=torch.int64, device=packed.device) if out is None else out[:n]
+    return UnpackViews(pairs, idx, table, out, out.view(torch.int8))
 
 
 def unpack_into(v: UnpackViews) -> Tensor:
-    """:func:`unpack_signs` on views made once: the index, its low byte, the gather."""
-    v.rows.copy_(v.negative)
-    v.rows.bitwise_left_shift_(8).add_(v.nonzero)
+    """:func:`unpack_signs` on views made once: the index (each pair widened), the gather."""
+    v.idx.copy_(v.pairs)  # uint16 -> int32: index_select takes int32 or int64 indices
     torch.index_select(v.table, 0, v.idx, out=v.out)
     return v.signs
 
 
 def unpack_signs(packed: Tensor, world: int, table: Tensor, idx: Tensor | None = None,
                  out: Tensor | None = None) -> Tensor:
-    """uint8 (W * 2 * c/8,) of [negative plane | nonzero plane] per chunk -> int8 signs (W*c,).
+    """uint8 (W * c/4,) of byte pairs (negative, nonzero) per octet -> int8 signs (W*c,).
 
-    One table lookup per 8 elements: (negative byte, nonzero byte) -> the 8 signs as one int64
-    (``table``: :func:`sign_table` on the device of ``packed``). Three ops whatever the bucket (the
-    index, its low byte, the gather), reading 2 bytes and writing 8 per 8 elements, where a shift per
-    bit position reads and writes every element several times. ``idx`` and ``out`` (int64, W*c/8
-    each) may be given to reuse their memory."""
+    One table lookup per 8 elements: the pair read as one little-endian uint16 (``nonzero << 8 |
+    negative``) -> the 8 signs as one int64 (``table``: :func:`sign_table` on the device of
+    ``packed``). Two ops whatever the bucket (the index widened to int32, the gather), reading 2
+    bytes and writing 8 per 8 elements, where a shift per bit position reads and writes every
+    element several times. ``idx`` (int32) and ``out`` (int64), W*c/8 each, may be given to reuse
+    their memory."""
     return unpack_into(unpack_views(packed, world, table, idx, out))
 
 
-def unpack_by_shifts(planes: Tensor) -> Tensor:
+def unpack_by_shifts(packed: Tensor) -> Tensor:
     """The same values as :func:`unpack_signs` computed bit position by bit position (a cross-check
-    of the table): uint8 (W, 2, c/8) -> int8 (W*c,)."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=planes.device)
-    negative = ((planes[:, 0].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
-    nonzero = ((planes[:, 1].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
+    of the table): uint8 (W * c/4,) byte pairs -> int8 (W*c,)."""
+    pairs = packed.view(-1, 2)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    negative = ((pairs[:, 0].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
+    nonzero = ((pairs[:, 1].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
     return nonzero.sub_(negative).sub_(negative).view(-1)  # negative implies nonzero: -1, +1 or 0
 
 
@@ -169,11 +171,12 @@ SIGN_TABLE_BYTES = 65536 * 8  # :func:`sign_table`'s memory on each lane's devic
 
 def sign_table(device: torch.device | str = "cpu") -> Tensor:
     """int64 (65536,) on ``device``, made there by a few ops (no host-to-device copy, no larger
-    temporary): entry ``neg << 8 | nz`` holds the int8 signs of the 8 elements of the (negative,
-    nonzero) byte pair, element b in byte b (little-endian, as ``view(torch.int8)`` reads it)."""
+    temporary): entry ``nz << 8 | neg`` (a byte pair read as a little-endian uint16) holds the int8
+    signs of the 8 elements of the (negative, nonzero) pair, element b in byte b (little-endian, as
+    ``view(torch.int8)`` reads it)."""
     byte = torch.arange(256, dtype=torch.int16, device=device)
     bits = ((byte.unsqueeze(1) >> torch.arange(8, dtype=torch.int16, device=device)) & 1).to(torch.int8)
-    table = bits.unsqueeze(0) - 2 * bits.unsqueeze(1)  # [neg, nz, b]: nz - 2*neg
+    table = bits.unsqueeze(1) - 2 * bits.unsqueeze(0)  # [nz, neg, b]: nz - 2*neg
     table.clamp_(-1, 1)  # neg without nz cannot occur
     return table.view(65536, 8).view(torch.int64).view(-1)
 
@@ -204,7 +207,7 @@ class SignBuffers:
             # the unpack's table (a constant: written here on the lane's stream, only read after), its
             # index and its result
             self.table = sign_table(dev)
-            self.idx = torch.empty(m_max // 8, dtype=torch.int64, device=dev)
+            self.idx = torch.empty(m_max // 8, dtype=torch.int32, device=dev)
             self.signs = torch.empty(m_max // 8, dtype=torch.int64, device=dev)
 
 

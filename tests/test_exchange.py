@@ -340,19 +340,20 @@ def test_pack_and_unpack_signs_are_torch_sign(world):
     planes = torch.empty(2 * world * c, dtype=torch.bool)
     weighted = torch.empty(world * 2 * c, dtype=torch.uint8)
     packed = torch.empty(world, c // 4, dtype=torch.uint8)
-    pack_signs(r, take(planes, world, 2, c), weighted, packed)
+    pack_signs(r, take(planes, world, c // 8, 2, 8), weighted, packed)
     expected = torch.sign(r).view(-1).to(torch.int8)
     table = sign_table()
     assert torch.equal(unpack_signs(packed.view(-1), world, table), expected)
-    assert torch.equal(unpack_by_shifts(packed.view(world, 2, -1)), expected)
-    idx, out = torch.empty(2, world * c // 8 + 5, dtype=torch.int64)  # reused memory, longer than needed
+    assert torch.equal(unpack_by_shifts(packed.view(-1)), expected)
+    idx = torch.empty(world * c // 8 + 5, dtype=torch.int32)  # reused memory, longer than needed
+    out = torch.empty(world * c // 8 + 5, dtype=torch.int64)
     assert torch.equal(unpack_signs(packed.view(-1), world, table, idx, out), expected)
 
 
 def test_pack_gives_every_byte_and_issues_five_ops():
-    """Every octet pattern packs to its byte in both planes (bit b from element 8*i + b), in the five
-    ops pack_into names: three comparisons, the weights, the uint8 sum (the int64-word packing it
-    replaced issued ten)."""
+    """Every octet pattern packs to its byte in both planes (bit b from element 8*i + b), each
+    octet's negative byte then its nonzero byte, in the five ops pack_into names: three comparisons,
+    the weights, the uint8 sum (the int64-word packing it replaced issued ten)."""
     from dpq.sign_bits import bit_weights, pack_into, pack_views, take
 
     octet = torch.arange(256).unsqueeze(1)
@@ -361,13 +362,28 @@ def test_pack_gives_every_byte_and_issues_five_ops():
     c = r.shape[1]
     planes, weighted = torch.empty(2 * 2 * c, dtype=torch.bool), torch.empty(2 * 2 * c, dtype=torch.uint8)
     packed = torch.empty(2, c // 4, dtype=torch.uint8)
-    v = pack_views(r, take(planes, 2, 2, c), bit_weights(), weighted, packed)
+    v = pack_views(r, take(planes, 2, c // 8, 2, 8), bit_weights(), weighted, packed)
     views, others = _ops_of(lambda: pack_into(v))
     names = [op.split(" at ")[0] for op in others]
     assert views == [] and names == ["aten::lt", "aten::gt", "aten::logical_or_", "aten::mul", "aten::sum"], others
     every = torch.arange(256, dtype=torch.uint8)
-    assert torch.equal(packed[0], torch.cat([torch.zeros(256, dtype=torch.uint8), every]))  # negative | nonzero
-    assert torch.equal(packed[1], torch.cat([every, every]))
+    assert torch.equal(packed[0].view(-1, 2), torch.stack([torch.zeros_like(every), every], 1))  # (negative, nonzero)
+    assert torch.equal(packed[1].view(-1, 2), torch.stack([every, every], 1))
+
+
+def test_unpack_looks_up_each_pair_in_two_ops():
+    """unpack_into: the byte pairs widened to int32 indices, the table's gather; every (negative,
+    nonzero) pair that can occur gives torch.sign's values (the unpack it replaced issued four ops)."""
+    from dpq.sign_bits import sign_table, unpack_by_shifts, unpack_into, unpack_views
+
+    neg, nz = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
+    possible = (neg & nz) == neg  # negative implies nonzero
+    pairs = torch.stack([neg[possible], nz[possible]], 1).to(torch.uint8).view(-1)
+    v = unpack_views(pairs, 1, sign_table())
+    views, others = _ops_of(lambda: unpack_into(v))
+    assert views == [] and [op.split(" at ")[0] for op in others] == ["aten::copy_", "aten::index_select"], others
+    assert torch.equal(v.signs, unpack_by_shifts(pairs))
+    assert set(v.signs.tolist()) == {-1, 0, 1}
 
 
 def _ops_of(fn) -> tuple[list[str], list[str]]:
