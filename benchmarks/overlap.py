@@ -62,7 +62,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from dpq.exchange import FullSumExchange, GradBuckets, SignExchange  # noqa: E402
+from dpq.exchange import OVERLAP_BUCKET_CAP, FullSumExchange, GradBuckets, SignExchange  # noqa: E402
 from dpq.fallback_p2p import LocalCommunicator  # noqa: E402
 from dpq.mirror import ReplicaSet  # noqa: E402
 from dpq.streams import make_lanes  # noqa: E402
@@ -159,6 +159,7 @@ class NoExchange:
     name = "none"
     overlap = False
     exact_signs = False
+    bucket_cap_elems = OVERLAP_BUCKET_CAP  # the buckets the overlapped modes use
 
     def __init__(self, comm) -> None:
         self.comm = comm

@@ -90,7 +90,12 @@ from dpq.sign_bits import (
 )
 from dpq.streams import Lane
 
-__all__ = ["BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange", "bucket_layout"]
+__all__ = ["OVERLAP_BUCKET_CAP", "BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange", "bucket_cap",
+           "bucket_layout"]
+
+# A bucket's elements when buckets are exchanged as the backward fills them (small enough that the
+# first is ready early; DDP's default 25 MB is 6.5M fp32 elements).
+OVERLAP_BUCKET_CAP = 2**22
 
 
 class GradBuckets:
@@ -108,18 +113,19 @@ class GradBuckets:
     whose forward uses the parameters in list order): an engine may exchange bucket i
     while backward still fills the rest. Every bucket boundary is a parameter boundary; a
     bucket holds consecutive parameters whose sizes add up to at most ``bucket_cap_elems``,
-    except that a larger parameter gets a bucket of its own.
+    except that a larger parameter gets a bucket of its own; None: at most the largest
+    parameter (:func:`bucket_cap`).
     """
 
     def __init__(
         self,
         params_per_lane: Sequence[Sequence[torch.nn.Parameter]],
-        bucket_cap_elems: int = 2**22,
+        bucket_cap_elems: int | None = OVERLAP_BUCKET_CAP,
         lanes: Sequence[Lane] | None = None,
     ) -> None:
         if len(params_per_lane) == 0:
             raise ValueError("dpq: GradBuckets needs the parameters of at least one lane")
-        if bucket_cap_elems < 1:
+        if bucket_cap_elems is not None and bucket_cap_elems < 1:
             raise ValueError(f"dpq: bucket_cap_elems must be positive, got {bucket_cap_elems}")
         if lanes is not None and len(lanes) != len(params_per_lane):
             raise ValueError(f"dpq: {len(lanes)} lanes for {len(params_per_lane)} parameter lists")
@@ -134,7 +140,7 @@ class GradBuckets:
         self.offsets = _reverse_offsets(sizes)
         self._views: list | None = None  # per lane: (buffer, each parameter's slot view), made once
         self.numel = sum(sizes)
-        self.bucket_params = bucket_layout(sizes, bucket_cap_elems)
+        self.bucket_params = bucket_layout(sizes, bucket_cap(sizes, bucket_cap_elems))
         self.bucket_ranges = [_range_of(ids, self.offsets, sizes) for ids in self.bucket_params]
         self.bucket_of = [0] * len(sizes)  # parameter index -> its bucket
         for b, ids in enumerate(self.bucket_params):
@@ -305,6 +311,22 @@ def _reverse_offsets(sizes: Sequence[int]) -> list[int]:
     return offsets
 
 
+def bucket_cap(sizes: Sequence[int], cap: int | None) -> int:
+    """The cap :func:`bucket_layout` uses: ``cap``, or for None the largest of ``sizes`` (at least
+    :data:`OVERLAP_BUCKET_CAP`).
+
+    Note [buckets as large as the largest tensor]
+    Without overlap every bucket is exchanged after the backward, so small buckets buy nothing and
+    cost host time: each bucket issues its own ops and collectives on the one issuing thread (the
+    sign path: about ten ops and two collectives per bucket and lane), which is what limits fast
+    GPUs (docs/PERFORMANCE.md). A parameter larger than any cap gets a bucket of its own anyway, and
+    every per-bucket buffer (:class:`dpq.sign_bits.SignBuffers`) is sized for the largest bucket,
+    as the plan prices it (``dpq.plan``: three fp32 copies of the largest bucket), so buckets up to
+    the largest parameter add no memory the plan does not already count: a 70B-class block goes
+    from 11 buckets to 5, an 8B-class one from 8 to 5 (the timeline model's layouts)."""
+    return cap if cap is not None else max([OVERLAP_BUCKET_CAP, *sizes])
+
+
 def bucket_layout(sizes: Sequence[int], cap: int) -> list[list[int]]:
     """Parameter indices per bucket, in buffer order (last parameter first)."""
     buckets: list[list[int]] = []
@@ -338,6 +360,8 @@ class _Exchange:
     def __init__(self, comm: Communicator, *, overlap: bool | None = None) -> None:
         self.comm = comm
         self.overlap = not any(lane.accelerator for lane in comm.lanes) if overlap is None else bool(overlap)
+        # Note [buckets as large as the largest tensor]: small buckets only where they overlap
+        self.bucket_cap_elems: int | None = OVERLAP_BUCKET_CAP if self.overlap else None
         self.last_wire_bytes = 0  # bytes of the last exchange() call
         self.total_wire_bytes = 0  # bytes of every bucket ever exchanged
 

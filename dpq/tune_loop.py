@@ -120,6 +120,7 @@ class Exchange(Protocol):
 
     comm: Communicator  # over this process's lanes; its world spans every process (dpq.process_group)
     exact_signs: bool  # after exchange(): the grads hold exact signs (dpq.sign_step)
+    bucket_cap_elems: int | None  # the gradient buckets' cap (dpq.exchange.bucket_cap; None: the largest tensor)
 
     def exchange(self, buckets: GradBuckets) -> None: ...
 
@@ -197,6 +198,7 @@ class TuneEngine:
         # and taken from it by autograd as they are (no flat buffer to zero and add into, no second
         # copy of the tuned values' gradients in memory: the world-1 overhead).
         self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)],
+                                   bucket_cap_elems=exchange.bucket_cap_elems,
                                    lanes=replicas.lanes) if self.world > 1 else None
         self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
         # The step: the optimizers' own (one per lane), or, when the caller vouches that they are

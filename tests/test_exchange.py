@@ -441,3 +441,20 @@ def test_an_exchange_after_the_first_issues_no_view_op(apart):
     else:
         for x, y in zip(b.buffers, fresh.buffers, strict=True):
             assert torch.equal(x, y)
+
+
+def test_buckets_without_overlap_are_as_large_as_the_largest_tensor():
+    """Note [buckets as large as the largest tensor]: an exchange that overlaps the backward keeps
+    the 2^22 cap; one that does not (accelerator lanes' default) asks for buckets up to the largest
+    tensor, so the engine's GradBuckets issue fewer buckets, none larger than that tensor."""
+    from dpq.exchange import OVERLAP_BUCKET_CAP, bucket_cap
+
+    comm = comm_for(2)
+    assert SignExchange(comm).bucket_cap_elems == OVERLAP_BUCKET_CAP  # CPU lanes: overlap on
+    assert SignExchange(comm, overlap=False).bucket_cap_elems is None
+    sizes = [5 * 2**20, 2**20, 2**20, 3 * 2**22, 7]
+    assert bucket_cap(sizes, None) == 3 * 2**22 and bucket_cap([7], None) == OVERLAP_BUCKET_CAP
+    small = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=OVERLAP_BUCKET_CAP)
+    large = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=None)
+    assert len(small.bucket_ranges) == 4 and len(large.bucket_ranges) == 3
+    assert [e - s for s, e in large.bucket_ranges] == [7, 3 * 2**22, 7 * 2**20]  # the three smaller together

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from dpq.exchange import bucket_layout
+from dpq.exchange import bucket_cap, bucket_layout
 from dpq.testing.timeline.calibration import Calibration, ModelCounts, rebase
 from dpq.testing.timeline.devices import GPUS, HOST
 from dpq.testing.timeline.replay import Pricing, op_class, simulate
@@ -118,7 +118,7 @@ def test_timeline_every_kernel_is_priced(one_lane, two_lanes):
 def check_buckets(tl, model, block: str) -> None:
     sizes, cap = model.bucket_layout
     target = [RoleMap(RECORDED, BLOCKS[block]).target_numel(n, 0) for n in sizes]
-    expected = [sum(target[i] for i in ids) for ids in bucket_layout(target, cap)]
+    expected = [sum(target[i] for i in ids) for ids in bucket_layout(target, bucket_cap(target, cap))]
     assert tl.buckets == expected
     assert sum(tl.buckets) == sum(BLOCKS[block].tuned_numels())
     groups = {op.group for op in tl.ops if op.iteration == 1 and op.kind == "collective"}
@@ -129,8 +129,21 @@ def check_buckets(tl, model, block: str) -> None:
 def test_timeline_exchange_has_the_target_blocks_buckets(two_lanes, block):
     tl = replay(two_lanes, block, "h100")
     check_buckets(tl, two_lanes, block)
-    if block == "70b":  # each weight-shaped value over the 2^22 cap alone, the scales in four
-        assert len(tl.buckets) == 11
+    # accelerator lanes, no overlap: buckets up to the largest tensor (Note [buckets as large as the
+    # largest tensor]): the three 28672 x 8192 values alone, attention's four with the norms, the scales
+    assert two_lanes.bucket_layout[1] is None
+    if block == "70b":
+        assert len(tl.buckets) == 5 and max(tl.buckets) == 28672 * 8192
+
+
+def test_timeline_overlapping_buckets_keep_the_small_cap(two_lanes):
+    """Where buckets overlap the backward the cap stays 2^22: every weight-shaped value of a 70B-class
+    block over it alone, the scales in four."""
+    from dpq.exchange import OVERLAP_BUCKET_CAP
+
+    sizes, _ = two_lanes.bucket_layout
+    target = [RoleMap(RECORDED, BLOCKS["70b"]).target_numel(n, 0) for n in sizes]
+    assert len(bucket_layout(target, bucket_cap(target, OVERLAP_BUCKET_CAP))) == 11
 
 
 def test_timeline_one_bucket_for_every_block_fails(two_lanes, monkeypatch):

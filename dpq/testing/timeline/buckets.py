@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from dpq.exchange import bucket_layout
+from dpq.exchange import bucket_cap, bucket_layout
 from dpq.testing.timeline.record import Op
 from dpq.testing.timeline.shapes import RoleMap
 
@@ -46,7 +46,7 @@ def target_buckets(layout: tuple[list[int], int] | None, roles: RoleMap) -> list
         mapped.append(t)
     recorded = {ids[0]: b for b, ids in enumerate(bucket_layout(sizes, 1))}  # tensor -> its recorded bucket
     return [TargetBucket(sum(mapped[i] for i in ids), tuple(recorded[i] for i in ids))
-            for ids in bucket_layout(mapped, cap)]
+            for ids in bucket_layout(mapped, bucket_cap(mapped, cap))]
 
 
 def expand(ops: list[Op], buckets: list[TargetBucket] | None) -> list[Op]:

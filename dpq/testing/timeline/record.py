@@ -980,9 +980,10 @@ class TimelineModel:
         self._patch(dpq_sign_bits, "sign_table", sign_table)
         real_buckets_init = dpq_exchange.GradBuckets.__init__
 
-        def buckets_init(buckets, params_per_lane, bucket_cap_elems=2**22, lanes=None):
+        def buckets_init(buckets, params_per_lane, bucket_cap_elems=dpq_exchange.OVERLAP_BUCKET_CAP, lanes=None):
             # recorded with one tuned tensor per bucket (each bucket's ops then wait for exactly its
             # tensor's gradients), the cap dpq asked for kept for laying out the target's buckets
+            # (None: dpq.exchange.bucket_cap of the target's own tensors)
             real_buckets_init(buckets, params_per_lane, 1, lanes)
             model.bucket_layout = ([p.numel() for p in buckets.params[0]], bucket_cap_elems)
 
