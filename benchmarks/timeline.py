@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from dpq.exchange import WHOLE_BLOCK_CAP  # noqa: E402
 from dpq.testing.timeline.calibration import (  # noqa: E402
     Calibration,
     block_shape,
@@ -56,7 +57,7 @@ from dpq.testing.timeline.record import TimelineModel  # noqa: E402
 from dpq.testing.timeline.replay import BREAKDOWN, Pricing, Timeline, simulate  # noqa: E402
 from dpq.testing.timeline.roofline import roofline  # noqa: E402
 from dpq.testing.timeline.scenarios import LEGACY, record_block, run_adapter, run_api  # noqa: E402
-from dpq.testing.timeline.shapes import BLOCKS, RECORDED  # noqa: E402
+from dpq.testing.timeline.shapes import BLOCKS, RECORDED, BlockShape  # noqa: E402
 
 PRESETS = {"70b-3090": ("70b", "3090"), "8b-h100": ("8b", "h100"), "70b-h100": ("70b", "h100")}
 MACHINES = [("4 x RTX 3090 (PCIe)", "3090", 4), ("8 x H100 (NVLink)", "h100", 8)]  # --table
@@ -271,14 +272,67 @@ def table(records: dict[tuple[str, int], TimelineModel], cal: Calibration | None
         for path in paths:
             for bkey in ("8b", "32b", "70b"):
                 block = BLOCKS[bkey]
-                pricing = Pricing(RECORDED, block, gpu, host_k)
                 worlds = sorted(w for p, w in records if p == path and w <= lanes)
-                tls = {w: simulate(records[(path, w)], pricing) for w in worlds}
+                tls = {w: simulate(records[(path, w)], Pricing(RECORDED, block, gpu, host_k,
+                                                               buckets=plan_buckets(bkey, gpu_key, w)))
+                       for w in worlds}
                 rows.append(Row(mname, gpu_key, lanes, bkey, path, {w: tl.seconds_per_iteration() for w, tl in
                                                                       tls.items()}, tls,
                                 {w: compiles_per_run(records[(path, w)]) if path == "compile" else 0 for w in worlds},
                                 host_k, roofline(block, gpu)))
     return rows, notes
+
+
+CARD_GIB = {"3090": 24, "h100": 80, "h200": 141}  # each card's memory, GiB (its spec sheet)
+
+
+def _meta_block(shape: BlockShape) -> torch.nn.Module:
+    """A block of ``shape``'s tensors on the meta device: what the plan's price reads (sizes, dtypes)."""
+    block = torch.nn.Module()
+    for name, (o, i) in shape.linears.items():
+        block.register_parameter(name, torch.nn.Parameter(torch.empty(o, i, device="meta", dtype=torch.bfloat16)))
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        block.register_parameter(name, torch.nn.Parameter(torch.empty(shape.hidden, device="meta",
+                                                                      dtype=torch.bfloat16)))
+    return block
+
+
+def mirror_prices_gib(bkey: str, world: int) -> tuple[float, float]:
+    """The plan's price of a mirror lane of a ``bkey`` block at ``world`` (GiB, margin included): with
+    buckets as large as the largest tensor, and with one bucket for the whole block."""
+    from dpq.plan import price_mirror
+
+    shape = BLOCKS[bkey]
+    block = _meta_block(shape)
+    inputs = [torch.empty(1, shape.seqlen, shape.hidden, device="meta", dtype=torch.bfloat16)] * shape.batch
+    largest, whole = (price_mirror(block, inputs, shape.batch, world, bucket_cap_elems=cap) / 2**30
+                      for cap in (2**22, WHOLE_BLOCK_CAP))
+    return largest, whole
+
+
+def plan_buckets(bkey: str, gpu_key: str, world: int) -> str:
+    """What the plan lays out on that card (Note [one bucket where it fits]): "block" where one bucket's
+    price fits the card's memory, else "largest" (also where neither fits: the arithmetic goes on)."""
+    return "block" if world < 2 or mirror_prices_gib(bkey, world)[1] <= CARD_GIB[gpu_key] else "largest"
+
+
+def bucket_price_lines() -> list[str]:
+    """The plan's price of a mirror lane at each machine's lane count, with buckets as large as the largest
+    tensor and with one bucket for the whole block (Note [one bucket where it fits] in ``dpq.plan``), against
+    the card's memory: which of the two the table lays out on that card."""
+    out = ["", "The plan's price of a mirror lane at all lanes (GiB, margin included; Note [one bucket where it "
+           "fits]); the table lays out what the plan takes:", "",
+           "| machine | block | buckets as large as the largest tensor | one bucket | card | the plan takes |",
+           "|---|---|---:|---:|---:|---|"]
+    for mname, gpu_key, lanes in MACHINES:
+        for bkey in ("8b", "32b", "70b"):
+            largest, whole = mirror_prices_gib(bkey, lanes)
+            card = CARD_GIB[gpu_key]
+            takes = ("one bucket" if whole <= card else "the largest tensor's buckets" if largest <= card
+                     else "neither fits: the plan refuses such a lane (the row is arithmetic, with the largest "
+                          "tensor's buckets)")
+            out.append(f"| {mname} | {BLOCKS[bkey].name} | {largest:.1f} | {whole:.1f} | {card} | {takes} |")
+    return out
 
 
 def table_lines(rows: list[Row]) -> list[str]:
@@ -377,7 +431,7 @@ def main(argv=None) -> int:
         rows, notes = table(records, cal, host, paths)
         for n in notes:
             print(f"calibrated: {n}")
-        print("\n".join(table_lines(rows)))
+        print("\n".join(table_lines(rows) + bucket_price_lines()))
         print(f"({time.perf_counter() - t0:.0f} s)")
         print(final_line(rows, cal) if "compile" in paths else "timeline_table path=eager")
         return 0
@@ -391,7 +445,8 @@ def main(argv=None) -> int:
     gpu, host, notes = calibrated(cal, args.gpu or gpu_key, host, one, {(path, args.world): model})
     for n in notes:
         print(f"calibrated: {n}")
-    tl = simulate(model, Pricing(RECORDED, block, gpu, host))
+    tl = simulate(model, Pricing(RECORDED, block, gpu, host,
+                                 buckets=plan_buckets(args.block or block_key, args.gpu or gpu_key, args.world)))
     label = (f"{args.path} path, {path}, world {args.world}, pool on {args.pool}"
              f"{', legacy data path' if args.legacy else ''}; {block.name} on {gpu.name}")
     print(f"timeline model: {label}")

@@ -90,12 +90,13 @@ from dpq.sign_bits import (
 )
 from dpq.streams import Lane
 
-__all__ = ["OVERLAP_BUCKET_CAP", "BackwardExchange", "FullSumExchange", "GradBuckets", "SignExchange", "bucket_cap",
-           "bucket_layout"]
+__all__ = ["OVERLAP_BUCKET_CAP", "WHOLE_BLOCK_CAP", "BackwardExchange", "FullSumExchange", "GradBuckets",
+           "SignExchange", "bucket_cap", "bucket_layout"]
 
 # A bucket's elements when buckets are exchanged as the backward fills them (small enough that the
 # first is ready early; DDP's default 25 MB is 6.5M fp32 elements).
 OVERLAP_BUCKET_CAP = 2**22
+WHOLE_BLOCK_CAP = 2**62  # a cap no block reaches: one bucket
 
 
 class GradBuckets:
@@ -323,7 +324,9 @@ def bucket_cap(sizes: Sequence[int], cap: int | None) -> int:
     every per-bucket buffer (:class:`dpq.sign_bits.SignBuffers`) is sized for the largest bucket,
     as the plan prices it (``dpq.plan``: three fp32 copies of the largest bucket), so buckets up to
     the largest parameter add no memory the plan does not already count: a 70B-class block goes
-    from 11 buckets to 5, an 8B-class one from 8 to 5 (the timeline model's layouts)."""
+    from 11 buckets to 5, an 8B-class one from 8 to 5 (the timeline model's layouts). Fewer still,
+    one for the whole block (:data:`WHOLE_BLOCK_CAP`), where the plan found the memory for its
+    scratch on every lane (Note [one bucket where it fits] in ``dpq.plan``)."""
     return cap if cap is not None else max([OVERLAP_BUCKET_CAP, *sizes])
 
 
@@ -357,11 +360,16 @@ class _Exchange:
 
     name = "exchange"
 
-    def __init__(self, comm: Communicator, *, overlap: bool | None = None) -> None:
+    def __init__(self, comm: Communicator, *, overlap: bool | None = None, buckets: str = "largest") -> None:
         self.comm = comm
         self.overlap = not any(lane.accelerator for lane in comm.lanes) if overlap is None else bool(overlap)
-        # Note [buckets as large as the largest tensor]: small buckets only where they overlap
-        self.bucket_cap_elems: int | None = OVERLAP_BUCKET_CAP if self.overlap else None
+        if buckets not in ("largest", "block"):
+            raise ValueError(f"dpq: buckets must be 'largest' or 'block' (dpq.plan.Plan.buckets), got {buckets!r}")
+        # Note [buckets as large as the largest tensor]: small buckets only where they overlap; without
+        # overlap one bucket for the whole block where the plan found the memory for it (Note [one bucket
+        # where it fits] in dpq.plan)
+        self.bucket_cap_elems: int | None = (OVERLAP_BUCKET_CAP if self.overlap
+                                             else WHOLE_BLOCK_CAP if buckets == "block" else None)
         self.last_wire_bytes = 0  # bytes of the last exchange() call
         self.total_wire_bytes = 0  # bytes of every bucket ever exchanged
 

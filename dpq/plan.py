@@ -26,6 +26,7 @@ import torch
 
 from dpq import refusals
 from dpq.communicators import COMMUNICATORS, choose_communicator
+from dpq.exchange import WHOLE_BLOCK_CAP
 from dpq.sign_bits import SIGN_TABLE_BYTES
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
@@ -91,6 +92,8 @@ class Plan:
     exchange_reason: str = ""
     lane_bytes: list[int] = field(default_factory=list)  # the price each lane was checked with (a prefix when
     # 'auto' stopped at a lane that does not fit); empty when nothing was priced
+    buckets: str = "largest"  # the gradient buckets of an exchange after the backward (:func:`_bucket_choice`)
+    buckets_reason: str = ""
 
     @property
     def local_lanes(self) -> int:
@@ -121,8 +124,42 @@ def _finish(plan: Plan, request: PlanRequest) -> Plan:
     if kind is not None and not kind.canonical_order:  # contract 3: the plan says when the bits depend on it
         reason += f"; {kind.order_note}"
     exchange, exchange_reason = _exchange(request.pure_sign)
+    buckets, buckets_reason = _bucket_choice(plan.devices, request)
     return replace(plan, communicator=communicator, communicator_reason=reason, exchange=exchange,
-                   exchange_reason=exchange_reason)
+                   exchange_reason=exchange_reason, buckets=buckets, buckets_reason=buckets_reason)
+
+
+def _bucket_choice(devices: list[torch.device], request: PlanRequest) -> tuple[str, str]:
+    """("block" | "largest", why): how large the gradient buckets of an exchange that runs after the
+    backward are (``dpq.exchange.bucket_cap``; an overlapping exchange keeps its small cap).
+
+    Note [one bucket where it fits]
+    After the backward a bucket buys nothing by being small, and each one costs the one issuing thread
+    its ops and two collectives per lane (the sign path: eight ops per bucket and lane), which is what
+    limits fast GPUs (docs/PERFORMANCE.md). One bucket for the whole block is the fewest, but its
+    exchange scratch is sized for it: the plan prices that (three fp32 copies of the bucket) on every
+    lane, and takes the whole block where every lane's device has the memory, else buckets as large as
+    the largest tensor (no scratch beyond what the plan already prices for that tensor). Across
+    processes every rank must lay its buckets out alike, and the ranks do not compare their free memory
+    here: the largest tensor, on every rank. Decided from the block and the devices alone, so every lane
+    of the process agrees."""
+    if len(devices) < 2 or request.price is None:
+        return "largest", ""
+    if request.processes > 1:
+        return "largest", ("buckets as large as the largest tensor: across processes the ranks lay their "
+                           "buckets out alike without comparing their free memory")
+    whole = replace(request, price=replace(request.price, bucket_cap_elems=WHOLE_BLOCK_CAP))
+    explicit = validate_world(request.world, request.caller) != "auto"
+    used: dict[torch.device, int] = {}
+    for dev, need in zip(devices, _lane_prices(devices, whole, _home(request), explicit), strict=True):
+        if need is None:
+            return "largest", ""
+        used[dev] = used.get(dev, 0) + need
+    short = [str(dev) for dev, need in used.items() if need > backend(dev).mem_get_info(dev)[0]]
+    if short:
+        return "largest", (f"buckets as large as the largest tensor: one bucket for the whole block does not fit "
+                           f"{', '.join(short)}")
+    return "block", "one gradient bucket for the whole block (its exchange scratch fits every lane)"
 
 
 def validate_world(world: object, caller: str = "cli") -> int | str:

@@ -382,7 +382,8 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
             comm.close()
             comm, ran = _exchange_communicator(config, ran, lanes)
     # overlap None: the exchange's own default (on for CPU lanes, off on accelerators)
-    exchange = (SignExchange if ran.plan.exchange == "sign" else FullSumExchange)(comm, overlap=config.overlap)
+    exchange = (SignExchange if ran.plan.exchange == "sign" else FullSumExchange)(comm, overlap=config.overlap,
+                                                                                   buckets=ran.plan.buckets)
     t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
     engine, stuck = None, False

@@ -458,3 +458,19 @@ def test_buckets_without_overlap_are_as_large_as_the_largest_tensor():
     large = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=None)
     assert len(small.bucket_ranges) == 4 and len(large.bucket_ranges) == 3
     assert [e - s for s, e in large.bucket_ranges] == [7, 3 * 2**22, 7 * 2**20]  # the three smaller together
+
+
+def test_one_bucket_for_the_whole_block_where_the_plan_says_so():
+    """Note [one bucket where it fits] (dpq.plan): an exchange after the backward whose plan found the
+    memory lays the whole block out as one bucket; one that overlaps keeps its small cap whatever the
+    plan said; anything but the plan's two words is refused by name."""
+    from dpq.exchange import OVERLAP_BUCKET_CAP, WHOLE_BLOCK_CAP
+
+    comm = comm_for(2)
+    assert SignExchange(comm, overlap=False, buckets="block").bucket_cap_elems == WHOLE_BLOCK_CAP
+    assert SignExchange(comm, buckets="block").bucket_cap_elems == OVERLAP_BUCKET_CAP  # CPU lanes: overlap on
+    sizes = [5 * 2**20, 2**20, 2**20, 3 * 2**22, 7]
+    one = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=WHOLE_BLOCK_CAP)
+    assert one.bucket_ranges == [(0, sum(sizes))]
+    with pytest.raises(ValueError, match="buckets must be 'largest' or 'block'.*'all'"):
+        SignExchange(comm, overlap=False, buckets="all")

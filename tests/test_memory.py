@@ -309,3 +309,34 @@ def test_home_is_checked_and_accelerator_lanes_carry_the_runtimes_allocations(mo
         resolve(PlanRequest(world=4, devices=devices, home="cuda:0", price=price))
     auto = resolve(PlanRequest(world="auto", devices=devices, home="cuda:0", price=price))
     assert auto.local_lanes == 1 and any("home (lane 0) needs" in r for r in auto.reasons)
+
+
+def test_one_bucket_where_every_lane_has_the_memory(monkeypatch):
+    """Note [one bucket where it fits]: the plan prices one bucket for the whole block on every lane and
+    takes it where every device has the memory; where one lane lacks it, buckets as large as the
+    largest tensor, the lane kept (the world does not change for it); across processes the largest
+    tensor on every rank, whatever the memory."""
+    import dataclasses
+
+    import dpq.plan as plan_mod
+    from dpq.exchange import WHOLE_BLOCK_CAP
+    from dpq.plan import BlockPrice, PlanRequest, price_runtime, resolve
+
+    free = {0: 2**40, 1: 2**40, 2: 2**40, 3: 2**40}
+    _four_fake_gpus(monkeypatch, free.__getitem__, total=2**40)
+    monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("cupy-nccl", "test"))
+    # two 2048 x 2048 weights: the block (9.4M tuned values) is larger than its largest tensor
+    block = torch.nn.Sequential(torch.nn.Linear(2048, 2048, device="meta"), torch.nn.Linear(2048, 2048, device="meta"))
+    price = BlockPrice(block, [torch.empty(1, 16, 2048, device="meta")], 8)
+    whole = dataclasses.replace(price, bucket_cap_elems=WHOLE_BLOCK_CAP)
+    assert whole.mirror(4) > price.mirror(4)
+    devices = "cuda:0,cuda:1,cuda:2,cuda:3"
+    plan = resolve(PlanRequest(world=4, devices=devices, home="cuda:0", price=price))
+    assert plan.buckets == "block" and "whole block" in plan.buckets_reason
+    free[2] = whole.mirror(4) + price_runtime(torch.device("cuda", 2), home=False, communicator="cupy-nccl",
+                                               world=4) - 1
+    plan = resolve(PlanRequest(world=4, devices=devices, home="cuda:0", price=price))
+    assert plan.local_lanes == 4 and plan.buckets == "largest" and "does not fit cuda:2" in plan.buckets_reason
+    free[2] = 2**40
+    plan = resolve(PlanRequest(world=2, devices="cuda:0,cuda:1", home="cuda:0", price=price, processes=2))
+    assert plan.buckets == "largest" and "across processes" in plan.buckets_reason

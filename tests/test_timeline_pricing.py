@@ -37,7 +37,8 @@ def two_lanes():
 
 
 def replay(model, block: str, gpu: str, **pricing):
-    return simulate(model, Pricing(RECORDED, BLOCKS[block], GPUS[gpu], pricing.pop("host", HOST)))
+    return simulate(model, Pricing(RECORDED, BLOCKS[block], GPUS[gpu], pricing.pop("host", HOST),
+                                   buckets=pricing.pop("buckets", None)))
 
 
 # -- sizes ------------------------------------------------------------------------------------------
@@ -115,8 +116,9 @@ def test_timeline_every_kernel_is_priced(one_lane, two_lanes):
 # -- the exchange in the target's buckets ------------------------------------------------------------
 
 
-def check_buckets(tl, model, block: str) -> None:
-    sizes, cap = model.bucket_layout
+def check_buckets(tl, model, block: str, cap="recorded") -> None:
+    sizes, recorded_cap = model.bucket_layout
+    cap = recorded_cap if cap == "recorded" else cap
     target = [RoleMap(RECORDED, BLOCKS[block]).target_numel(n, 0) for n in sizes]
     expected = [sum(target[i] for i in ids) for ids in bucket_layout(target, bucket_cap(target, cap))]
     assert tl.buckets == expected
@@ -127,11 +129,19 @@ def check_buckets(tl, model, block: str) -> None:
 
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_timeline_exchange_has_the_target_blocks_buckets(two_lanes, block):
+    from dpq.exchange import WHOLE_BLOCK_CAP
+
+    # accelerator lanes, no overlap, and the recorded block fits anywhere: the plan's one bucket for the
+    # whole block (Note [one bucket where it fits]), and so the target's
+    assert two_lanes.bucket_layout[1] == WHOLE_BLOCK_CAP
     tl = replay(two_lanes, block, "h100")
     check_buckets(tl, two_lanes, block)
-    # accelerator lanes, no overlap: buckets up to the largest tensor (Note [buckets as large as the
-    # largest tensor]): the three 28672 x 8192 values alone, attention's four with the norms, the scales
-    assert two_lanes.bucket_layout[1] is None
+    assert len(tl.buckets) == 1
+    # where the target's card lacks the memory for it: buckets up to the largest tensor (Note [buckets
+    # as large as the largest tensor]): the three 28672 x 8192 values alone, attention's four with the
+    # norms, the scales
+    tl = replay(two_lanes, block, "h100", buckets="largest")
+    check_buckets(tl, two_lanes, block, cap=None)
     if block == "70b":
         assert len(tl.buckets) == 5 and max(tl.buckets) == 28672 * 8192
 
@@ -155,7 +165,7 @@ def test_timeline_one_bucket_for_every_block_fails(two_lanes, monkeypatch):
 
     monkeypatch.setattr("dpq.testing.timeline.replay.target_buckets", one_bucket)
     with pytest.raises(AssertionError):
-        check_buckets(replay(two_lanes, "70b", "h100"), two_lanes, "70b")
+        check_buckets(replay(two_lanes, "70b", "h100", buckets="largest"), two_lanes, "70b", cap=None)
 
 
 # -- the default path is the compiled one -------------------------------------------------------------

@@ -12,6 +12,13 @@ collectives waited for the last of its tensors' gradients), every size and wire 
 target bucket (``Op.fixed_scale``); its other members' ops go. Every bucket runs the same code
 (``dpq.exchange._Exchange.exchange_bucket``), so the copies are what the exchange would issue, and
 the time each can start is what the target's bucket would wait for.
+
+The cap is the one the recorded run's plan chose (Note [one bucket where it fits] in ``dpq.plan``):
+the recorded block fits anywhere, so an exchange after the backward records the whole block as one
+bucket, and the target is laid out the same. That assumes the target's lanes have the memory for it:
+the plan's own price of one bucket per lane (``python -m benchmarks.timeline --table`` prints it per
+block and world) is what a run on such a card would check, and a card without it runs the largest
+tensor's buckets instead.
 """
 
 from __future__ import annotations

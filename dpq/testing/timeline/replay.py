@@ -27,6 +27,7 @@ import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
+from dpq.exchange import WHOLE_BLOCK_CAP
 from dpq.testing.timeline.buckets import expand, target_buckets
 from dpq.testing.timeline.devices import GpuClass, HostCosts
 from dpq.testing.timeline.record import Op, TimelineModel
@@ -47,6 +48,10 @@ class Pricing:
     target: BlockShape
     gpu: GpuClass
     host: HostCosts
+    # the target's gradient buckets where the record exchanged after the backward in one bucket: None as
+    # recorded, "largest" where the plan would not find the memory for one bucket on the target's card
+    # (Note [one bucket where it fits] in dpq.plan; benchmarks/timeline.py decides it per card and world)
+    buckets: str | None = None
     roles: RoleMap = field(init=False)
 
     def __post_init__(self) -> None:
@@ -212,7 +217,10 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     pass: the earliest op that can start goes first, one kernel at a time per device). The host waits
     at a sync for a device op, and the devices wait for the host's issue, so the two passes repeat
     until every sync's wait stays put."""
-    buckets = target_buckets(model.bucket_layout, pricing.roles)
+    layout = model.bucket_layout
+    if pricing.buckets == "largest" and layout is not None and layout[1] == WHOLE_BLOCK_CAP:
+        layout = (layout[0], None)  # dpq.exchange.bucket_cap: as large as the largest tensor
+    buckets = target_buckets(layout, pricing.roles)
     ops = expand(model.ops, buckets)
     device_ops = [op for op in ops if op.stream is not None and op.kind in ("kernel", "copy", "collective", "wait")]
     duration = {op.id: pricing.device_s(op) for op in device_ops}
