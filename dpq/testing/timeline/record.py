@@ -77,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import threading
 import traceback
 import weakref
@@ -177,6 +178,27 @@ def _accumulating_grad() -> bool:
     """Autograd is adding a gradient into a leaf's ``.grad`` (its AccumulateGrad node runs)."""
     node = torch._C._current_autograd_node()
     return node is not None and "AccumulateGrad" in node.name()
+
+
+def _issued_from_python() -> bool:
+    """Inside a backward, the op comes from Python code autograd called (a hook, a Python Function's
+    backward), not from one of its C++ nodes: a frame outside torch and this model lies between the
+    dispatch and the engine's entry (``torch.autograd.graph._engine_run_backward``, where the backward
+    call left Python).
+
+    Note [Python on autograd's threads holds the GIL]: autograd's device threads run C++ nodes without
+    the GIL, but a Python hook or Function is Python code, which CPython runs only under the GIL
+    (``torch/csrc/autograd/python_hook.cpp`` acquires it to call each hook), so its ops queue on the
+    GIL with every other thread's Python (the replay's ``Busy``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path, name = frame.f_code.co_filename, frame.f_code.co_name
+        if name == "_engine_run_backward" and path.endswith("autograd/graph.py"):
+            return False
+        if "/torch/" not in path and "/dpq/testing/timeline/" not in path:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _real_device(value):
@@ -810,7 +832,8 @@ class TimelineModel:
         work = work_of(name)
         op = self._new(name, "kernel", stream=stream, flops=_flops(func, work, args, kwargs, out), work=work,
                        tensors=self.metas(ins + outs), phase="grads" if _accumulating_grad() else "")
-        op.gil = op.thread == "main"  # autograd's device threads run its C++ nodes without the GIL
+        # autograd's device threads run its C++ nodes without the GIL, Python hooks with it
+        op.gil = op.thread == "main" or _issued_from_python()
         written = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i < len(schema.arguments)
                    and schema.arguments[i].alias_info is not None and schema.arguments[i].alias_info.is_write]
         self._in_backward(op, op, ins, outs + written)
