@@ -198,21 +198,38 @@ class GradBuckets:
                 if p.grad is not v:  # dropped (zero_grad) or replaced: the slot's view again
                     p.grad = v
 
-    def attach_by_copy(self) -> None:
-        """Before every backward, instead of :meth:`attach`: drop the grads; each parameter's first
-        gradient of the backward is copied into its slot, which becomes its ``.grad`` (a hook right
-        after autograd accumulated it, on the stream it accumulated on; later gradients of further
-        backwards add into the slot in place). One write per element where zeroing the buffer and
-        adding into it wrote twice and read twice. :meth:`finalize` before reading the buffers.
+    def attach_by_copy(self, *, hooks: bool = True) -> None:
+        """Before every backward, instead of :meth:`attach`: drop the grads; each parameter's
+        gradient is copied into its slot, which becomes its ``.grad``. One write per element where
+        zeroing the buffer and adding into it wrote twice and read twice. :meth:`finalize` before
+        reading the buffers.
+
+        ``hooks``: where buckets are exchanged as the backward fills them, each parameter's first
+        gradient of the backward is copied by a hook right after autograd accumulated it, on the stream
+        it accumulated on (later gradients of further backwards add into the slot in place). Without
+        (``hooks=False``: the exchange runs after the backward), :meth:`finalize` copies each lane's
+        gradients, as autograd left them in ``.grad``, in one op.
 
         Note [first gradient copied]: the same values as zero-then-add (0 + g = g), except that a
         -0.0 gradient stays -0.0 where the add made it +0.0: a sign of -0.0 is 0 either way, and a
         sum of signed zeros is a zero either way, so no update changes. The hooks stay for the run
         (removed by :meth:`release`): one per tuned parameter per lane, Python on autograd's thread.
+
+        Note [one copy per lane]: without overlap nothing reads a slot before the backward ends, so a
+        hook per parameter buys nothing and costs the most contended host resource there is: each is
+        Python on autograd's thread, under the GIL the issuing thread needs (a 70B- or 8B-class block:
+        21 hooks per lane and iteration, the timeline model's biggest single item of autograd's host
+        time after the compiled backward's own launches). ``torch._foreach_copy_`` of a lane's
+        gradients into its slots is one host op (on CUDA a few multi-tensor launches, one per ~21M
+        elements, issued in C++), on the lane's stream, where the backward left them (R0-R2 of
+        ``dpq.streams``). Several backwards per iteration (gradient accumulation) add into the
+        gradient autograd holds, then the sum is copied: the same one add per micro-step as adding
+        into the slot, so the same bits.
         """
         self._by_copy = True
-        if not self._copy_hooks:
-            for params, (_, slots) in zip(self.params, self._slot_views(), strict=True):
+        views = self._slot_views()  # made once, here, not inside finalize's op (Note [views made once])
+        if hooks and not self._copy_hooks:
+            for params, (_, slots) in zip(self.params, views, strict=True):
                 for p, slot in zip(params, slots, strict=True):
                     self._copy_hooks.append(p.register_post_accumulate_grad_hook(_into_slot(slot)))
         for params in self.params:
@@ -220,17 +237,22 @@ class GradBuckets:
                 p.grad = None
 
     def finalize(self) -> None:
-        """After :meth:`attach_by_copy`'s backward, before a buffer is read: a parameter that got no
-        gradient has its slot zeroed (exactly what :meth:`attach` would have left) and its view as
-        ``.grad``. Does nothing after :meth:`attach`."""
+        """After :meth:`attach_by_copy`'s backward, before a buffer is read: gradients autograd left
+        outside their slots copied in (Note [one copy per lane]); a parameter that got no gradient has
+        its slot zeroed (exactly what :meth:`attach` would have left); every ``.grad`` its slot's view.
+        Does nothing after :meth:`attach`."""
         if not self._by_copy:
             return
         for k, ((_, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
-            for p, v in zip(params, slots, strict=True):
-                if p.grad is not v:
-                    with self._issue(k):
+            held = [(v, p.grad) for p, v in zip(params, slots, strict=True) if p.grad is not None and p.grad is not v]
+            with self._issue(k):
+                if held:
+                    torch._foreach_copy_([v for v, _ in held], [g for _, g in held])
+                for p, v in zip(params, slots, strict=True):
+                    if p.grad is None:
                         v.zero_()
-                    p.grad = v
+            for p, v in zip(params, slots, strict=True):
+                p.grad = v
         self._by_copy = False
 
     def slot_views(self, buffers: Sequence[Tensor]) -> list[list[Tensor]]:

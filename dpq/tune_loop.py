@@ -121,6 +121,7 @@ class Exchange(Protocol):
     comm: Communicator  # over this process's lanes; its world spans every process (dpq.process_group)
     exact_signs: bool  # after exchange(): the grads hold exact signs (dpq.sign_step)
     bucket_cap_elems: int | None  # the gradient buckets' cap (dpq.exchange.bucket_cap; None: the largest tensor)
+    overlap: bool  # buckets are exchanged as the last backward fills them (during_backward), else after it
 
     def exchange(self, buckets: GradBuckets) -> None: ...
 
@@ -448,7 +449,10 @@ class TuneEngine:
         """Before an iteration's first backward: the grads dropped, each parameter's first gradient
         then copied into its slot of the flat buffers (:meth:`GradBuckets.attach_by_copy`), or at world 1
         dropped as serial's ``zero_grad()`` does."""
-        self.buckets.attach_by_copy() if self.buckets is not None else self.release_grads()
+        if self.buckets is None:
+            self.release_grads()
+        else:  # hooks only where buckets are exchanged as the backward fills them (Note [one copy per lane])
+            self.buckets.attach_by_copy(hooks=self.exchange.overlap)
 
     def close(self) -> None:
         """Let go of what the run allocated beside the replicas, in place (a failed run's frames may

@@ -472,5 +472,47 @@ def test_one_bucket_for_the_whole_block_where_the_plan_says_so():
     sizes = [5 * 2**20, 2**20, 2**20, 3 * 2**22, 7]
     one = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=WHOLE_BLOCK_CAP)
     assert one.bucket_ranges == [(0, sum(sizes))]
-    with pytest.raises(ValueError, match="buckets must be 'largest' or 'block'.*'all'"):
+    with pytest.raises(ValueError, match=r"buckets must be 'largest' or 'block'.*'all'"):
         SignExchange(comm, overlap=False, buckets="all")
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_one_copy_per_lane_gives_the_hooks_bits(backwards):
+    """Note [one copy per lane]: without hooks each lane's gradients reach their slots in one
+    ``_foreach_copy_`` after the backward (and a zero for a parameter that got none), the same bits as
+    the hooks' copy per parameter, with gradient accumulation over several backwards too; no hook is
+    registered."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def run(hooks: bool):
+        params = lane_params(2, [(5, 3), (7,), (4,)])
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in (p for lane in params for p in lane):
+                p.copy_(torch.randn(p.shape, generator=gen))
+        b = GradBuckets(params, bucket_cap_elems=None)
+        b.attach_by_copy(hooks=hooks)
+        for step in range(backwards):
+            for k, (w, v, _unused) in enumerate(params):  # the third parameter gets no gradient
+                ((w * w).sum() * (k + 1.3 + step) + (v.sin() * w[0, 0]).sum()).backward()
+        with Ops() as ops:
+            b.finalize()
+        assert b.is_attached()
+        return [buf.clone() for buf in b.buffers], ops.names, len(b._copy_hooks)
+
+    hooked, hooked_ops, hooks = run(True)
+    copied, copied_ops, none = run(False)
+    assert hooks == 6 and none == 0
+    assert all(torch.equal(a.view(torch.int32), c.view(torch.int32)) for a, c in zip(hooked, copied, strict=True))
+    assert hooked_ops == ["zero_.default"] * 2  # per lane: the slot without a gradient
+    assert copied_ops == ["_foreach_copy_.default", "zero_.default"] * 2, copied_ops
+    assert any(buf.abs().sum() > 0 for buf in copied)

@@ -202,15 +202,28 @@ def test_timeline_compile_off_in_the_default_fails():
 
 def test_timeline_compiled_gradients_appear_when_the_region_ends(two_lanes):
     """A compiled region is one autograd node: no lane's gradient is accumulated before that lane's
-    compiled backward has issued its last kernel."""
-    ops = [op for op in two_lanes.ops if op.iteration == 1 and op.stream is not None]
+    compiled backward has issued its last kernel (an overlapping run: the copy hooks on autograd's
+    threads, Python, so under the GIL). Without overlap (accelerator lanes' default) no hook runs:
+    each lane's gradients reach the buckets in one copy the issuing thread makes after the backward
+    (Note [one copy per lane])."""
+    from dpq.testing.timeline.scenarios import record_block, run_adapter
+
+    overlapping = run_adapter(record_block(True), 2, iters=2, overlap=True)
+    ops = [op for op in overlapping.ops if op.iteration == 1 and op.stream is not None]
     streams = {op.stream.sid for op in ops if op.region and op.phase == "backward"}
     assert len(streams) == 2
     for stream in streams:
         region_ends = max(op.id for op in ops if op.region and op.phase == "backward" and op.stream.sid == stream)
-        grads = [op.id for op in ops if op.phase == "grads" and op.stream.sid == stream
+        grads = [op for op in ops if op.phase == "grads" and op.stream.sid == stream
                  and op.thread.startswith("autograd")]
-        assert grads and min(grads) > region_ends
+        assert grads and min(op.id for op in grads) > region_ends
+        assert all(op.gil for op in grads)  # Note [Python on autograd's threads holds the GIL]
+    ops = [op for op in two_lanes.ops if op.iteration == 1 and op.stream is not None]
+    assert not [op for op in ops if op.phase == "grads" and op.thread.startswith("autograd")]
+    copies = [op for op in ops if op.name == "aten::_foreach_copy_"]
+    assert [op.thread for op in copies] == ["main", "main"]
+    assert {op.stream.sid for op in copies} == {op.stream.sid for op in ops if op.region and op.phase == "backward"}
+    assert min(op.id for op in copies) > max(op.id for op in ops if op.region and op.phase == "backward")
 
 
 # -- calibration ------------------------------------------------------------------------------------
