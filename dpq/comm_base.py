@@ -226,6 +226,15 @@ class CommunicatorBase:
     # False and says why in order_note (the plan shows it).
     canonical_order = True
     order_note = "sums fold over the lanes in global lane order (canonical)"
+    # What the plan and the session ask of a kind (dpq.communicators: no name is tested elsewhere).
+    # nccl: an NCCL communicator per lane set (the plan prices its buffers on every lane);
+    # sends_to_peers: its collectives send to every other lane (an NCCL peer buffer each);
+    # shares_handles: built with shared=True, its handles made once per device tuple per run;
+    # setup_failure: what its set-up raises when it cannot start (the session then chooses again).
+    nccl = False
+    sends_to_peers = False
+    shares_handles = False
+    setup_failure: tuple[type[BaseException], ...] = ()
     # World 1 skips the collectives (nothing to exchange). The GPU smoke test sets this
     # False on an instance to push one-rank NCCL collectives through the real library.
     shortcut_world_one = True

@@ -21,7 +21,7 @@ from dpq.fallback_p2p import HostStagedCommunicator, LocalCommunicator, PeerCopy
 from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator
 from dpq.streams import Lane, backend, device_key
 
-__all__ = ["COMMUNICATORS", "choose_communicator", "make_communicator", "select_communicator"]
+__all__ = ["COMMUNICATORS", "build_planned", "choose_communicator", "make_communicator", "select_communicator"]
 
 COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
     "local": LocalCommunicator,
@@ -82,10 +82,21 @@ def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
 def make_communicator(name: str, lanes: Sequence[Lane]) -> Communicator:
     """The communicator ``name`` (the plan's choice) over ``lanes``."""
     lanes = list(lanes)
-    if name in ("cupy-nccl", "torch-nccl"):
-        # the run's NCCL handles for these devices, made once (close_communicators destroys them)
-        return COMMUNICATORS[name](lanes, shared=True)
-    return COMMUNICATORS[name](lanes)
+    kind = COMMUNICATORS[name]
+    if kind.shares_handles:
+        # the run's handles for these devices, made once (e.g. NCCL's: close_communicators destroys them)
+        return kind(lanes, shared=True)
+    return kind(lanes)
+
+
+def build_planned(name: str, reason: str, lanes: Sequence[Lane]) -> tuple[Communicator, str]:
+    """The planned communicator ``name`` over ``lanes`` and its reason; where that kind's set-up fails
+    in the way it declares (``setup_failure``: e.g. an NCCL init, remembered for the run by
+    :mod:`dpq.nccl_lifecycle`), the one chosen on the lanes now, with its own reason."""
+    try:
+        return make_communicator(name, lanes), reason
+    except COMMUNICATORS[name].setup_failure:
+        return select_communicator(lanes)
 
 
 def select_communicator(lanes: Sequence[Lane], prefer: str | None = None) -> tuple[Communicator, str]:

@@ -50,6 +50,7 @@ from torch import Tensor
 from dpq.comm_base import CommunicatorBase, chunk_bounds, ordered_sum
 from dpq.nccl_lifecycle import (
     NcclCommSet,
+    NcclInitFailed,
     fail_group,
     shared_comm_set,
 )
@@ -206,6 +207,8 @@ class CupyNcclCommunicator(CommunicatorBase):
     """
 
     name = "cupy-nccl"
+    nccl, sends_to_peers, shares_handles = True, True, True  # its canonical order sends to every other lane
+    setup_failure = (NcclInitFailed,)
 
     def __init__(self, lanes: Sequence[Lane], *, shared: bool = False, allow_shared_gpu: bool | None = None) -> None:
         super().__init__(lanes)
@@ -392,6 +395,8 @@ class TorchNcclCommunicator(CommunicatorBase):
     """
 
     name = "torch-nccl"
+    nccl, shares_handles = True, True  # no send/recv: no peer buffers
+    setup_failure = (NcclInitFailed,)
     canonical_order = False
     order_note = (
         "torch.cuda.nccl has no send/recv, so its sums use NCCL's own reduction order (ring or tree, by "

@@ -324,7 +324,6 @@ STREAM_POOL = (2 + 20) * 2**20
 NCCL_COMM = 688 * 10**6
 NCCL_PEER = 470 * 10**6
 NCCL_NVLS = 1060 * 10**6 - NCCL_COMM
-NCCL_KINDS = ("cupy-nccl", "torch-nccl")
 
 
 def price_runtime(device: torch.device, *, home: bool, communicator: str = "", world: int = 1, processes: int = 1,
@@ -348,8 +347,9 @@ def price_runtime(device: torch.device, *, home: bool, communicator: str = "", w
         nvls = 0 if os.environ.get("NCCL_NVLS_ENABLE", "").strip() == "0" else NCCL_NVLS
         parts["cublas"] = CUBLAS_WORKSPACE * (1 if home else 2)
         parts["stream_pools"] = STREAM_POOL * ((0 if home else 1) + (1 if overlap else 0))
-        if communicator in NCCL_KINDS and world > 1:
-            peers = world - 1 if communicator == "cupy-nccl" else 0
+        kind = COMMUNICATORS.get(communicator)
+        if kind is not None and kind.nccl and world > 1:
+            peers = world - 1 if kind.sends_to_peers else 0
             parts["nccl"] += NCCL_COMM + nvls + peers * NCCL_PEER
         if processes > 1 and home:
             parts["nccl"] += NCCL_COMM + nvls + (processes - 1) * NCCL_PEER

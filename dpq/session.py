@@ -48,12 +48,11 @@ import torch
 
 from dpq import cancel, refusals
 from dpq.comm_streams import CommStreams, comm_lanes
-from dpq.communicators import make_communicator, select_communicator
+from dpq.communicators import build_planned, select_communicator
 from dpq.compiles import CompileWatch
 from dpq.distributed import ProcessSet, RankPlan, Topology, agree, in_collective, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.mirror import ReplicaSet, release_cached_memory
-from dpq.nccl_lifecycle import NcclInitFailed
 from dpq.plan import ONE_LANE_EXCHANGE, BlockPrice, Plan, PlanRefused, PlanRequest, resolve, validate_world
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
@@ -459,11 +458,8 @@ def _communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],
                   procs: ProcessSet | None = None) -> tuple[object, LaneRun]:
     """The communicator over ``lanes`` (``ran``'s in-process choice, or one chosen on the lanes when it
     has none or it cannot start), and ``ran`` with it as built."""
-    if ran.in_process:
-        try:
-            comm, reason = make_communicator(ran.in_process, lanes), ran.in_process_reason
-        except NcclInitFailed:  # remembered for the run (dpq.nccl_lifecycle): the choice now takes copies
-            comm, reason = select_communicator(lanes)
+    if ran.in_process:  # a kind whose set-up failed (e.g. NCCL's, remembered for the run): chosen again
+        comm, reason = build_planned(ran.in_process, ran.in_process_reason, lanes)
     else:
         comm, reason = select_communicator(lanes)
     ran = replace(ran, in_process=comm.name, in_process_reason=reason, across="")

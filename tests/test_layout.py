@@ -288,3 +288,47 @@ def test_an_import_from_tests_is_found():
     nested = "def f():\n    from tests import conftest\nimport tests.mutants\nimport testsuite\n"
     assert sorted(imports_of_tests(nested)) == ["tests", "tests.mutants"]
     assert imports_of_tests("from tests.conftest import x") == ["tests.conftest"]
+
+
+# -- communicators are known by what they declare ----------------------------------------------------
+
+# The registry (dpq/communicators.py) and the modules that define the kinds name them; nothing else does.
+COMMUNICATOR_HOMES = {"communicators.py", "comm_base.py", "nccl_comm.py", "fallback_p2p.py", "process_group.py",
+                      "nccl_lifecycle.py"}
+
+
+def communicator_names_compared(source: str, names: set[str]) -> list[int]:
+    """The lines of ``source`` that compare something with a communicator kind's name (``==``, ``!=``,
+    ``in`` a literal holding one, ``match`` on one)."""
+
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(named(e) for e in node.elts)
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(named(n) for n in (node.left, *node.comparators)):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.MatchValue) and named(node.value):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_communicator_name_is_compared_outside_the_registry():
+    """issue 30: the plan, the session and the engine ask a kind what it declares (``nccl``,
+    ``sends_to_peers``, ``shares_handles``, ``setup_failure``, ``canonical_order``), never its name."""
+    from dpq.communicators import COMMUNICATORS
+
+    names = set(COMMUNICATORS)
+    found = [f"{p.relative_to(DPQ.parent)}:{line}" for p in sorted(DPQ.rglob("*.py"))
+             if p.name not in COMMUNICATOR_HOMES and "testing" not in p.relative_to(DPQ).parts
+             for line in communicator_names_compared(p.read_text(), names)]
+    assert found == []
+
+
+def test_a_compared_communicator_name_is_found():
+    names = {"cupy-nccl", "torch-nccl", "local"}
+    planted = ('if communicator == "cupy-nccl":\n    pass\nx = kind in ("torch-nccl", "p2p")\n'
+               'y = "local" != name\nz = name == "cupy"\nmatch n:\n    case "local":\n        pass\n')
+    assert communicator_names_compared(planted, names) == [1, 3, 4, 7]
