@@ -50,13 +50,14 @@ from dpq import cancel, refusals
 from dpq.comm_streams import CommStreams, comm_lanes
 from dpq.communicators import build_planned, select_communicator
 from dpq.compiles import CompileWatch
+from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet, RankPlan, Topology, agree, in_collective, peer_lost
 from dpq.exchange import FullSumExchange, SignExchange
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.plan import ONE_LANE_EXCHANGE, BlockPrice, Plan, PlanRefused, PlanRequest, resolve, validate_world
 from dpq.process_group import ProcessGroupCommunicator
 from dpq.streams import Lane, make_lanes
-from dpq.tune_loop import LoopOutcome, TuneEngine, TuneSpec, run_loop
+from dpq.tune_loop import LanesHung, LoopOutcome, TuneEngine, TuneSpec, run_loop
 from dpq.watchdog import GRACE_S
 
 __all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "LaneRun", "SessionConfig", "agree_plan", "lanes_for",
@@ -84,7 +85,7 @@ class SessionConfig:
     world: int | str = "auto"
     devices: object = None
     debug_identical: bool = False
-    auto_world: object = None  # dpq.cost_model.AutoWorld, one per run: 'auto' picks the world by predicted time
+    auto_world: AutoWorld | None = None  # one per run: 'auto' picks the world by predicted time
     # Several processes (torchrun): the group this run spans, given explicitly
     # (dpq.distributed.ProcessSet.detect()); ``world`` and ``devices`` are then this process's lanes.
     processes: ProcessSet | None = None
@@ -282,14 +283,14 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
         with watch:
             outcome, result, done = _run_lanes(config, ran, task, procs, watch)
     except BaseException as err:
-        if getattr(err, "stuck", False):
+        if isinstance(err, LanesHung) and err.stuck:
             # dpq.tune_loop.LanesHung: work queued on the lanes' devices never ends, so any wait on them
             # (the restore's copies, a serial rerun) would hang too; the error says so and what to do.
             raise
         snapshot.restore()
         del snapshot
         # read before the traceback is released; a watchdog expiry across processes waited for a peer
-        lost = procs is not None and (peer_lost(err) or getattr(err, "peer_lost", False))
+        lost = procs is not None and (peer_lost(err) or (isinstance(err, LanesHung) and err.peer_lost))
         release_run(err, task.name if task.name.startswith("dpq") else f"dpq ({task.name})")
         release_cached_memory(ran.devices)  # what only the failed run's frames held is free now
         if procs is not None:  # fatal on every rank: ranks could not agree on a serial rerun
@@ -401,7 +402,7 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
             auto.measured(task.name, time.perf_counter() - t_loop, iters=spec.iters, world=ran.world,
                           issue_s=outcome.issue_s if on_devices else None)
     except BaseException as err:
-        stuck = getattr(err, "stuck", False)  # the watchdog could not end the lanes' work: no wait on them
+        stuck = isinstance(err, LanesHung) and err.stuck  # the watchdog could not end the lanes' work: no wait on them
         raise
     finally:
         # R5, on success and on failure alike: the current stream and every lane join before
@@ -466,7 +467,7 @@ def _communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],
     if procs is not None:  # the in-process legs as planned; torch.distributed across processes
         comm = ProcessGroupCommunicator(lanes, group=procs.group, inner=comm)
         ran = replace(ran, across=comm.name)
-    wrap = getattr(config.auto_world, "wrap", None) if config.world == "auto" else None
+    wrap = config.auto_world.wrap if config.world == "auto" and config.auto_world is not None else None
     return (wrap(comm) if wrap is not None else comm), ran
 
 

@@ -332,3 +332,60 @@ def test_a_compared_communicator_name_is_found():
     planted = ('if communicator == "cupy-nccl":\n    pass\nx = kind in ("torch-nccl", "p2p")\n'
                'y = "local" != name\nz = name == "cupy"\nmatch n:\n    case "local":\n        pass\n')
     assert communicator_names_compared(planted, names) == [1, 3, 4, 7]
+
+
+# -- no probing of dpq's own objects -------------------------------------------------------------------
+
+# getattr/hasattr with a name a dpq class defines, on an object that is not dpq's (why, each)
+FOREIGN_PROBES = {
+    ("dpq/compiles.py", "name"): "dynamo's compile trigger, an enum of torch's",
+    ("dpq/process_group.py", "abort"): "torch's process-group backend (abort exists in some builds)",
+    ("dpq/streams.py", "empty_cache"): "a torch device module (torch.cuda, torch.xpu, ...)",
+}
+
+
+def own_attributes(sources) -> set[str]:
+    """Every attribute name a class in ``sources`` defines: its body's functions, assignments and
+    annotations, and what its methods assign to ``self``."""
+    names: set[str] = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    names |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+            names |= {sub.attr for sub in ast.walk(node) if isinstance(sub, ast.Attribute)
+                      and isinstance(sub.ctx, ast.Store) and isinstance(sub.value, ast.Name) and sub.value.id == "self"}
+    return names
+
+
+def probes_of(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of each ``getattr``/``hasattr`` in ``source`` asking for one of ``names``."""
+    return [(node.lineno, node.args[1].value) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names]
+
+
+def test_the_runtime_probes_none_of_its_own_objects():
+    """issue 30: the runtime asks dpq's objects through their types (protocols, isinstance), never
+    ``getattr``/``hasattr`` of an attribute a dpq class defines; the exceptions are torch's objects
+    whose names happen to match (FOREIGN_PROBES, each with why)."""
+    files = sorted(DPQ.rglob("*.py"))
+    own = own_attributes(p.read_text() for p in files if "testing" not in p.relative_to(DPQ).parts)
+    found = [(str(p.relative_to(DPQ.parent)), name) for p in files
+             if not {"autoround", "demo", "testing"} & set(p.relative_to(DPQ).parts)
+             for _, name in probes_of(p.read_text(), own)]
+    assert sorted(set(found) - set(FOREIGN_PROBES)) == []
+    assert set(FOREIGN_PROBES) <= set(found)  # each exception still needed
+
+
+def test_a_probe_of_an_own_attribute_is_found():
+    planted = ("class LanesHung(Exception):\n    def __init__(self):\n        self.stuck = True\n"
+               "def f(err):\n    return getattr(err, 'stuck', False) or hasattr(err, 'peer') or getattr(err, 'x')\n")
+    assert probes_of(planted, own_attributes([planted])) == [(5, "stuck")]
+    assert "stuck" in own_attributes([planted]) and "x" not in own_attributes([planted])
