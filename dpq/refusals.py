@@ -654,14 +654,18 @@ def symbol_differs(symbol: str, found: str, checked: str) -> str:
     return f"{symbol}({found}) differs from the checked ({checked})"
 
 
+def source_differs(symbol: str, found: str, checked: str) -> str:
+    return f"{symbol}: its source (sha256 {found}) differs from the one dpq reproduces (sha256 {checked})"
+
+
 # parts of another text, which names the fix: patch_mismatch's lines (symbol_*), rank_failure's heads
-LINES = ("symbol_differs", "symbol_missing", "rank_raised", "rank_reported_first", "rank_store_unreachable",
-         "ranks_silent", "rank_cancelled", "setting_differs")
+LINES = ("symbol_differs", "source_differs", "symbol_missing", "rank_raised", "rank_reported_first",
+         "rank_store_unreachable", "ranks_silent", "rank_cancelled", "setting_differs")
 
 
 def patch_mismatch(version: str, checked: Sequence[str], problems: Sequence[str]) -> str:
-    return (f"dpq: auto-round {version} is installed, and these functions dpq replaces differ from the ones dpq "
-            f"checked (auto-round {', '.join(checked)}):\n" + "\n".join(f"  - {x}" for x in problems)
+    return (f"dpq: auto-round {version} is installed, and these functions dpq replaces or reproduces differ from "
+            f"the ones dpq checked (auto-round {', '.join(checked)}):\n" + "\n".join(f"  - {x}" for x in problems)
             + "\ndpq does not run a changed upstream function through its copy. Fix: install a checked auto-round "
             "(pip install 'auto-round==0.16.1', or auto-round-nightly==0.17.0.dev20261026 with dpq installed "
             "--no-deps), or run without dpq (--parallel_quantization off)")

@@ -79,6 +79,27 @@ def test_changed_upstream_signature_is_refused_naming_version_and_symbol(monkeyp
             assert owner.__dict__.get(name) is fn  # nothing was patched
 
 
+def test_a_changed_source_the_lane_loop_reproduces_is_refused_by_name(monkeypatch):
+    """patches.LOOP_REPRODUCED: auto-round code dpq's lane loop reproduces op for op (the loss, the
+    runner's batch selection and forward) is pinned by its source's digest per series; a changed one
+    refuses the install by name, like a changed signature, and nothing is patched."""
+    from auto_round.algorithms.block_runner import BlockForwardRunner
+
+    assert patches.check() == []  # the installed series' sources are the recorded ones
+    src = "def _select_batch(self, inputs, indices, extra=None):\n    return inputs\n"
+    ns: dict = {}
+    exec(src, ns)
+    monkeypatch.setattr(patches.inspect, "getsource",
+                        lambda obj, real=patches.inspect.getsource: src if obj is ns["_select_batch"] else real(obj))
+    monkeypatch.setattr(BlockForwardRunner, "_select_batch", ns["_select_batch"])
+    with pytest.raises(patches.PatchMismatch, match=r"BlockForwardRunner\._select_batch: its source \(sha256 "
+                                                     r"[0-9a-f]{16}\) differs from the one dpq reproduces"):
+        integration.enable(2, "cpu,cpu")
+    assert not patches.installed()
+    monkeypatch.delattr(BlockForwardRunner, "_select_batch")
+    assert any(p == "BlockForwardRunner._select_batch is missing" for p in patches.check())
+
+
 def test_missing_upstream_symbol_is_refused(monkeypatch):
     from auto_round.algorithms.transforms.awq.base import AWQTransform
 

@@ -25,9 +25,9 @@ from types import MappingProxyType
 
 from dpq import refusals
 
-__all__ = ["NOT_PATCHED", "REPRODUCED", "TABLE", "Frame", "Patch", "PatchMismatch", "chained", "check", "current",
-           "frame", "frames", "install", "installed", "last", "original", "patches_for", "reproduced_changes", "series",
-           "uninstall"]
+__all__ = ["LOOP_REPRODUCED", "NOT_PATCHED", "REPRODUCED", "TABLE", "Frame", "Patch", "PatchMismatch", "chained",
+           "check", "current", "frame", "frames", "install", "installed", "last", "original", "patches_for",
+           "reproduced_changes", "series", "uninstall"]
 
 _SR = "auto_round.algorithms.quantization.sign_round.quantizer:SignRoundQuantizer"
 _RTN = "auto_round.algorithms.quantization.rtn.quantizer"
@@ -132,6 +132,42 @@ Unlike :data:`TABLE` a change here refuses nothing: :func:`reproduced_changes` n
 symbol, and the caller runs auto-round's own code instead of the reproduction (never a stale copy)."""
 
 
+LOOP_REPRODUCED: MappingProxyType[str, MappingProxyType[str, str]] = MappingProxyType({
+    path: MappingProxyType(by_series) for path, by_series in {
+        # dpq.autoround.tune._mse
+        "auto_round.algorithms.quantization.sign_round.quantizer:SignRoundQuantizer._get_loss":
+            {"0.16": "16731484cd50c5dc", "0.17": "16731484cd50c5dc"},
+        # dpq.autoround.tune._select_others (its input_others branch)
+        "auto_round.algorithms.block_runner:BlockForwardRunner._select_batch":
+            {"0.16": "28536ad0ffb34ae2", "0.17": "f095491358e40550"},
+        # dpq.autoround.tune.lane_forward
+        "auto_round.algorithms.block_runner:BlockForwardRunner.forward":
+            {"0.16": "4ec3efa90177bf8b", "0.17": "d3d24e0683c83b23"},
+    }.items()})
+"""auto-round code dpq's lane loop reproduces op for op (``dpq/autoround/tune.py``): sha256 (first 16 hex
+digits) of each source per series, each read when recorded (0.16.1, 0.17.0.dev20261026). 0.17's
+``_select_batch`` and ``forward`` differ from 0.16's only in where samples go (gathered onto the runner's
+device first, indices moved to the value's device, list-mode outputs placed by the pool), which each
+lane's staging does itself (R7): the same values. Unlike :data:`REPRODUCED` there is no upstream code to
+fall back to (the lane loop needs its own), so a change refuses the install by name (:func:`check`), as
+a changed signature of :data:`TABLE` does."""
+
+
+def _source_digest(path: str) -> str | None:
+    """sha256 (first 16 hex digits) of the installed source at ``path`` ("module:Class.attr"), None if gone."""
+    import hashlib
+
+    module, _, attr = path.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for name in attr.split(".") if attr else ():
+            obj = getattr(obj, name)
+        source = inspect.getsource(inspect.unwrap(obj))
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
 def reproduced_changes() -> list[str]:
     """The symbols of :data:`REPRODUCED` whose installed source differs from the checked one (or is gone)."""
     import hashlib
@@ -218,6 +254,12 @@ def check(version: str | None = None) -> list[str]:
         found = params_of(fn)
         if found != p.signatures[s]:
             problems.append(refusals.symbol_differs(p.symbol, found, p.signatures[s]))
+    for path, by_series in LOOP_REPRODUCED.items():
+        digest = _source_digest(path)
+        if s in by_series and digest != by_series[s]:
+            symbol = path.rpartition(":")[2]
+            problems.append(refusals.symbol_missing(symbol) if digest is None
+                            else refusals.source_differs(symbol, digest, by_series[s]))
     return problems
 
 
