@@ -161,7 +161,8 @@ def test_no_import_cycle_between_integration_and_the_seams():
     for s in seams:
         assert "integration" not in imports(s), s
     assert not set(seams) & imports("integration") - {"seams_common"}
-    assert not imports("patches")  # the table names its replacements by path, imported at install
+    # the table names its replacements by path, imported at install; it imports only the versions (compat)
+    assert imports("patches") <= {"compat"}
     assert all(len((ROOT / "dpq" / "autoround" / f"{s}.py").read_text().splitlines()) <= 400 for s in seams)
 
 
@@ -245,7 +246,8 @@ def test_importing_compat_refuses_an_uncovered_auto_round_by_version(monkeypatch
             spec.loader.exec_module(fresh)
     else:
         spec.loader.exec_module(fresh)
-        assert fresh.series() == version.rsplit(".", 1)[0]
+        assert fresh.check_auto_round_version() == version
+        assert patches.series(version) == version.rsplit(".", 1)[0] and patches.series(version) in fresh.SUPPORTED
     first = ast.parse(Path(integration.__file__).with_name("__init__.py").read_text()).body
     imports = [node for node in first if isinstance(node, ast.ImportFrom)]
     assert (imports[0].level, imports[0].module, [a.name for a in imports[0].names]) == (1, None, ["compat"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dpq import refusals
 
 SUPPORTED = ("0.16", "0.17")  # the series the patch table (dpq.autoround.patches) covers
+CHECKED = ("0.16.1", "0.17.0.dev20261026")  # the releases the table, its signatures and digests were checked on
 PIP_BOUND = "auto-round>=0.16.1,<0.18"
 
 
@@ -22,11 +23,6 @@ def check_auto_round_version() -> str:
 
 
 check_auto_round_version()
-
-
-def series() -> str:
-    """The installed auto-round's series, e.g. "0.16"."""
-    return ".".join(check_auto_round_version().split(".")[:2])
 
 
 def prepare_block_for_tuning(q, block, active_inputs, batch_size: int) -> None:

@@ -25,6 +25,8 @@ from types import MappingProxyType
 
 from dpq import refusals
 
+from .compat import CHECKED, SUPPORTED
+
 __all__ = ["LOOP_REPRODUCED", "NOT_PATCHED", "REPRODUCED", "TABLE", "Frame", "Patch", "PatchMismatch", "chained",
            "check", "current", "frame", "frames", "install", "installed", "last", "original", "patches_for",
            "reproduced_changes", "series", "uninstall"]
@@ -34,7 +36,7 @@ _RTN = "auto_round.algorithms.quantization.rtn.quantizer"
 _V2 = "auto_round.algorithms.quantization.sign_roundv2.quantizer"
 _AWQ = "auto_round.algorithms.transforms.awq.base:AWQTransform"
 _BLOCK_PARAMS = "self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids=None, **kwargs"
-_BOTH = ("0.16", "0.17")
+_BOTH = SUPPORTED
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Patch:
     replacement: str  # dpq's function, "module:function"
     signatures: dict[str, str]  # auto-round series ("0.16") -> expected parameters (see :func:`params_of`)
     phase: str  # what it serves: "tune", "collection", "search", "save"
-    checked: tuple[str, ...] = ("0.16.1", "0.17.0.dev20261026")  # the releases it was run against
+    checked: tuple[str, ...] = CHECKED  # the releases it was run against
 
     @property
     def symbol(self) -> str:
