@@ -268,7 +268,8 @@ def test_overlap_benchmark_smoke(capsys):
     finally:
         torch.set_num_threads(threads)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert re.fullmatch(r"hidden_fraction=-?\d+\.\d\d world=3 link_GBps=\d+\.\d{4}", lines[-1]), lines[-1]
+    # nan: the exchange added nothing measurable after the backward (this toy shape, on a loaded machine)
+    assert re.fullmatch(r"hidden_fraction=(-?\d+\.\d\d|nan) world=3 link_GBps=\d+\.\d{4}", lines[-1]), lines[-1]
     rows = [line.split(" | ") for line in lines if line.startswith(("| 3 | after", "| 3 | overlap"))]
     assert len(rows) == 2 and len(rows[1][4].split(" / ")) == 3  # one backward span per lane
     assert any(line.startswith("world 3: after") for line in lines)
