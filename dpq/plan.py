@@ -146,8 +146,8 @@ def _bucket_choice(devices: list[torch.device], request: PlanRequest) -> tuple[s
     if len(devices) < 2 or request.price is None:
         return "largest", ""
     if request.processes > 1:
-        return "largest", ("buckets as large as the largest tensor: across processes the ranks lay their "
-                           "buckets out alike without comparing their free memory")
+        return "largest", ("an exchange after the backward runs buckets as large as the largest tensor: across "
+                           "processes the ranks lay their buckets out alike without comparing their free memory")
     whole = replace(request, price=replace(request.price, bucket_cap_elems=WHOLE_BLOCK_CAP))
     explicit = validate_world(request.world, request.caller) != "auto"
     used: dict[torch.device, int] = {}
@@ -157,9 +157,10 @@ def _bucket_choice(devices: list[torch.device], request: PlanRequest) -> tuple[s
         used[dev] = used.get(dev, 0) + need
     short = [str(dev) for dev, need in used.items() if need > backend(dev).mem_get_info(dev)[0]]
     if short:
-        return "largest", (f"buckets as large as the largest tensor: one bucket for the whole block does not fit "
-                           f"{', '.join(short)}")
-    return "block", "one gradient bucket for the whole block (its exchange scratch fits every lane)"
+        return "largest", (f"an exchange after the backward runs buckets as large as the largest tensor: one "
+                           f"bucket for the whole block does not fit {', '.join(short)}")
+    return "block", ("an exchange after the backward runs one gradient bucket for the whole block (its scratch fits "
+                     "every lane)")
 
 
 def validate_world(world: object, caller: str = "cli") -> int | str:

@@ -50,6 +50,9 @@ def test_plan_for_prices_each_lane_and_says_what_does_not_fit():
     assert all(p.need > 0 and p.free > 0 for r in screen.rows for p in r.prices)
     assert screen.rows[1].per_block_s == screen.rows[1].per_iter_s * 10 and screen.choice == 2
     assert "3 lanes but only 2 samples" in str(screen)
+    # Note [one bucket where it fits]: the screen says the plan's bucket layout for each world that runs
+    assert screen.rows[0].buckets == "" and "whole block" in screen.rows[1].buckets
+    assert f"- {screen.rows[1].buckets}" in str(screen)
     asked = dpq.plan_for(str(DATA_DIR), parallel_quantization=3, parallel_devices="cpu,cpu,cpu", home="cpu",
                          iters=10, batch_size=2, nsamples=2, seqlen=64)
     assert asked.choice == 3 and "refused" in asked.why

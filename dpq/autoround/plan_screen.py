@@ -46,6 +46,7 @@ class WorldRow:
     per_iter_s: float
     per_block_s: float
     refused: list[str] = field(default_factory=list)  # why this world cannot run (empty: it can)
+    buckets: str = ""  # the gradient buckets the plan takes at this world, and why (dpq.plan.Plan.buckets_reason)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class PlanScreen:
             out.append(f"{r.world:>5}  {','.join(r.lanes):<24} {memory:<44} {r.per_iter_s:>8.3g} {r.per_block_s:>9.3g}"
                        f" {r.per_block_s * self.blocks:>11.3g}  {'yes' if not r.refused else 'no'}")
             out += [f"{'':>7}- {reason}" for reason in r.refused]
+            if r.buckets and not r.refused:
+                out.append(f"{'':>7}- {r.buckets}")
         out += ["", f"auto would choose world {self.choice}: {self.why}", f"timeline model: {self.calibration}"]
         return out
 
@@ -197,14 +200,16 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
     rows = []
     for w in range(1, len(lanes) + 1):
         refused: list[str] = []
+        buckets = ""
         try:
-            resolve(PlanRequest(world=w, devices=[str(d) for d in lanes[:w]], samples_per_iter=samples, home=home_dev,
-                                price=price, pool_samples=nsamples))
+            plan = resolve(PlanRequest(world=w, devices=[str(d) for d in lanes[:w]], samples_per_iter=samples,
+                                       home=home_dev, price=price, pool_samples=nsamples))
+            buckets = plan.buckets_reason
         except PlanRefused as err:
             refused = err.reasons
         p = predict(w, iters, costs)
         rows.append(WorldRow(w, [str(d) for d in lanes[:w]], _prices(price, lanes[:w], home_dev), p.per_iter_s,
-                             p.seconds, refused))
+                             p.seconds, refused, buckets))
     choice, why = _auto_choice(rows, lanes, iters, costs, spec.world)
     from dpq.machine import device_names
 
