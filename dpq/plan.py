@@ -150,12 +150,8 @@ def _bucket_choice(devices: list[torch.device], request: PlanRequest) -> tuple[s
                            "processes the ranks lay their buckets out alike without comparing their free memory")
     whole = replace(request, price=replace(request.price, bucket_cap_elems=WHOLE_BLOCK_CAP))
     explicit = validate_world(request.world, request.caller) != "auto"
-    used: dict[torch.device, int] = {}
-    for dev, need in zip(devices, _lane_prices(devices, whole, _home(request), explicit), strict=True):
-        if need is None:
-            return "largest", ""
-        used[dev] = used.get(dev, 0) + need
-    short = [str(dev) for dev, need in used.items() if need > backend(dev).mem_get_info(dev)[0]]
+    short = list(dict.fromkeys(str(devices[k]) for k, _ in _memory_refusals(devices, whole, _home(request), explicit,
+                                                                           [])))
     if short:
         return "largest", (f"an exchange after the backward runs buckets as large as the largest tensor: one "
                            f"bucket for the whole block does not fit {', '.join(short)}")

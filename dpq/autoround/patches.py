@@ -159,12 +159,8 @@ def _source_digest(path: str) -> str | None:
     """sha256 (first 16 hex digits) of the installed source at ``path`` ("module:Class.attr"), None if gone."""
     import hashlib
 
-    module, _, attr = path.partition(":")
     try:
-        obj = importlib.import_module(module)
-        for name in attr.split(".") if attr else ():
-            obj = getattr(obj, name)
-        source = inspect.getsource(inspect.unwrap(obj))
+        source = inspect.getsource(_resolve(path))
     except (ImportError, AttributeError, OSError, TypeError):
         return None
     return hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -172,18 +168,7 @@ def _source_digest(path: str) -> str | None:
 
 def reproduced_changes() -> list[str]:
     """The symbols of :data:`REPRODUCED` whose installed source differs from the checked one (or is gone)."""
-    import hashlib
-
-    changed = []
-    for path, digest in REPRODUCED.items():
-        try:
-            source = inspect.getsource(_resolve(path))
-        except (ImportError, AttributeError, OSError, TypeError):
-            changed.append(path)
-            continue
-        if hashlib.sha256(source.encode()).hexdigest()[:16] != digest:
-            changed.append(path)
-    return changed
+    return [path for path, digest in REPRODUCED.items() if _source_digest(path) != digest]
 
 
 class PatchMismatch(RuntimeError):
@@ -217,9 +202,12 @@ def params_of(fn) -> str:
 
 
 def _resolve(path: str):
+    """The object at ``path``: "module", "module:name" or "module:Class.attr"."""
     module, _, attr = path.partition(":")
     obj = importlib.import_module(module)
-    return getattr(obj, attr) if attr else obj
+    for name in attr.split(".") if attr else ():
+        obj = getattr(obj, name)
+    return obj
 
 
 _MISSING = object()
