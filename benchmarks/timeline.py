@@ -54,7 +54,7 @@ from dpq.testing.timeline.calibration import (  # noqa: E402
 )
 from dpq.testing.timeline.devices import GPUS, HOST, GpuClass, HostCosts  # noqa: E402
 from dpq.testing.timeline.record import TimelineModel  # noqa: E402
-from dpq.testing.timeline.replay import BREAKDOWN, Pricing, Timeline, simulate  # noqa: E402
+from dpq.testing.timeline.replay import BREAKDOWN, GRAPHS, Pricing, Timeline, simulate  # noqa: E402
 from dpq.testing.timeline.roofline import roofline  # noqa: E402
 from dpq.testing.timeline.scenarios import LEGACY, record_block, run_adapter, run_api  # noqa: E402
 from dpq.testing.timeline.shapes import BLOCKS, RECORDED, BlockShape  # noqa: E402
@@ -240,6 +240,8 @@ class Row:
     compiles: dict[int, int]  # world -> compiles a run pays on the issuing thread (lane devices x slice shapes)
     host: HostCosts
     roof: dict[str, float]
+    # at the most lanes recorded, priced with CUDA graphs (Pricing.graphs: "regions", "iteration"); compile only
+    graphed: dict[str, Timeline] = dataclasses.field(default_factory=dict)
 
     def compile_s(self, world: int) -> float:
         n = self.compiles[world]
@@ -273,14 +275,22 @@ def table(records: dict[tuple[str, int], TimelineModel], cal: Calibration | None
             for bkey in ("8b", "32b", "70b"):
                 block = BLOCKS[bkey]
                 worlds = sorted(w for p, w in records if p == path and w <= lanes)
-                tls = {w: simulate(records[(path, w)], Pricing(RECORDED, block, gpu, host_k,
-                                                               buckets=plan_buckets(bkey, gpu_key, w)))
-                       for w in worlds}
+                tls = {w: _priced(records[(path, w)], bkey, gpu_key, gpu, host_k, w) for w in worlds}
+                top = worlds[-1]  # all lanes, where recorded
+                graphed = ({g: _priced(records[(path, top)], bkey, gpu_key, gpu, host_k, top, g)
+                            for g in GRAPHS if g} if path == "compile" else {})
                 rows.append(Row(mname, gpu_key, lanes, bkey, path, {w: tl.seconds_per_iteration() for w, tl in
                                                                       tls.items()}, tls,
                                 {w: compiles_per_run(records[(path, w)]) if path == "compile" else 0 for w in worlds},
-                                host_k, roofline(block, gpu)))
+                                host_k, roofline(block, gpu), graphed))
     return rows, notes
+
+
+def _priced(model: TimelineModel, bkey: str, gpu_key: str, gpu, host: HostCosts, world: int,
+            graphs: str | None = None) -> Timeline:
+    """``model`` replayed on a ``bkey`` block on ``gpu`` with the buckets the plan takes there."""
+    return simulate(model, Pricing(RECORDED, BLOCKS[bkey], gpu, host, graphs=graphs,
+                                   buckets=plan_buckets(bkey, gpu_key, world)))
 
 
 CARD_GIB = {"3090": 24, "h100": 80, "h200": 141}  # each card's memory, GiB (its spec sheet)
@@ -370,6 +380,30 @@ def table_lines(rows: list[Row]) -> list[str]:
     return out
 
 
+def graphs_lines(rows: list[Row]) -> list[str]:
+    """Lever 5 priced: the compile-on rows at all lanes as built, with the compiled regions replayed
+    through CUDA graph trees, and with each lane's steady iteration as one captured graph (Pricing.graphs;
+    neither is built: what the model says each would buy)."""
+    sel = [r for r in rows if r.path == "compile" and r.graphed]
+    if not sel:
+        return []
+    out = ["", "CUDA graphs per lane, priced, not built (torch.compile on, all lanes; Pricing.graphs in "
+               "dpq/testing/timeline/replay.py; speedup over 1 lane as built; host: the issuing thread per "
+               "lane-iteration, ms):", "",
+           "| machine | block | as built: speedup | host | regions as graph trees: speedup | host | "
+           "each lane's iteration one graph: speedup | host | exposed exchange, ms | lane 0's device work, ms |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sel:
+        cells = []
+        for tl in (r.timelines[max(r.timelines)], r.graphed["regions"], r.graphed["iteration"]):
+            b = tl.breakdown()
+            cells += [f"{r.per_iter[1] / tl.seconds_per_iteration():.2f}x", f"{b['host_per_lane_iteration'] * 1e3:.2f}"]
+        b = r.graphed["iteration"].breakdown()
+        out.append(f"| {r.machine} | {BLOCKS[r.block].name} | " + " | ".join(cells)
+                   + f" | {b['exchange_exposed'] * 1e3:.2f} | {sum(b[k] for k in BREAKDOWN) * 1e3:.2f} |")
+    return out
+
+
 def final_line(rows: list[Row], cal: Calibration | None) -> str:
     pick = {(r.gpu, r.lanes, r.block): r.speedup() for r in rows if r.path == "compile"}
     return (f"timeline_table path=compile speedup_3090_w4_70b={pick[('3090', 4, '70b')]:.2f} "
@@ -431,7 +465,7 @@ def main(argv=None) -> int:
         rows, notes = table(records, cal, host, paths)
         for n in notes:
             print(f"calibrated: {n}")
-        print("\n".join(table_lines(rows) + bucket_price_lines()))
+        print("\n".join(table_lines(rows) + graphs_lines(rows) + bucket_price_lines()))
         print(f"({time.perf_counter() - t0:.0f} s)")
         print(final_line(rows, cal) if "compile" in paths else "timeline_table path=eager")
         return 0

@@ -17,7 +17,7 @@ import pytest
 from dpq.exchange import bucket_cap, bucket_layout
 from dpq.testing.timeline.calibration import Calibration, ModelCounts, rebase
 from dpq.testing.timeline.devices import GPUS, HOST
-from dpq.testing.timeline.replay import Pricing, op_class, simulate
+from dpq.testing.timeline.replay import BREAKDOWN, Pricing, op_class, simulate
 from dpq.testing.timeline.roofline import roofline
 from dpq.testing.timeline.scenarios import recorded_run
 from dpq.testing.timeline.shapes import BLOCKS, RECORDED, RoleMap
@@ -38,7 +38,7 @@ def two_lanes():
 
 def replay(model, block: str, gpu: str, **pricing):
     return simulate(model, Pricing(RECORDED, BLOCKS[block], GPUS[gpu], pricing.pop("host", HOST),
-                                   buckets=pricing.pop("buckets", None)))
+                                   buckets=pricing.pop("buckets", None), graphs=pricing.pop("graphs", None)))
 
 
 # -- sizes ------------------------------------------------------------------------------------------
@@ -379,3 +379,66 @@ def test_timeline_breakdown_adds_up(two_lanes):
                                                            + [o for o in tl.ops if o.iteration == it.index
                                                               and o.kind == "copy" and o.stream is not None
                                                               and o.stream.sid in lane0]))
+
+
+# -- CUDA graphs, priced (Pricing.graphs) --------------------------------------------------------------
+
+
+def _steady_main(tl):
+    steady = {it.index for it in tl.steady()}
+    return [op for op in tl.ops if op.thread == "main" and op.iteration in steady], len(steady)
+
+
+def _device_work(tl) -> dict[str, float]:
+    b = tl.breakdown()
+    return {k: b[k] for k in BREAKDOWN}
+
+
+def test_timeline_graphed_regions_cost_a_launch_and_no_kernels(two_lanes):
+    """With the compiled regions replayed through CUDA graph trees, the issuing thread pays each region
+    call its call, the trees' checks and a launch, and none of the region's kernels; no device op's
+    time changes."""
+    built, graphed = replay(two_lanes, "8b", "h100"), replay(two_lanes, "8b", "h100", graphs="regions")
+    price = Pricing(RECORDED, BLOCKS["8b"], GPUS["h100"], HOST)
+    ops, n = _steady_main(built)
+    kernels = [op for op in ops if op.kind == "kernel" and op.region]
+    calls = [op for op in ops if op.kind == "call" and op.region]
+    assert kernels and calls
+    saved = sum(price.host_s(op) for op in kernels) - len(calls) * (HOST.graph_tree_s + HOST.graph_launch_s)
+    got = built.breakdown()["host_per_lane_iteration"] - graphed.breakdown()["host_per_lane_iteration"]
+    assert got == pytest.approx(saved / n / 2, rel=1e-6)
+    assert _device_work(graphed) == pytest.approx(_device_work(built), rel=1e-9)
+
+
+def test_timeline_graphed_iteration_costs_a_launch_per_lane_and_the_readback(two_lanes):
+    """With each lane's steady iteration one captured graph, the issuing thread pays per lane-iteration
+    one launch and two small copies, plus the loss readback as recorded; no device op's time changes."""
+    built, graphed = replay(two_lanes, "8b", "h100"), replay(two_lanes, "8b", "h100", graphs="iteration")
+    price = Pricing(RECORDED, BLOCKS["8b"], GPUS["h100"], HOST)
+    ops, n = _steady_main(built)
+    readback = sum(price.host_s(op) for op in ops if op.phase == "readback")
+    assert readback > 0
+    want = HOST.graph_launch_s + 2 * HOST.eager_op_s + readback / n / 2
+    assert graphed.breakdown()["host_per_lane_iteration"] == pytest.approx(want, rel=1e-6)
+    assert _device_work(graphed) == pytest.approx(_device_work(built), rel=1e-9)
+    assert graphed.seconds_per_iteration() <= built.seconds_per_iteration()
+
+
+def test_timeline_unknown_graphs_pricing_is_refused():
+    with pytest.raises(ValueError, match="graphs='all'"):
+        Pricing(RECORDED, BLOCKS["8b"], GPUS["h100"], HOST, graphs="all")
+
+
+def test_timeline_table_prints_the_graphed_speedups(one_lane, two_lanes):
+    """``--table`` prints per compile-on row the speedup as built, with graph trees and with one graph per
+    lane-iteration, at the most lanes recorded; one graph per lane-iteration is never slower."""
+    from benchmarks import timeline as bench
+
+    rows, _ = bench.table({("compile", 1): one_lane, ("compile", 2): two_lanes}, None, HOST, ("compile",))
+    lines = [ln for ln in bench.graphs_lines(rows) if ln.startswith("| ") and "x |" in ln]
+    assert len(lines) == len(rows)
+    for r in rows:
+        built, trees, one = (r.per_iter[1] / tl.seconds_per_iteration()
+                             for tl in (r.timelines[2], r.graphed["regions"], r.graphed["iteration"]))
+        assert one >= built - 1e-9 and trees > 0
+        assert any(f"{built:.2f}x | " in ln and f"{one:.2f}x | " in ln for ln in lines)

@@ -199,7 +199,8 @@ def block_shape(cal: Calibration):
                       group_size=int(b.get("group_size", 128)))
 
 
-HOST_OP_COSTS = ("eager_op_s", "view_op_s", "compiled_kernel_s", "compiled_extern_s", "region_call_s", "wait_s")
+HOST_OP_COSTS = ("eager_op_s", "view_op_s", "compiled_kernel_s", "compiled_extern_s", "region_call_s",
+                 "graph_launch_s", "graph_tree_s", "wait_s")
 
 
 def issuing_bound(got: dict) -> tuple[float | None, str]:

@@ -49,6 +49,8 @@ class HostCosts:
     compiled_kernel_s: float  # one kernel of an inductor-compiled graph: its wrapper line + Triton's launcher
     compiled_extern_s: float  # an extern call (cuBLAS, flash attention) inside a compiled graph: an aten op
     region_call_s: float  # one call of a compiled graph, forward or backward: guards, AOT wrappers, the graph call
+    graph_launch_s: float  # replaying a captured CUDA graph: cudaGraphLaunch from the host (Pricing.graphs)
+    graph_tree_s: float  # torch.compile's CUDA graph trees (mode="reduce-overhead"): their checks per replay
     wait_s: float  # recording an event or making a stream wait for one
     host_copy_bw: float  # host memcpy (pinning, host-side work on host memory), B/s
     compile_s: float  # compiling the block (forward + backward) for the first lane device, host seconds
@@ -113,9 +115,11 @@ GPUS["h200"] = replace(
 _TRITONBENCH = ("meta-pytorch/tritonbench#1016/#1017 (GB200 host): an inductor kernel's launch (CachingAutotuner.run "
                 "with Triton's binder and cuLaunchKernel) 6.8-9.1 us; a one-kernel compiled graph end to end "
                 "(guards, DeviceGuard, CompiledFxGraph) 33-44 us")
+_GRAPHS = ("pytorch/pytorch#150488 (B. Feng, 2025-04): one compiled graph replayed through CUDA graph trees, "
+           "fullgraph, broken down per call")
 HOST = HostCosts(
     eager_op_s=6.5e-6, view_op_s=1.0e-6, compiled_kernel_s=8e-6, compiled_extern_s=6.5e-6, region_call_s=40e-6,
-    wait_s=1.5e-6,
+    graph_launch_s=41e-6, graph_tree_s=128e-6, wait_s=1.5e-6,
     host_copy_bw=10e9, compile_s=60.0, recompile_s=15.0,
     sources={
         "eager_op_s": "published breakdowns of one eager CUDA op's CPU path (Python ~1 us, binding ~1 us, autograd "
@@ -129,6 +133,9 @@ HOST = HostCosts(
         "compiled_kernel_s": _TRITONBENCH,
         "compiled_extern_s": "an extern kernel of a compiled graph goes through aten like an eager op",
         "region_call_s": _TRITONBENCH + "; a block's graph guards on more inputs (assumed 40 us per call)",
+        "graph_launch_s": _GRAPHS + ": cudaGraphLaunch 41 us",
+        "graph_tree_s": _GRAPHS + ": the CUDA graph trees' runtime checks 128 us per replay (beside it, dynamo's "
+                        "cache lookup 176 us, which region_call_s prices)",
         "wait_s": "assumed: cudaEventRecord / cudaStreamWaitEvent are ~1-2 us of host time",
         "host_copy_bw": "assumed: a single-threaded host memcpy",
         "compile_s": "assumed 60 s for a block's forward + backward (inductor + Triton on a server CPU); a GPU "

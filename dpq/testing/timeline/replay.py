@@ -15,9 +15,17 @@ at least the kernel floor; copies by bytes over their link. Sizes are the target
 (:class:`dpq.testing.timeline.shapes.RoleMap`), the exchange laid out per target bucket
 (:mod:`dpq.testing.timeline.buckets`).
 
+CUDA graphs are priced, not recorded (``Pricing.graphs``; no CPU run can capture one): ``"regions"``
+replays every compiled region as a graph through torch.compile's CUDA graph trees (what
+``mode="reduce-overhead"`` does): a region call costs the host its call, the trees' checks and one
+graph launch, and its kernels none; ``"iteration"`` replays each lane's whole steady iteration but the
+loss readback as one captured graph (a design, dpq does not build it): the host pays one launch and two
+small copies (the sample indices and the learning rate into the graph's static buffers) per
+lane-iteration, and nothing else until the readback. Either way every kernel keeps its device time.
+
 Not modelled: a small kernel sharing the GPU with a large one, NCCL's kernels slowing the compute
-beside them, copy-engine and link contention, the caching allocator, CUDA graphs, clocks and
-temperature.
+beside them, copy-engine and link contention, the caching allocator, a graph's own capture and its
+memory, clocks and temperature.
 """
 
 from __future__ import annotations
@@ -33,11 +41,14 @@ from dpq.testing.timeline.devices import GpuClass, HostCosts
 from dpq.testing.timeline.record import Op, TimelineModel
 from dpq.testing.timeline.shapes import BlockShape, RoleMap
 
-__all__ = ["BREAKDOWN", "IterationSummary", "Pricing", "Sync", "Timeline", "op_class", "simulate"]
+__all__ = ["BREAKDOWN", "GRAPHS", "IterationSummary", "Pricing", "Sync", "Timeline", "op_class", "simulate"]
 
 # The classes of an iteration's device time a row of the table breaks down (op_class)
 BREAKDOWN = ("matmul", "attention", "qdq_forward", "qdq_backward", "activations", "grads", "step",
              "exchange_kernels", "copies", "readback")
+
+
+GRAPHS = (None, "regions", "iteration")  # Pricing.graphs
 
 
 @dataclass
@@ -52,9 +63,14 @@ class Pricing:
     # recorded, "largest" where the plan would not find the memory for one bucket on the target's card
     # (Note [one bucket where it fits] in dpq.plan; benchmarks/timeline.py decides it per card and world)
     buckets: str | None = None
+    # CUDA graphs (module docstring): None as recorded, "regions" (compiled regions through CUDA graph
+    # trees) or "iteration" (each lane's steady iteration as one captured graph; a design, not built)
+    graphs: str | None = None
     roles: RoleMap = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.graphs not in GRAPHS:
+            raise ValueError(f"graphs={self.graphs!r}: one of {GRAPHS}")
         self.roles = RoleMap(self.recorded, self.target)
 
     def scaled_bytes(self, op: Op) -> float:
@@ -225,6 +241,10 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     device_ops = [op for op in ops if op.stream is not None and op.kind in ("kernel", "copy", "collective", "wait")]
     duration = {op.id: pricing.device_s(op) for op in device_ops}
     host_cost = {op.id: pricing.host_s(op) for op in ops}
+    if pricing.graphs == "regions":
+        host_cost = _regions_graphed(ops, host_cost, pricing.host)
+    elif pricing.graphs == "iteration":
+        host_cost = _iterations_graphed(ops, host_cost, pricing.host, model)
     end: dict[int, float] = {}
     waits: list[float] | None = None
     for _ in range(12):
@@ -238,6 +258,40 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     iterations = _summaries(ops, issue, start, end, syncs, lane_streams)
     return Timeline(ops, issue, start, end, iterations, lane_streams, pricing,
                     None if buckets is None else [b.numel for b in buckets])
+
+
+def _regions_graphed(ops: list[Op], cost: dict[int, float], host: HostCosts) -> dict[int, float]:
+    """Host costs with every compiled region replayed through CUDA graph trees: a region call pays its
+    call, the trees' checks and a launch; the region's kernels are in the graph."""
+    out = dict(cost)
+    for op in ops:
+        if op.region and op.kind == "call":
+            out[op.id] = host.region_call_s + host.graph_tree_s + host.graph_launch_s
+        elif op.region and op.kind == "kernel":
+            out[op.id] = 0.0
+    return out
+
+
+def _iterations_graphed(ops: list[Op], cost: dict[int, float], host: HostCosts,
+                        model: TimelineModel) -> dict[int, float]:
+    """Host costs with each lane's steady iteration (every iteration after the first, which stages
+    the block's data) replayed as one captured graph up to the loss readback: per lane-iteration one
+    launch and two small copies into the graph's static buffers (sample indices, learning rate), on
+    the first op the lane's device runs that iteration; every other op of the iteration on any
+    thread is in a graph, but the readback's and the syncs."""
+    places = {lane.stream.place for lane in model.lanes if lane.stream is not None}
+    out = dict(cost)
+    launched: set[tuple[int, int]] = set()
+    for op in ops:
+        if op.iteration < 1 or op.phase == "readback" or op.kind in ("sync", "marker"):
+            continue
+        place = op.stream.place if op.stream is not None else None
+        if place in places and (op.iteration, place) not in launched:
+            launched.add((op.iteration, place))
+            out[op.id] = host.graph_launch_s + 2 * host.eager_op_s
+        else:
+            out[op.id] = 0.0
+    return out
 
 
 def _host_pass(ops: list[Op], cost: dict[int, float], device_end: dict[int, float]):
