@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpq.autoround import block_task, integration
-from dpq.autoround.run import current_run
+from dpq.autoround import block_task, integration, patches
 from dpq.autoround.seams_common import ParallelLaneError
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
 from dpq.distributed import ProcessSet
@@ -566,13 +565,13 @@ def test_multi_gpu_device_map_keeps_fitting_blocks_whole(recorded_blocks, monkey
     monkeypatch.setattr(integration, "_auto_split_requested", lambda: True)
     monkeypatch.setattr(integration, "_ORIGINAL_DISPATCH", lambda self, b, i, o: calls.append("split") or b)
     block = rec.fresh_block()
-    with integration.parallel_quantization("auto", "cpu,cpu"):  # the dispatch reads the enabled config
-        out = integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)
+    with integration.parallel_quantization("auto", "cpu,cpu"):  # the dispatch is handed the enabled run
+        out = q.dispatch_block(block, list(rec.fp_inputs), rec.input_others)
         assert out is block and calls == [] and q._loss_device == integration.device_manager.device
         monkeypatch.setattr(integration, "backend_free", lambda d: 1024)  # does not fit: auto-round's split
-        integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)
+        q.dispatch_block(block, list(rec.fp_inputs), rec.input_others)
         assert calls == ["split"]
-    integration._whole_block_dispatch(q, block, list(rec.fp_inputs), rec.input_others)  # not enabled: auto-round's
+    integration._whole_block_dispatch(None, q, block, list(rec.fp_inputs), rec.input_others)  # no run: auto-round's
     assert calls == ["split", "split"]
 
 
@@ -642,9 +641,9 @@ def test_enable_nests_and_disable_restores_what_it_replaced():
     before = {n: Q.__dict__.get(n) for n in ("quantize_block", "dispatch_block")}
     with integration.parallel_quantization(2, "cpu,cpu") as outer:
         with integration.parallel_quantization("auto", "cpu,cpu"):
-            assert current_run().world == "auto"
-        assert Q.quantize_block is integration._delegated_quantize_block and shard_seams.installed()
-        assert current_run().world == 2 and current_run().records is outer
+            assert patches.enabled_run().world == "auto"
+        assert patches.ours(Q, "quantize_block") is integration._delegated_quantize_block and shard_seams.installed()
+        assert patches.enabled_run().world == 2 and patches.enabled_run().records is outer
     assert {n: Q.__dict__.get(n) for n in before} == before and not shard_seams.installed()
 
     integration.enable(2, "cpu,cpu")
@@ -660,5 +659,5 @@ def test_enable_nests_and_disable_restores_what_it_replaced():
     finally:
         Q.quantize_block = before["quantize_block"]
     with integration.parallel_quantization(2, "cpu,cpu"):  # taken off again: dpq patches afresh
-        assert Q.quantize_block is integration._delegated_quantize_block
+        assert patches.ours(Q, "quantize_block") is integration._delegated_quantize_block
     assert Q.__dict__["quantize_block"] is before["quantize_block"]

@@ -5,6 +5,8 @@ re-exports."""
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -217,15 +219,69 @@ def test_device_index_above_127_is_refused(spec):
 
 def test_phase_records_are_made_in_one_place():
     """Every seam's phase goes through ``seams_common.run_phase``: a ``PhaseRecord`` is constructed in
-    one place only (``Run.record_phase``), and the seams read their run from the patch frame at a
-    patched function's entry (``seam_run``), not through accessors callable from anywhere."""
+    one place only (``Run.record_phase``), and the seams are handed their run by the patch table
+    (``or_idle`` where nothing is installed), not through accessors callable from anywhere."""
     calls = [f"{p.relative_to(DPQ.parent)}:{node.lineno}" for p in DPQ.rglob("*.py")
              for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Call)
              and getattr(node.func, "id", getattr(node.func, "attr", None)) == "PhaseRecord"]
     assert len(calls) == 1 and calls[0].startswith("dpq/autoround/run.py:"), calls
     common = ast.parse((DPQ / "autoround" / "seams_common.py").read_text())
     functions = {node.name for node in common.body if isinstance(node, ast.FunctionDef)}
-    assert {"run_phase", "seam_run"} <= functions and not {"config", "world", "scratch"} & functions, functions
+    assert {"run_phase", "or_idle"} <= functions and not {"config", "world", "scratch"} & functions, functions
+
+
+# -- each patched function is handed its run ---------------------------------------------------------
+
+# what reads the patch table's stack of runs (dpq.autoround.patches), and the read-backs allowed outside it:
+# after the fact, for records and reports (Note [each replacement is handed its run])
+STACK_READS = frozenset({"enabled_run", "reported", "_top_run", "_stack", "_last", "_HANDS"})
+READ_BACKS = frozenset({("integration.py", "run_summary", "reported"),
+                        ("integration.py", "auto_world_report", "reported"),
+                        ("seams_common.py", "reported", "reported"), ("cli.py", "_where", "reported")})
+
+
+def stack_reads(tree: ast.AST) -> list[tuple[str, int, str]]:
+    """(enclosing function, line, name) of every read of the run stack in a module: an attribute of
+    ``patches`` in :data:`STACK_READS`, or such a name imported from it."""
+    found = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+            if (isinstance(child, ast.Attribute) and isinstance(child.value, ast.Name) and child.value.id == "patches"
+                    and child.attr in STACK_READS):
+                found.append((where, child.lineno, child.attr))
+            if isinstance(child, ast.ImportFrom) and (child.module or "").endswith("patches"):
+                found.extend((where, child.lineno, a.name) for a in child.names if a.name in STACK_READS)
+            visit(child, inner)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_no_stack_lookup_of_the_run_outside_the_patch_table():
+    """Note [each replacement is handed its run]: outside dpq/autoround/patches.py nothing reads the
+    stack of runs but the read-backs of :data:`READ_BACKS`; every patched function gets its run as its
+    first argument."""
+    found = [f"{p.relative_to(DPQ.parent)}:{line} {fn} reads patches.{name}" for p in sorted(DPQ.rglob("*.py"))
+             if p.name != "patches.py" for fn, line, name in stack_reads(ast.parse(p.read_text()))
+             if (p.name, fn, name) not in READ_BACKS]
+    assert not found, found
+    from dpq.autoround import patches
+
+    for p in patches.TABLE:  # every replacement takes the run first
+        module, _, name = p.replacement.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        assert next(iter(inspect.signature(fn).parameters)) in ("run", "cfg"), p.replacement
+
+
+def test_a_stack_lookup_outside_the_patch_table_is_found():
+    planted = ast.parse("from dpq.autoround.patches import enabled_run\n"
+                        "def quantize_block(self, block):\n    run = patches.enabled_run()\n"
+                        "def run_summary():\n    return patches.reported()\n")
+    assert [(fn, name) for fn, _, name in stack_reads(planted)] == [
+        ("<module>", "enabled_run"), ("quantize_block", "enabled_run"), ("run_summary", "reported")]
+    assert ("integration.py", "quantize_block", "enabled_run") not in READ_BACKS
 
 
 # -- the contracts the code cites are in the repository --------------------------------------------

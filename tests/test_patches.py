@@ -21,8 +21,9 @@ def test_install_replaces_every_table_symbol_and_uninstall_restores_them():
     before = {(o, n): o.__dict__.get(n) for o, n, _ in _targets()}
     with integration.parallel_quantization(2, "cpu,cpu"):
         for owner, name, ours in _targets():
-            assert owner.__dict__[name] is ours, f"{owner.__name__}.{name}"
-            assert patches.original(owner, name) is before[owner, name]
+            installed = owner.__dict__[name]  # dpq's function, called with its run first (Note [each replacement
+            assert installed.__wrapped__ is ours and patches.ours(owner, name) is ours, f"{owner.__name__}.{name}"
+            assert patches.original(owner, name) is before[owner, name]  # is handed its run])
     assert {(o, n): o.__dict__.get(n) for o, n, _ in _targets()} == before
 
 
@@ -73,7 +74,7 @@ def test_changed_upstream_signature_is_refused_naming_version_and_symbol(monkeyp
     msg = str(e.value)
     assert f"auto-round {__version__}" in msg and "AWQTransform._clip_block(" in msg
     assert "does not run a changed upstream function" in msg
-    assert not patches.installed() and not (run.current_run() is not None)
+    assert not patches.installed() and patches.enabled_run() is None
     for (owner, name), fn in before.items():
         if name != "_clip_block":
             assert owner.__dict__.get(name) is fn  # nothing was patched
@@ -126,9 +127,9 @@ def test_nested_installs_stack_and_a_later_foreign_patch_stays():
     outer, inner = run.Run(world=2, seams_only=True), run.Run(world="off", seams_only=True)
     patches.install(outer)
     patches.install(inner)
-    assert patches.current() is inner and C.compress_block is not before
+    assert patches.reported(seams=True) is inner and C.compress_block is not before
     patches.uninstall()
-    assert patches.current() is outer and C.compress_block is not before
+    assert patches.reported(seams=True) is outer and C.compress_block is not before
     ours = C.__dict__["compress_block"]
 
     def theirs(self, *a, **k):
@@ -138,11 +139,11 @@ def test_nested_installs_stack_and_a_later_foreign_patch_stays():
     try:
         patches.uninstall()
         assert C.__dict__["compress_block"] is theirs and patches.chained(C, "compress_block")
-        assert patches.current() is None and patches.last().config is outer
+        assert not patches.installed() and patches.reported(seams=True) is outer
     finally:
         C.compress_block = before
     patches.install(outer)  # taken off again: patched afresh
-    assert C.__dict__["compress_block"] is ours and not patches.chained(C, "compress_block")
+    assert C.__dict__["compress_block"].__wrapped__ is ours.__wrapped__ and not patches.chained(C, "compress_block")
     patches.uninstall()
     assert C.__dict__["compress_block"] is before
 
@@ -213,20 +214,19 @@ def test_mllm_and_diffusion_saves_are_rank_0s_alone(monkeypatch, mixin, rank):
                         real(owner, name))
     monkeypatch.setattr(dist, "barrier", lambda group=None: barriers.append(group))
     procs = _Procs(rank, ["out/w4"])
-    monkeypatch.setattr(ranks, "run_processes", lambda: procs)
     compressor = type("Compressor", (MLLMMixin if mixin == "mllm" else DiffusionMixin, BaseCompressor), {})
     c = object.__new__(compressor)
     c.__dict__.update(model="M", model_context=SimpleNamespace(processor=None, image_processor=None, tokenizer=None))
     out = None if mixin == "diffusion" else "out"  # the diffusion override hands output_dir None to super() alone
-    with integration.parallel_quantization(1):
+    with integration.parallel_quantization(1, processes=procs):  # the save is handed the run, with its processes
         assert compressor.save_quantized(c, out, return_folders=True) == ("M", [f"{out}/w4"] if rank == 0 else
                                                                            ["out/w4"])
-        assert compressor.save_quantized is getattr(ranks, f"{mixin}_save_quantized")
+        assert patches.ours(MLLMMixin if mixin == "mllm" else DiffusionMixin, "save_quantized") is \
+            getattr(ranks, f"{mixin}_save_quantized")
     assert barriers == [None] and writes == ([out] if rank == 0 else [])
     assert procs.sent == ([("beat", "save"), ("save", [f"{out}/w4"])] if rank == 0 else [])
     assert procs.awaited == ([] if rank == 0 else ["save"])  # without a collective deadline, on rank 0's beat
-    monkeypatch.setattr(ranks, "run_processes", lambda: None)  # one process: straight through, no barrier
-    with integration.parallel_quantization(1):
+    with integration.parallel_quantization(1):  # one process: straight through, no barrier
         assert compressor.save_quantized(c, out) == "M"
     assert len(writes) == (2 if rank == 0 else 1) and writes[-1] == out and len(barriers) == 1
 
@@ -251,3 +251,39 @@ def test_importing_compat_refuses_an_uncovered_auto_round_by_version(monkeypatch
     first = ast.parse(Path(integration.__file__).with_name("__init__.py").read_text()).body
     imports = [node for node in first if isinstance(node, ast.ImportFrom)]
     assert (imports[0].level, imports[0].module, [a.name for a in imports[0].names]) == (1, None, ["compat"])
+
+
+def test_each_replacement_is_handed_its_run(monkeypatch):
+    """Note [each replacement is handed its run]: the installed caller hands dpq's function the innermost
+    enabled run (the tuner's and the save's replacements pass a seams-only run above it by), the seams the
+    top frame's, and after the run, under someone else's later patch, None (dpq's passes through)."""
+    from auto_round.algorithms.quantization.sign_round import quantizer
+    from auto_round.algorithms.transforms.awq.base import AWQTransform
+
+    from dpq.autoround import ranks, seams_awq
+
+    seen = []
+    monkeypatch.setattr(ranks, "setup_ddp_if_needed_", lambda cfg, ar, block, devices: seen.append(cfg) or block)
+    monkeypatch.setattr(seams_awq, "compute_best_clip", lambda run, self, layer, feat: seen.append(run))
+    outer = integration.enable(2, "cpu,cpu")
+    seams = run.Run(world=2, devices="cpu,cpu", seams_only=True)
+    patches.install(seams)
+    try:
+        quantizer.setup_ddp_if_needed_(None, "block", [0])
+        AWQTransform._compute_best_clip(object(), "layer", "feat")
+        assert seen[0] is outer and seen[1] is seams
+        patches.uninstall()
+        AWQTransform._compute_best_clip(object(), "layer", "feat")
+        assert seen[2] is outer
+        ours = quantizer.setup_ddp_if_needed_
+        monkeypatch.setattr(quantizer, "setup_ddp_if_needed_", lambda *a: ours(*a))  # someone else's, over dpq's
+        assert integration.disable() is outer and patches.chained(quantizer, "setup_ddp_if_needed_")
+        quantizer.setup_ddp_if_needed_(None, "block", [0])
+        assert seen[3] is None
+    finally:
+        while patches.installed():
+            patches.uninstall()
+    monkeypatch.undo()
+    patches.install(run.Run(seams_only=True))  # taken off again: patched afresh, then put back
+    patches.uninstall()
+    assert not patches.chained(quantizer, "setup_ddp_if_needed_")

@@ -39,15 +39,15 @@ def test_each_recipe_maps_to_auto_rounds_runner(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_accepts_the_dp_flags(monkeypatch, recipe):
-    from dpq.autoround import run
+    from dpq.autoround import patches
 
     seen = {}
 
     def fake_runner():
         seen["argv"] = list(sys.argv)
-        seen["world"] = run.current_run().world
-        seen["devices"] = run.current_run().devices
-        seen["active"] = (run.current_run() is not None)
+        seen["world"] = patches.enabled_run().world
+        seen["devices"] = patches.enabled_run().devices
+        seen["active"] = (patches.enabled_run() is not None)
 
     monkeypatch.setattr(cli, "runner_for", lambda r: seen.setdefault("recipe", r) and fake_runner)
     # run as the command, main installs cancel handling: recorded, not installed in pytest's process
@@ -61,5 +61,5 @@ def test_recipe_accepts_the_dp_flags(monkeypatch, recipe):
     assert seen["recipe"] == recipe and seen["active"]
     assert seen["world"] == 2 and seen["devices"] == "cpu,cpu"
     assert seen["argv"][1:] == ["--model", "m", "--iters", "0"]  # ours taken out, the rest for auto-round
-    assert not (run.current_run() is not None)  # disabled at the end
+    assert patches.enabled_run() is None  # disabled at the end
     assert seen["cancel"] == {"watch_parent": False} and not cancel.installed()

@@ -207,9 +207,9 @@ def _where() -> str:
     """What the run worked on when it ended (:attr:`dpq.autoround.run.Run.at`; "" before it started)."""
     if "dpq.autoround.run" not in sys.modules:
         return ""
-    from dpq.autoround.run import reported_run
+    from dpq.autoround import patches
 
-    run = reported_run()
+    run = patches.reported()
     return run.at if run is not None else ""
 
 
@@ -298,7 +298,6 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
     from dpq import cancel, refusals
     from dpq.autoround import integration
     from dpq.autoround.patches import PatchMismatch
-    from dpq.autoround.run import current_run
     from dpq.autoround.seams_common import ParallelLaneError
     from dpq.distributed import RankFailure, peer_lost
     from dpq.plan import PlanRefused
@@ -308,9 +307,10 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
     from .summary import log_summary
 
     run, rank = runner_for(recipe), _rank()
+    enabled = None  # the run dpq's replacements are handed (dpq.autoround.run.Run)
     if spec.world != "off":
         try:
-            integration.enable_spec(spec, processes=procs)
+            enabled = integration.enable_spec(spec, processes=procs)
         except PatchMismatch as e:
             _stopped_before_run(report, str(e), e)
             return 1
@@ -325,11 +325,10 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
     except (PlanRefused, ParallelLaneError, RankFailure) as e:
         failure = e
     except Exception as e:  # outside a block's run: under several processes the others learn which rank
-        cfg = current_run()
-        if cfg is None or cfg.processes is None:
+        if enabled is None or enabled.processes is None:
             failure = e  # reported, then raised with its traceback (a failed save too: the output is as it was)
             raise
-        failure = cfg.processes.stop(e, peer_lost(e))
+        failure = enabled.processes.stop(e, peer_lost(e))
         failure.__cause__ = e
     except BaseException as e:  # an interrupt, the user's cancel: reported, then raised
         failure = e

@@ -36,7 +36,7 @@ from dpq.streams import release_run_streams
 
 from . import patches
 from .block_task import AutoRoundBlock, task_plan_fields
-from .run import BlockRecord, Run, current_run, reported_run
+from .run import BlockRecord, Run
 
 __all__ = ["auto_world_report", "disable", "enable", "enable_spec", "parallel_quantization", "run_summary"]
 
@@ -55,7 +55,7 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
            parallel_debug: bool = DEFAULTS["parallel_debug"],
            parallel_overlap: bool | None = DEFAULTS["parallel_overlap"],
            parallel_timeout: float = DEFAULTS["parallel_timeout"],
-           auto_world: AutoWorld | None = None, processes: ProcessSet | None = None, **former) -> None:
+           auto_world: AutoWorld | None = None, processes: ProcessSet | None = None, **former) -> Run:
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
 
     The settings are auto-round-dp's flags under their own names, with their defaults
@@ -86,8 +86,9 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
 
     Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
     back the settings of the ``enable()`` before it (or, after the outermost, auto-round's
-    methods as they were when the outermost ``enable()`` patched them). The records of the
-    last run stay readable after it (:func:`run_summary`, :func:`auto_world_report`).
+    methods as they were when the outermost ``enable()`` patched them). Returns the run, whose
+    records fill as blocks are quantized; ``disable()`` returns it too, and the records of the last
+    run stay readable after it (:func:`run_summary`, :func:`auto_world_report`).
 
     ``former``: the keywords' names before they were the flags' (:data:`FORMER_NAMES`), still taken
     with a ``DeprecationWarning`` while callers move.
@@ -109,7 +110,7 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
         problems.append(refusals.auto_world_needs_auto(parallel_quantization))
     if problems:
         raise SpecError(problems)
-    enable_spec(spec, auto_world=auto_world, processes=processes)
+    return enable_spec(spec, auto_world=auto_world, processes=processes)
 
 
 FORMER_NAMES = MappingProxyType({"devices": "parallel_devices", "debug_identical": "parallel_debug",
@@ -127,8 +128,9 @@ def _former(former: dict) -> dict:
 
 
 def enable_spec(spec: ParallelSpec, *, auto_world: AutoWorld | None = None,
-                processes: ProcessSet | None = None) -> None:
-    """:func:`enable` with settings validated already (auto-round-dp's, :meth:`ParallelSpec.build`)."""
+                processes: ProcessSet | None = None) -> Run:
+    """:func:`enable` with settings validated already (auto-round-dp's, :meth:`ParallelSpec.build`); returns
+    the run (its records fill as blocks are quantized; :func:`disable` returns it too)."""
     world = spec.world
     model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
     procs = (processes if processes is not None else ProcessSet.detect()) if world != "off" else None
@@ -136,17 +138,16 @@ def enable_spec(spec: ParallelSpec, *, auto_world: AutoWorld | None = None,
               timeout=spec.timeout, auto_world=model, auto_given=auto_world is not None,
               processes=procs if procs is not None and procs.size > 1 else None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
+    return new
 
 
-def disable() -> None:
-    """Undo the innermost ``enable()``; a no-op when nothing is enabled."""
-    cfg = current_run()
-    if cfg is None:
-        return
-    while patches.uninstall().config is not cfg:
-        pass  # a seams-only run installed above this enable() ends with it
-    if current_run() is None:
+def disable() -> Run | None:
+    """Undo the innermost ``enable()`` and return its run (records, ``auto``'s cost model); None, doing
+    nothing, when nothing is enabled. A seams-only run installed above it ends with it."""
+    run, outermost = patches.uninstall_enabled()
+    if outermost:
         _release_run_resources()
+    return run
 
 
 def _release_run_resources() -> None:
@@ -163,12 +164,12 @@ def _auto_split_requested() -> bool:
     return is_auto_device_mapping(device_manager.device_map) and len(device_manager.device_list) > 1
 
 
-def _whole_block_dispatch(self, block, input_ids, input_others):
+def _whole_block_dispatch(cfg: Run | None, self, block, input_ids, input_others):
     """``--device_map 0,1,2,3`` asks auto-round to split each block over those GPUs for memory.
     With dpq on, those GPUs are lanes instead: a block whose mirror fits the home device stays
     whole there (and runs data-parallel); a block that does not fit keeps auto-round's split
-    placement, and the plan then runs it serially (weights span several devices)."""
-    cfg = current_run()
+    placement, and the plan then runs it serially (weights span several devices). ``cfg``: the run
+    (Note [each replacement is handed its run] in ``dpq.autoround.patches``)."""
     if cfg is None or cfg.world == "off":
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     block = _dispatch(self, block, input_ids, input_others)
@@ -202,23 +203,23 @@ def backend_free(device: torch.device) -> int:
 def parallel_quantization(*args, **kw) -> Iterator[list[BlockRecord]]:
     """``with parallel_quantization(2): AutoRound(...).quantize()`` (:func:`enable`'s arguments); yields
     the block records (the run's own list: still readable after the ``with``)."""
-    enable(*args, **kw)
+    run = enable(*args, **kw)
     try:
-        yield current_run().records
+        yield run.records
     finally:
         disable()
 
 
 def run_summary() -> list[BlockRecord]:
     """The block records of the innermost enabled run, or after it, of the last run."""
-    cfg = reported_run()
+    cfg = patches.reported()
     return list(cfg.records) if cfg is not None else []
 
 
 def auto_world_report() -> list[dict]:
     """``'auto'``'s predicted vs measured seconds per block of that run (``AutoWorld.report``;
     [] when no block chose its world by the cost model)."""
-    cfg = reported_run()
+    cfg = patches.reported()
     return cfg.auto_world.report() if cfg is not None and cfg.auto_world is not None else []
 
 
@@ -286,9 +287,8 @@ def _log_plan(cfg: Run, devices: Sequence[torch.device], topology: Topology, rea
         logger.info("dpq: CPU lanes share the CPU: no speedup, but the parallel path and its parity run here")
 
 
-def _delegated_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
+def _delegated_quantize_block(cfg: Run | None, self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
                               input_ids=None, **kwargs):
-    cfg = current_run()
     if cfg is None:  # left under someone else's patch after disable(): pass through
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
     t0 = time.perf_counter()

@@ -9,15 +9,25 @@ missing or its parameters differ: dpq never runs a changed upstream function thr
 copy. Symbols a series does not patch are listed in :data:`NOT_PATCHED` with the reason.
 
 Installs nest as a stack of :class:`Frame` (one per ``enable()`` or seams-only install), each
-holding its run (:class:`dpq.autoround.run.Run`), which the replacements read at their entry
-(:func:`frame`, :func:`frames`; the top frame's run: :func:`current`). The outermost
-install patches; the matching uninstall puts back what it replaced, except where someone
-patched over dpq's replacement since: that patch stays, and dpq's replacement under it passes
-every call straight through while nothing is installed (it calls :func:`original`).
+holding its run (:class:`dpq.autoround.run.Run`). The outermost install patches; the matching
+uninstall puts back what it replaced, except where someone patched over dpq's replacement since:
+that patch stays, and dpq's replacement under it passes every call straight through while nothing
+is installed (it calls :func:`original`).
+
+Note [each replacement is handed its run]
+What is installed is not dpq's function itself but a caller made here (:func:`_handed`) that calls
+it with the run as its first argument: for the tuner's and the save's replacements
+(``Patch.hands == "tuner"``) the innermost run that is not seams-only, for the seams' (``"top"``)
+the top frame's; None while nothing (no such run) is installed, and then the replacement passes
+the call through. The run is read here, at the call, from the stack this module keeps, and
+nowhere else: a reader of a replacement sees where its settings come from (its first
+parameter), and ``tests/test_layout.py`` checks that no module outside this one reads the stack.
+Read-back after a run (records, reports) goes through :func:`reported`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -27,9 +37,28 @@ from dpq import refusals
 
 from .compat import CHECKED, SUPPORTED
 
-__all__ = ["LOOP_REPRODUCED", "NOT_PATCHED", "REPRODUCED", "TABLE", "Frame", "Patch", "PatchMismatch", "chained",
-           "check", "current", "frame", "frames", "install", "installed", "last", "original", "patches_for",
-           "reproduced_changes", "series", "uninstall"]
+__all__ = [
+    "LOOP_REPRODUCED",
+    "NOT_PATCHED",
+    "REPRODUCED",
+    "TABLE",
+    "Frame",
+    "Patch",
+    "PatchMismatch",
+    "chained",
+    "check",
+    "enabled_run",
+    "install",
+    "installed",
+    "original",
+    "ours",
+    "patches_for",
+    "reported",
+    "reproduced_changes",
+    "series",
+    "uninstall",
+    "uninstall_enabled",
+]
 
 _SR = "auto_round.algorithms.quantization.sign_round.quantizer:SignRoundQuantizer"
 _RTN = "auto_round.algorithms.quantization.rtn.quantizer"
@@ -47,6 +76,9 @@ class Patch:
     signatures: dict[str, str]  # auto-round series ("0.16") -> expected parameters (see :func:`params_of`)
     phase: str  # what it serves: "tune", "collection", "search", "save"
     checked: tuple[str, ...] = CHECKED  # the releases it was run against
+    # the run the replacement is handed (Note [each replacement is handed its run]): "tuner" (the
+    # innermost run that is not seams-only) or "top" (the top frame's: the seams)
+    hands: str = "tuner"
 
     @property
     def symbol(self) -> str:
@@ -64,7 +96,7 @@ TABLE: tuple[Patch, ...] = (
     Patch("auto_round.algorithms.composer:AlgorithmComposer", "compress_block",
           "dpq.autoround.seams_collection:compress_block",
           _same("self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None, "
-                "reference_output=None, **kwargs"), "collection"),
+                "reference_output=None, **kwargs"), "collection", hands="top"),
     # the output written whole or not at all (dpq.autoround.ranks, dpq.staging)
     Patch("auto_round.compressors.base:BaseCompressor", "quantize_and_save", "dpq.autoround.ranks:quantize_and_save",
           _same("self, output_dir='tmp_autoround', format=None, inplace=True, max_shard_size=None, **kwargs"), "save"),
@@ -83,25 +115,26 @@ TABLE: tuple[Patch, ...] = (
     Patch("auto_round.algorithms.quantization.sign_round.quantizer", "setup_ddp_if_needed_",
           "dpq.autoround.ranks:setup_ddp_if_needed_", _same("ar, block, device_list"), "tune"),
     Patch(f"{_RTN}:RTNQuantizer", "quantize_block", "dpq.autoround.seams_rtn:rtn_quantize_block",
-          _same(_BLOCK_PARAMS), "search"),
+          _same(_BLOCK_PARAMS), "search", hands="top"),
     # 0.17 removed _quantize_targets: its optimized-RTN searches go through auto-round's own search
     # dispatch (batched, spread over idle devices); see NOT_PATCHED
     Patch(f"{_RTN}:OptimizedRTNQuantizer", "_quantize_targets", "dpq.autoround.seams_rtn:opt_rtn_quantize_targets",
-          {"0.16": "self, targets"}, "search", ("0.16.1",)),
+          {"0.16": "self, targets"}, "search", ("0.16.1",), "top"),
     Patch(f"{_V2}:SignRoundOptimizedWrapperLinear", "_prepare_init_scale_weight",
-          "dpq.autoround.seams_init_scale:prepare_init_scale_weight", {"0.16": "self"}, "search", ("0.16.1",)),
+          "dpq.autoround.seams_init_scale:prepare_init_scale_weight", {"0.16": "self"}, "search", ("0.16.1",), "top"),
     Patch(_V2, "search_optimized_init_scale", "dpq.autoround.seams_init_scale:search_optimized_init_scale",
-          {"0.16": "weight_reshape, data_type, bits, imatrix=None, q_scale_thresh=1e-05"}, "search", ("0.16.1",)),
+          {"0.16": "weight_reshape, data_type, bits, imatrix=None, q_scale_thresh=1e-05"}, "search", ("0.16.1",),
+          "top"),
     Patch(_AWQ, "_grid_search_scales", "dpq.autoround.seams_awq:grid_search_scales", _same("self, mapping, x_mean"),
-          "search"),
+          "search", hands="top"),
     Patch(_AWQ, "_run_parent_samples", "dpq.autoround.seams_awq:run_parent_samples",
-          _same("self, parent, kwargs_list, offload_to_cpu=False"), "search"),
+          _same("self, parent, kwargs_list, offload_to_cpu=False"), "search", hands="top"),
     Patch(_AWQ, "_compute_parent_loss", "dpq.autoround.seams_awq:compute_parent_loss",
-          _same("self, parent, kwargs_list, fp16_outputs"), "search"),
+          _same("self, parent, kwargs_list, fp16_outputs"), "search", hands="top"),
     Patch(_AWQ, "_clip_block", "dpq.autoround.seams_awq:clip_block", _same("self, block_prefix, block_mappings"),
-          "search"),
+          "search", hands="top"),
     Patch(_AWQ, "_compute_best_clip", "dpq.autoround.seams_awq:compute_best_clip",
-          _same("self, layer, input_feat"), "search"),
+          _same("self, layer, input_feat"), "search", hands="top"),
 )
 """Every auto-round symbol dpq replaces for the whole run. Besides these, the collection seam swaps
 two attributes of one object for the duration of one ``AlgorithmComposer.compress_block`` call
@@ -299,27 +332,69 @@ def uninstall() -> Frame | None:
     return f
 
 
-def frames() -> list[Frame]:
-    """The installed frames, outermost first."""
-    return list(_stack)
-
-
-def frame() -> Frame | None:
-    return _stack[-1] if _stack else None
-
-
-def current():
-    """The installed run (the innermost install's), or None when nothing is installed."""
-    return _stack[-1].config if _stack else None
-
-
-def last() -> Frame | None:
-    """The innermost frame now, or after the outermost uninstall, the last run's."""
-    return _last
+def uninstall_enabled():
+    """Pop frames through the innermost run that is not seams-only (``disable()``: a seams-only install
+    above it ends with it). Returns that run (None, nothing popped, when there is none) and whether it
+    was the outermost such run."""
+    run = enabled_run()
+    if run is None:
+        return None, False
+    while uninstall().config is not run:
+        pass
+    return run, enabled_run() is None
 
 
 def installed() -> bool:
     return bool(_stack)
+
+
+def enabled_run():
+    """The innermost installed run that is not seams-only, or None: what the tuner's replacements are
+    handed, and whether an ``enable()`` is in effect."""
+    for f in reversed(_stack):
+        if not f.config.seams_only:
+            return f.config
+    return None
+
+
+def _top_run():
+    """The top frame's run, or None: what the seams are handed."""
+    return _stack[-1].config if _stack else None
+
+
+def reported(*, seams: bool = False):
+    """The run whose records are read after the fact (the run summary, ``auto``'s report, the phase
+    records, the CLI's report): the innermost enabled run, else the last one that ended, or None
+    (that was a seams-only install, or nothing ran). ``seams``: the seams' view instead, the top frame's
+    run, seams-only included, else the last run's."""
+    if seams:
+        now = _top_run()
+        return now if now is not None else (_last.config if _last is not None else None)
+    run = enabled_run()
+    if run is not None:
+        return run
+    return _last.config if _last is not None and not _last.config.seams_only else None
+
+
+_HANDS = MappingProxyType({"tuner": enabled_run, "top": _top_run})
+
+
+def _handed(fn, hands: str):
+    """What is installed for ``fn``: ``fn`` called with its run first (Note [each replacement is handed
+    its run])."""
+    run_of = _HANDS[hands]
+
+    @functools.wraps(fn)
+    def replacement(*args, **kwargs):
+        return fn(run_of(), *args, **kwargs)
+
+    return replacement
+
+
+def ours(owner, name: str):
+    """dpq's function behind what is installed as ``owner.name`` (None: not dpq's)."""
+    fn = _ours.get((owner, name))
+    return getattr(fn, "__wrapped__", None)
 
 
 def original(owner, name: str):
@@ -342,8 +417,8 @@ def _patch() -> None:
             _chained.discard(key)  # that patch was taken off again: patch afresh
         _saved[key] = owner.__dict__.get(p.name, _MISSING)
         _replaced[key] = _upstream(owner, p.name)
-        _ours[key] = fn
-        setattr(owner, p.name, fn)
+        _ours[key] = installed_fn = _handed(fn, p.hands)
+        setattr(owner, p.name, installed_fn)
 
 
 def _unpatch() -> None:

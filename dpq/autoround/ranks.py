@@ -1,9 +1,9 @@
 """What auto-round does once per job: its save, written whole or not at all, and under several
 processes (torchrun) by rank 0 alone.
 
-Six replacements in the patch table (:mod:`.patches`), each passing straight through when no
-``enable()`` holds a process set (:attr:`dpq.autoround.run.Run.processes`), but the
-first, which needs only dpq on:
+Six replacements in the patch table (:mod:`.patches`), each handed its run (Note [each replacement
+is handed its run] there; None: no ``enable()``) and passing straight through when that run holds
+no process set (:attr:`dpq.autoround.run.Run.processes`), but the first, which needs only dpq on:
 
 * ``BaseCompressor.quantize_and_save``: the run writes its output into a folder beside
   ``output_dir`` and moves it into place only once the whole save succeeded
@@ -41,7 +41,7 @@ import os
 from dpq.staging import Staging
 
 from . import patches
-from .run import current_run, run_processes
+from .run import Run
 
 __all__ = ["adjust_immediate_packing_and_saving", "diffusion_save_quantized", "mllm_save_quantized",
            "quantize_and_save", "save_quantized", "setup_ddp_if_needed_"]
@@ -61,22 +61,24 @@ _DIFFUSION = "auto_round.compressors.diffusion_mixin:DiffusionMixin"
 _SR_MODULE = "auto_round.algorithms.quantization.sign_round.quantizer"
 
 
-def save_quantized(self, output_dir=None, format=None, inplace=True, return_folders=False, max_shard_size=None,
-                   **kwargs):
-    return _rank0_writes(_BASE, self, output_dir, format, inplace, return_folders, max_shard_size=max_shard_size,
+def save_quantized(cfg: Run | None, self, output_dir=None, format=None, inplace=True, return_folders=False,
+                   max_shard_size=None, **kwargs):
+    return _rank0_writes(cfg, _BASE, self, output_dir, format, inplace, return_folders, max_shard_size=max_shard_size,
                          **kwargs)
 
 
-def mllm_save_quantized(self, output_dir=None, format="auto_round", inplace=True, **kwargs):
+def mllm_save_quantized(cfg: Run | None, self, output_dir=None, format="auto_round", inplace=True, **kwargs):
     return_folders = kwargs.pop("return_folders", False)  # MLLMMixin hands it on to BaseCompressor in **kwargs
-    return _rank0_writes(_MLLM, self, output_dir, format, inplace, return_folders, **kwargs)
+    return _rank0_writes(cfg, _MLLM, self, output_dir, format, inplace, return_folders, **kwargs)
 
 
-def diffusion_save_quantized(self, output_dir=None, format=None, inplace=True, return_folders=False, **kwargs):
-    return _rank0_writes(_DIFFUSION, self, output_dir, format, inplace, return_folders, **kwargs)
+def diffusion_save_quantized(cfg: Run | None, self, output_dir=None, format=None, inplace=True, return_folders=False,
+                             **kwargs):
+    return _rank0_writes(cfg, _DIFFUSION, self, output_dir, format, inplace, return_folders, **kwargs)
 
 
-def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=True, max_shard_size=None, **kwargs):
+def quantize_and_save(cfg: Run | None, self, output_dir="tmp_autoround", format=None, inplace=True, max_shard_size=None,
+                      **kwargs):
     """auto-round's ``quantize_and_save`` with its output written whole or not at all
     (:class:`dpq.staging.Staging`): the whole run (auto-round's immediate saving writes shards during
     quantization) writes into a folder beside ``output_dir``, moved into place once the save
@@ -90,7 +92,7 @@ def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=Tru
     from dpq.distributed import RankFailure, peer_lost
 
     original = _original(_BASE, "quantize_and_save")
-    cfg, procs = current_run(), run_processes()
+    procs = cfg.processes if cfg is not None else None
     if cfg is None or cfg.world == "off" or (procs is not None and procs.rank != 0):
         return original(self, output_dir, format, inplace, max_shard_size, **kwargs)
     if os.environ.get("AR_RESUME_DIR"):
@@ -125,14 +127,14 @@ def quantize_and_save(self, output_dir="tmp_autoround", format=None, inplace=Tru
     return model, folders
 
 
-def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders, **kwargs):
+def _rank0_writes(cfg: Run | None, owner: str, self, output_dir, format, inplace, return_folders, **kwargs):
     """``owner.save_quantized`` under several processes: the barrier, rank 0 writes, every rank returns
     rank 0's folders (module docstring). A save called from inside rank 0's save (a mixin's
     ``super().save_quantized``) is part of it: it passes straight through, with no second barrier.
     The other ranks wait for rank 0's folders without a collective deadline (a save can take long):
     on its heartbeat (:meth:`dpq.distributed.ProcessSet.await_rank0`), until rank 0 hands them out:
     after this save, or, inside :func:`quantize_and_save`, once they are moved into place."""
-    cfg, procs = current_run(), run_processes()
+    procs = cfg.processes if cfg is not None else None
     save = _original(owner, "save_quantized")
     if cfg is not None:
         cfg.at = "save"  # a failure from here on stopped in the save (the report's "where")
@@ -166,15 +168,14 @@ def _rank0_writes(owner: str, self, output_dir, format, inplace, return_folders,
     return (model, folders) if return_folders else model
 
 
-def adjust_immediate_packing_and_saving(self):
+def adjust_immediate_packing_and_saving(cfg: Run | None, self):
     _original(_BASE, "_adjust_immediate_packing_and_saving")(self)
-    procs = run_processes()
+    procs = cfg.processes if cfg is not None else None
     if procs is not None and procs.rank != 0:
         self.compress_context.is_immediate_saving = False  # only rank 0 writes --output_dir
 
 
-def setup_ddp_if_needed_(ar, block, device_list):
-    cfg = current_run()
+def setup_ddp_if_needed_(cfg: Run | None, ar, block, device_list):
     if cfg is None or cfg.world == "off":
         return _original(_SR_MODULE, "setup_ddp_if_needed_")(ar, block, device_list)
     return block, _no_sync

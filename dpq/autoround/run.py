@@ -1,14 +1,15 @@
 """The run: one ``enable()``'s settings, records and scratch, kept in its frame of the patch table's stack.
 
-``enable()`` pushes a :class:`Run` (:func:`dpq.autoround.patches.install`), ``disable()`` pops it;
-every frame on the stack holds one. A seams-only install (``shard_seams.install``) pushes a run
-with ``seams_only``: its no-grad phases run over lanes while the tuner stays auto-round's own.
-dpq's patched functions read the run once, at their entry, and pass it down: the tuner's
-replacements the innermost run that is not seams-only (:func:`current_run`; its process set with
-:func:`run_processes`), the seams the top frame's (``seams_common.seam_run``); nothing outside
-dpq/autoround/ reads it. After the outermost ``disable()`` the last run's frame stays readable
-(:func:`reported_run`) for its records: the run summary, the phase seconds, ``auto``'s report,
-the CLI's ``--parallel_report``. Nothing that runs a block reads a finished run.
+``enable()`` pushes a :class:`Run` (:func:`dpq.autoround.patches.install`) and returns it,
+``disable()`` pops it and returns it; every frame on the stack holds one. A seams-only install
+(``shard_seams.install``) pushes a run with ``seams_only``: its no-grad phases run over lanes while
+the tuner stays auto-round's own. dpq's patched functions are handed the run as their first
+argument (Note [each replacement is handed its run] in :mod:`dpq.autoround.patches`: the tuner's
+and the save's replacements the innermost run that is not seams-only, the seams the top frame's)
+and pass it down; nothing outside dpq/autoround/ reads it. After the outermost ``disable()`` the
+last run stays readable (:func:`dpq.autoround.patches.reported`) for its records: the run summary,
+the phase seconds, ``auto``'s report, the CLI's ``--parallel_report``. Nothing that runs a block
+reads a finished run.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet
 from dpq.staging import Staging
 
-from . import patches
-
-__all__ = ["BlockRecord", "PhaseRecord", "Run", "SeamScratch", "current_run", "reported_run", "run_processes"]
+__all__ = ["BlockRecord", "PhaseRecord", "Run", "SeamScratch"]
 
 
 @dataclass
@@ -100,7 +99,7 @@ class Run:
     auto_world: AutoWorld | None = None  # 'auto': the run's cost model (one per enable())
     auto_given: bool = False  # the caller gave it: used even where lanes share a device
     # shard_seams.install: the no-grad phases over lanes alone; each block's tune is auto-round's own
-    # (current_run passes it by)
+    # (the tuner's replacements are handed the run below it: dpq.autoround.patches.enabled_run)
     seams_only: bool = False
     records: list[BlockRecord] = field(default_factory=list)
     phases: list[PhaseRecord] = field(default_factory=list)
@@ -131,33 +130,3 @@ class Run:
                      reasons: Sequence[str] = (), *, fell_back: bool = False, nested: bool = False) -> None:
         """Append one :class:`PhaseRecord` (the only place one is made)."""
         self.phases.append(PhaseRecord(block, phase, world, seconds, detail, list(reasons), fell_back, nested))
-
-
-def current_run() -> Run | None:
-    """The innermost enabled run on the patch stack, seams-only installs passed by (None: no
-    enable() in effect; dpq's tuner replacements, left under someone else's patch, then pass calls
-    through)."""
-    for f in reversed(patches.frames()):
-        if not f.config.seams_only:
-            return f.config
-    return None
-
-
-def reported_run() -> Run | None:
-    """The run whose block records are read: the innermost enabled one, else the last one that
-    ended (None: that was a seams-only install, or nothing ran)."""
-    run = current_run()
-    if run is not None:
-        return run
-    last = patches.last()
-    return last.config if last is not None and not last.config.seams_only else None
-
-
-def run_processes() -> ProcessSet | None:
-    """The innermost run's process set (of the runs that hold one) when it spans several
-    processes, else None."""
-    for f in reversed(patches.frames()):
-        procs = f.config.processes
-        if procs is not None:
-            return procs if procs.size > 1 else None
-    return None

@@ -36,8 +36,8 @@ from .seams_common import (
     PhaseSpec,
     hook_name,
     mirror_refusals,
+    or_idle,
     run_phase,
-    seam_run,
 )
 
 __all__ = ["clip_block", "compute_best_clip", "compute_parent_loss", "grid_search_scales", "run_parent_samples"]
@@ -92,11 +92,11 @@ def _awq_grid_price(mapping, kwargs_list) -> int:
     return int((weights + 3 * act * max(1, len(kwargs_list))) * MARGIN)
 
 
-def grid_search_scales(self, mapping, x_mean):
+def grid_search_scales(run: Run | None, self, mapping, x_mean):
     """AWQ's grid search with its sample replays sharded: auto-round's own loop (candidate scales,
     QDQ of the balance weights, comparison, choice) runs on home unchanged; only the replays of the
     cached parent calls (the reference pass and each grid point's loss) run lane by lane."""
-    run = seam_run()
+    run = or_idle(run)
     original = patches.original(AWQTransform, "_grid_search_scales")
     kwargs_list = self._parent_args_cache.get(mapping.parent, [])
     if run.world in ("off", 1) or run.seams.awq_grid is not None or len(kwargs_list) < 2:
@@ -151,11 +151,11 @@ def _awq_ctx_for(run: Run, parent, kwargs_list):
     return ctx
 
 
-def run_parent_samples(self, parent, kwargs_list, offload_to_cpu=False):
+def run_parent_samples(run: Run | None, self, parent, kwargs_list, offload_to_cpu=False):
     """The reference replay, sharded: lane k runs auto-round's own replay on its mirror for its
     cached calls; the outputs stay on the lane (the losses are computed there)."""
     original = patches.original(AWQTransform, "_run_parent_samples")
-    ctx = _awq_ctx_for(seam_run(), parent, kwargs_list)
+    ctx = _awq_ctx_for(or_idle(run), parent, kwargs_list)
     if ctx is None or ctx.refs is not None:
         return original(self, parent, kwargs_list, offload_to_cpu)
 
@@ -190,7 +190,7 @@ def _awq_lane_sums(self, module, kwargs_list, refs, start, stop):
     return out
 
 
-def compute_parent_loss(self, parent, kwargs_list, fp16_outputs):
+def compute_parent_loss(run: Run | None, self, parent, kwargs_list, fp16_outputs):
     """One grid point's loss, shard and reduce. Each lane copies home's candidate balance weights into
     its mirror and returns the squared-error SUM of every (micro) call of its slice, one fp32 term
     per call; home folds the terms in serial's call order into a zero fp32 accumulator and divides
@@ -200,7 +200,7 @@ def compute_parent_loss(self, parent, kwargs_list, fp16_outputs):
     per-lane partial sums instead would reassociate the fp32 sum: equal to ~1 ulp, which can flip
     a near-tie between two grid points.)"""
     original = patches.original(AWQTransform, "_compute_parent_loss")
-    ctx = _awq_ctx_for(seam_run(), parent, kwargs_list)
+    ctx = _awq_ctx_for(or_idle(run), parent, kwargs_list)
     if ctx is None or ctx.refs is None:
         return original(self, parent, kwargs_list, fp16_outputs)
     ctx.points += 1
@@ -250,12 +250,12 @@ def _awq_clip_key(layer, feat):
     return (w.data_ptr(), w._version, tuple(w.shape), w.dtype, id(feat), feat.data_ptr(), feat._version)
 
 
-def clip_block(self, block_prefix, block_mappings):
+def clip_block(run: Run | None, self, block_prefix, block_mappings):
     """AWQ's clip searches mapped over lanes: before auto-round's ``_clip_block`` runs, every balance
     layer it will search gets its ``_compute_best_clip`` run once on one lane (read-only: the layer's
     weight and the mapping's features, as serial would pass them); the result is kept home and
     ``_clip_block`` takes it instead of searching (same function, same inputs: bitwise)."""
-    run = seam_run()
+    run = or_idle(run)
     original = patches.original(AWQTransform, "_clip_block")
     if run.world in ("off", 1):
         return original(self, block_prefix, block_mappings)
@@ -308,8 +308,8 @@ def clip_block(self, block_prefix, block_mappings):
     return run_phase(run, block_prefix, phase, reasons=reasons)
 
 
-def compute_best_clip(self, layer, input_feat):
-    run = seam_run()
+def compute_best_clip(run: Run | None, self, layer, input_feat):
+    run = or_idle(run)
     entry = run.seams.awq_clips.pop(id(layer), _NO_CLIP)
     if entry is not _NO_CLIP and entry[0] == _awq_clip_key(layer, input_feat):
         run.seams.awq_clip_hits += 1

@@ -38,9 +38,9 @@ from .seams_common import (
     PhaseSpec,
     hook_name,
     mirror_refusals,
+    or_idle,
     pool_device_refusals,
     run_phase,
-    seam_run,
 )
 from .seams_init_scale import precompute_init_scales
 
@@ -243,9 +243,9 @@ class ShardedRunner:
         return outputs
 
 
-def compress_block(self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None,
+def compress_block(run: Run | None, self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None,
                     reference_output=None, **kwargs):
-    run = seam_run()
+    run = or_idle(run)
     original = patches.original(AlgorithmComposer, "compress_block")
     if run.world == "off":
         return original(self, block, fp_inputs, input_others, block_ctx, q_inputs, input_ids, reference_output,

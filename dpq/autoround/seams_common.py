@@ -1,12 +1,13 @@
-"""What the per-phase seams share: reading the run, the per-pass lane plan, the one phase runner.
+"""What the per-phase seams share: the run they are handed, the per-pass lane plan, the one phase runner.
 
 The seams (``seams_collection``, ``seams_rtn``, ``seams_init_scale``, ``seams_awq``) run
 auto-round's no-grad phases over lanes with :mod:`dpq.shard`; every one is bitwise serial.
-Each patched function reads its :class:`dpq.autoround.run.Run` once, at its entry
-(:func:`seam_run`: the patch table's top frame, :func:`dpq.autoround.patches.frame`), and passes
-it down: its settings (``world``, ``devices``, ``processes``), its phase records and the seams'
-scratch (``Run.seams``: precomputed search results, the AWQ grid in progress). With
-``world == 'off'`` every replacement passes straight through to auto-round's own function.
+Each patched function is handed its :class:`dpq.autoround.run.Run` as its first argument (the
+patch table's top frame: Note [each replacement is handed its run] in :mod:`dpq.autoround.patches`;
+:func:`or_idle` when nothing is installed) and passes it down: its settings (``world``,
+``devices``, ``processes``), its phase records and the seams' scratch (``Run.seams``: precomputed
+search results, the AWQ grid in progress). With ``world == 'off'`` every replacement passes
+straight through to auto-round's own function.
 Every phase runs through :func:`run_phase`: the lane plan, the serial and the sharded path, the
 answer to a lane failure, the record and the log line are its alone.
 
@@ -48,8 +49,17 @@ from dpq.streams import make_lanes
 from . import patches
 from .run import PhaseRecord, Run
 
-__all__ = ["OnLaneFailure", "ParallelLaneError", "PhaseSpec", "phase_seconds", "plan_lanes", "records", "reported",
-           "run_phase", "seam_run"]
+__all__ = [
+    "OnLaneFailure",
+    "ParallelLaneError",
+    "PhaseSpec",
+    "or_idle",
+    "phase_seconds",
+    "plan_lanes",
+    "records",
+    "reported",
+    "run_phase",
+]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 T = TypeVar("T")
@@ -67,19 +77,16 @@ class ParallelLaneError(RuntimeError):
         self.completed = list(completed or [])
 
 
-def seam_run() -> Run:
-    """The run of the patch table's top frame, read once at a patched function's entry; with
-    nothing installed (a replacement left under someone else's patch) a fresh idle one (world
-    'off': everything passes through)."""
-    frame = patches.frame()
-    return Run() if frame is None else frame.config
+def or_idle(run: Run | None) -> Run:
+    """The run a seam was handed, or with nothing installed (a replacement left under someone else's
+    patch) a fresh idle one (world 'off': everything passes through)."""
+    return Run() if run is None else run
 
 
 def reported() -> Run:
     """The run whose phase records are read: the top frame's, else (after the outermost
     uninstall) the last run's; an empty one when nothing ever ran."""
-    frame = patches.frame() or patches.last()
-    return Run() if frame is None else frame.config
+    return or_idle(patches.reported(seams=True))
 
 
 def records() -> list[PhaseRecord]:

@@ -21,7 +21,7 @@ from dpq.shard import copy_to_lane, map_over_lanes
 
 from . import patches
 from .run import Run
-from .seams_common import PhaseSpec, run_phase, seam_run
+from .seams_common import PhaseSpec, or_idle, run_phase
 
 __all__ = ["precompute_init_scales", "prepare_init_scale_weight", "search_optimized_init_scale"]
 
@@ -77,13 +77,13 @@ def precompute_init_scales(run: Run, q, block, block_name: str) -> None:
     run_phase(run, block_name, phase, reasons=[])
 
 
-def prepare_init_scale_weight(self):
-    seam_run().seams.current_layer = self.orig_layer
+def prepare_init_scale_weight(run: Run | None, self):
+    or_idle(run).seams.current_layer = self.orig_layer
     return patches.original(_OPT_WRAPPER, "_prepare_init_scale_weight")(self)
 
 
-def search_optimized_init_scale(weight_reshape, data_type, bits, imatrix=None, q_scale_thresh=1e-5):
-    run = seam_run()
+def search_optimized_init_scale(run: Run | None, weight_reshape, data_type, bits, imatrix=None, q_scale_thresh=1e-5):
+    run = or_idle(run)
     layer, run.seams.current_layer = run.seams.current_layer, None
     entry = run.seams.init_scales.pop(id(layer), None) if layer is not None else None
     if entry is not None and layer.data_type == data_type and layer.bits == bits \

@@ -21,7 +21,7 @@ from dpq.shard import bring_home, copy_to_lane, map_over_lanes
 
 from . import patches
 from .run import Run
-from .seams_common import PhaseSpec, run_phase, seam_run
+from .seams_common import PhaseSpec, or_idle, run_phase
 
 __all__ = ["opt_rtn_quantize_targets", "rtn_quantize_block"]
 
@@ -127,9 +127,9 @@ def _block_name_of(targets) -> str:
 
 
 @torch.no_grad()
-def rtn_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids=None,
-                        **kwargs):
-    run = seam_run()
+def rtn_quantize_block(run: Run | None, self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
+                       input_ids=None, **kwargs):
+    run = or_idle(run)
     original = patches.original(RTNQuantizer, "quantize_block")
 
     def serial():
@@ -142,8 +142,8 @@ def rtn_quantize_block(self, block, fp_inputs, input_others, fp_outputs, q_input
     return _rtn_phase(run, self, targets, True, name, serial, {})
 
 
-def opt_rtn_quantize_targets(self, targets: list) -> None:
-    run = seam_run()
+def opt_rtn_quantize_targets(run: Run | None, self, targets: list) -> None:
+    run = or_idle(run)
     original = patches.original(OptimizedRTNQuantizer, "_quantize_targets")
     if run.world in ("off", 1) or not targets:
         return original(self, targets)
