@@ -77,7 +77,8 @@ HPU_MULTI_LANE = ("Gaudi's bridge allows one device per process, so several hpu 
                   "Gaudi), or from Python init_process_group('hccl') on every rank, then dpq.autoround.enable(1); or "
                   "a single hpu lane")
 SIGN_STEP_UPSTREAM_CHANGED = ("dpq: auto-round's SignSGD source differs from the one dpq's one-op sign step reproduces "
-                              "(dpq.autoround.patches.REPRODUCED), so every lane runs auto-round's own step: the same "
+                              "(REPRODUCED in dpq.autoround.versions), so every lane runs auto-round's own step: the "
+                              "same "
                               "results, more host time per lane. Fix: nothing needed; to get the one-op step back, "
                               "install a checked auto-round (0.16.1 or 0.17.0.dev20261026)")
 

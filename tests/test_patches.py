@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from dpq.autoround import integration, patches, run
+from dpq.autoround.versions import SERIES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,9 +82,10 @@ def test_changed_upstream_signature_is_refused_naming_version_and_symbol(monkeyp
 
 
 def test_a_changed_source_the_lane_loop_reproduces_is_refused_by_name(monkeypatch):
-    """patches.LOOP_REPRODUCED: auto-round code dpq's lane loop reproduces op for op (the loss, the
-    runner's batch selection and forward) is pinned by its source's digest per series; a changed one
-    refuses the install by name, like a changed signature, and nothing is patched."""
+    """The series module's LOOP_REPRODUCED (dpq.autoround.versions): auto-round code dpq's lane loop
+    reproduces op for op (the loss, the runner's batch selection and forward) is pinned by its source's
+    digest per series; a changed one refuses the install by name, like a changed signature, and nothing
+    is patched."""
     from auto_round.algorithms.block_runner import BlockForwardRunner
 
     assert patches.check() == []  # the installed series' sources are the recorded ones
@@ -116,7 +118,7 @@ def test_per_version_entries():
     assert "OptimizedRTNQuantizer._quantize_targets" in v16 - v17
     assert any(s.endswith("sign_roundv2.quantizer.search_optimized_init_scale") for s in v16 - v17)
     assert v17 < v16
-    assert "OptimizedRTNQuantizer._quantize_targets" in patches.NOT_PATCHED["0.17"]
+    assert "OptimizedRTNQuantizer._quantize_targets" in SERIES["0.17"].NOT_PATCHED
     assert patches.patches_for("0.18.0") == []
 
 
@@ -162,8 +164,8 @@ def test_no_import_cycle_between_integration_and_the_seams():
     for s in seams:
         assert "integration" not in imports(s), s
     assert not set(seams) & imports("integration") - {"seams_common"}
-    # the table names its replacements by path, imported at install; it imports only the versions (compat)
-    assert imports("patches") <= {"compat"}
+    # the table names its replacements by path, imported at install; it imports only the series modules
+    assert imports("patches") <= {"versions"}
     assert all(len((ROOT / "dpq" / "autoround" / f"{s}.py").read_text().splitlines()) <= 400 for s in seams)
 
 
@@ -287,3 +289,31 @@ def test_each_replacement_is_handed_its_run(monkeypatch):
     patches.install(run.Run(seams_only=True))  # taken off again: patched afresh, then put back
     patches.uninstall()
     assert not patches.chained(quantizer, "setup_ddp_if_needed_")
+
+
+def test_one_module_per_series_lists_what_dpq_expects_of_it():
+    """dpq.autoround.versions: one module per covered series (compat's SUPPORTED), each signature one of the
+    table's patches, each table patch patched by some series, each listed private callable named in the
+    adapter's source and present in the installed series."""
+    from dpq.autoround import compat
+
+    assert tuple(SERIES) == compat.SUPPORTED and tuple(m.RELEASE for m in SERIES.values()) == compat.CHECKED
+    paths = {p.path for p in patches.TABLE}
+    adapter = "\n".join(p.read_text() for p in (ROOT / "dpq" / "autoround").glob("*.py"))
+    for module in SERIES.values():
+        assert set(module.SIGNATURES) <= paths and module.CALLED and module.LOOP_REPRODUCED and module.REPRODUCED
+        for path in module.CALLED:
+            assert path.rpartition(".")[2] in adapter, path
+    assert paths == set().union(*(m.SIGNATURES for m in SERIES.values()))
+    installed = patches.series_module()
+    for path in installed.CALLED:
+        assert patches._resolve(path) is not None
+
+
+def test_a_missing_private_callable_is_refused_by_name(monkeypatch):
+    from auto_round.algorithms.transforms.awq.base import AWQTransform
+
+    monkeypatch.delattr(AWQTransform, "_should_skip_clip")
+    with pytest.raises(patches.PatchMismatch, match=r"AWQTransform\._should_skip_clip is missing"):
+        integration.enable(2, "cpu,cpu")
+    assert not patches.installed()

@@ -158,7 +158,8 @@ def test_not_used_where_it_would_differ(case):
 
 def test_adapter_vouches_only_for_checked_signsgd(monkeypatch, caplog):
     """dpq.autoround asks for the one-op step for auto-round's pure SignSGD whose source is the
-    checked one (patches.REPRODUCED); a changed source falls back to auto-round's step, warned once."""
+    checked one (the series module's REPRODUCED, dpq.autoround.versions); a changed source falls
+    back to auto-round's step, warned once."""
     from dpq.autoround import patches, tune
 
     assert patches.reproduced_changes() == []
@@ -171,7 +172,8 @@ def test_adapter_vouches_only_for_checked_signsgd(monkeypatch, caplog):
 
     assert not tune.one_op_sign_step(Sub, None)
     path = "auto_round.algorithms.quantization.sign_round.sign_sgd:_single_tensor_sgd"
-    monkeypatch.setattr(patches, "REPRODUCED", MappingProxyType({**patches.REPRODUCED, path: "0" * 16}))
+    module = patches.series_module()
+    monkeypatch.setattr(module, "REPRODUCED", MappingProxyType({**module.REPRODUCED, path: "0" * 16}))
     tune._sign_sgd_unchanged.cache_clear()
     try:
         assert patches.reproduced_changes() == [path]

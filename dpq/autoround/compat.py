@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from dpq import refusals
 
-SUPPORTED = ("0.16", "0.17")  # the series the patch table (dpq.autoround.patches) covers
-CHECKED = ("0.16.1", "0.17.0.dev20261026")  # the releases the table, its signatures and digests were checked on
+from .versions import SERIES
+
+SUPPORTED = tuple(SERIES)  # the series the patch table (dpq.autoround.patches) covers: one module each
+CHECKED = tuple(m.RELEASE for m in SERIES.values())  # the releases their signatures and digests were read on
 PIP_BOUND = "auto-round>=0.16.1,<0.18"
 
 

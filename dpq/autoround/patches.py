@@ -1,12 +1,13 @@
 """The one patch table: every auto-round symbol dpq replaces, installed and removed in one place.
 
 Each :class:`Patch` names the owner (class or module), the attribute, dpq's replacement (a
-``module:function`` path, imported at install), the auto-round series it was checked against
-and, per series, the upstream function's expected parameters. :func:`install` checks every
-target of the installed series before it touches anything and refuses with
-:class:`PatchMismatch` (naming the installed auto-round version and each symbol) when one is
-missing or its parameters differ: dpq never runs a changed upstream function through a stale
-copy. Symbols a series does not patch are listed in :data:`NOT_PATCHED` with the reason.
+``module:function`` path, imported at install) and the run it is handed. What dpq expects of each
+auto-round series is that series' module in :mod:`dpq.autoround.versions`: the symbols it patches
+with their parameters, what it does not patch and why, the digests of the sources dpq reproduces and
+the private callables dpq calls. :func:`install` checks all of it for the installed series before it
+touches anything and refuses with :class:`PatchMismatch` (naming the installed auto-round version and
+each symbol) when one is missing, its parameters differ or a reproduced source changed: dpq never runs
+a changed upstream function through a stale copy.
 
 Installs nest as a stack of :class:`Frame` (one per ``enable()`` or seams-only install), each
 holding its run (:class:`dpq.autoround.run.Run`). The outermost install patches; the matching
@@ -31,16 +32,13 @@ import functools
 import importlib
 import inspect
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 
 from dpq import refusals
 
-from .compat import CHECKED, SUPPORTED
+from .versions import SERIES
 
 __all__ = [
-    "LOOP_REPRODUCED",
-    "NOT_PATCHED",
-    "REPRODUCED",
     "TABLE",
     "Frame",
     "Patch",
@@ -56,6 +54,7 @@ __all__ = [
     "reported",
     "reproduced_changes",
     "series",
+    "series_module",
     "uninstall",
     "uninstall_enabled",
 ]
@@ -64,8 +63,6 @@ _SR = "auto_round.algorithms.quantization.sign_round.quantizer:SignRoundQuantize
 _RTN = "auto_round.algorithms.quantization.rtn.quantizer"
 _V2 = "auto_round.algorithms.quantization.sign_roundv2.quantizer"
 _AWQ = "auto_round.algorithms.transforms.awq.base:AWQTransform"
-_BLOCK_PARAMS = "self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids=None, **kwargs"
-_BOTH = SUPPORTED
 
 
 @dataclass(frozen=True)
@@ -73,9 +70,7 @@ class Patch:
     owner: str  # "module:Class" or "module"
     name: str  # the attribute replaced
     replacement: str  # dpq's function, "module:function"
-    signatures: dict[str, str]  # auto-round series ("0.16") -> expected parameters (see :func:`params_of`)
     phase: str  # what it serves: "tune", "collection", "search", "save"
-    checked: tuple[str, ...] = CHECKED  # the releases it was run against
     # the run the replacement is handed (Note [each replacement is handed its run]): "tuner" (the
     # innermost run that is not seams-only) or "top" (the top frame's: the seams)
     hands: str = "tuner"
@@ -84,108 +79,57 @@ class Patch:
     def symbol(self) -> str:
         return f"{self.owner.rpartition(':')[2] or self.owner}.{self.name}"
 
-
-def _same(params: str, series=_BOTH) -> dict[str, str]:
-    return dict.fromkeys(series, params)
+    @property
+    def path(self) -> str:
+        """The upstream symbol's path as a series module keys it ("module:Class.attr", "module:attr")."""
+        return f"{self.owner}.{self.name}" if ":" in self.owner else f"{self.owner}:{self.name}"
 
 
 TABLE: tuple[Patch, ...] = (
-    Patch(_SR, "quantize_block", "dpq.autoround.integration:_delegated_quantize_block", _same(_BLOCK_PARAMS), "tune"),
-    Patch(_SR, "dispatch_block", "dpq.autoround.integration:_whole_block_dispatch",
-          _same("self, block, input_ids, input_others"), "tune"),
+    Patch(_SR, "quantize_block", "dpq.autoround.integration:_delegated_quantize_block", "tune"),
+    Patch(_SR, "dispatch_block", "dpq.autoround.integration:_whole_block_dispatch", "tune"),
     Patch("auto_round.algorithms.composer:AlgorithmComposer", "compress_block",
-          "dpq.autoround.seams_collection:compress_block",
-          _same("self, block, fp_inputs, input_others, block_ctx, q_inputs=None, input_ids=None, "
-                "reference_output=None, **kwargs"), "collection", hands="top"),
+          "dpq.autoround.seams_collection:compress_block", "collection", hands="top"),
     # the output written whole or not at all (dpq.autoround.ranks, dpq.staging)
     Patch("auto_round.compressors.base:BaseCompressor", "quantize_and_save", "dpq.autoround.ranks:quantize_and_save",
-          _same("self, output_dir='tmp_autoround', format=None, inplace=True, max_shard_size=None, **kwargs"), "save"),
+          "save"),
     # several processes (dpq.autoround.ranks): rank 0 alone writes; auto-round's own DDP lane stays off dpq's path
-    Patch("auto_round.compressors.base:BaseCompressor", "save_quantized", "dpq.autoround.ranks:save_quantized",
-          _same("self, output_dir=None, format=None, inplace=True, return_folders=False, max_shard_size=None, "
-                "**kwargs"), "save"),
+    Patch("auto_round.compressors.base:BaseCompressor", "save_quantized", "dpq.autoround.ranks:save_quantized", "save"),
     # auto-round's MLLM and diffusion compressors override the save: rank 0 alone runs the whole override
     Patch("auto_round.compressors.mllm_mixin:MLLMMixin", "save_quantized", "dpq.autoround.ranks:mllm_save_quantized",
-          _same("self, output_dir=None, format='auto_round', inplace=True, **kwargs"), "save"),
+          "save"),
     Patch("auto_round.compressors.diffusion_mixin:DiffusionMixin", "save_quantized",
-          "dpq.autoround.ranks:diffusion_save_quantized",
-          _same("self, output_dir=None, format=None, inplace=True, return_folders=False, **kwargs"), "save"),
+          "dpq.autoround.ranks:diffusion_save_quantized", "save"),
     Patch("auto_round.compressors.base:BaseCompressor", "_adjust_immediate_packing_and_saving",
-          "dpq.autoround.ranks:adjust_immediate_packing_and_saving", _same("self"), "save"),
+          "dpq.autoround.ranks:adjust_immediate_packing_and_saving", "save"),
     Patch("auto_round.algorithms.quantization.sign_round.quantizer", "setup_ddp_if_needed_",
-          "dpq.autoround.ranks:setup_ddp_if_needed_", _same("ar, block, device_list"), "tune"),
-    Patch(f"{_RTN}:RTNQuantizer", "quantize_block", "dpq.autoround.seams_rtn:rtn_quantize_block",
-          _same(_BLOCK_PARAMS), "search", hands="top"),
-    # 0.17 removed _quantize_targets: its optimized-RTN searches go through auto-round's own search
-    # dispatch (batched, spread over idle devices); see NOT_PATCHED
+          "dpq.autoround.ranks:setup_ddp_if_needed_", "tune"),
+    Patch(f"{_RTN}:RTNQuantizer", "quantize_block", "dpq.autoround.seams_rtn:rtn_quantize_block", "search", "top"),
+    # 0.16 only (dpq.autoround.versions.v0_17.NOT_PATCHED): 0.17 removed _quantize_targets and stages the
+    # init-scale searches into its own search dispatch
     Patch(f"{_RTN}:OptimizedRTNQuantizer", "_quantize_targets", "dpq.autoround.seams_rtn:opt_rtn_quantize_targets",
-          {"0.16": "self, targets"}, "search", ("0.16.1",), "top"),
+          "search", "top"),
     Patch(f"{_V2}:SignRoundOptimizedWrapperLinear", "_prepare_init_scale_weight",
-          "dpq.autoround.seams_init_scale:prepare_init_scale_weight", {"0.16": "self"}, "search", ("0.16.1",), "top"),
-    Patch(_V2, "search_optimized_init_scale", "dpq.autoround.seams_init_scale:search_optimized_init_scale",
-          {"0.16": "weight_reshape, data_type, bits, imatrix=None, q_scale_thresh=1e-05"}, "search", ("0.16.1",),
+          "dpq.autoround.seams_init_scale:prepare_init_scale_weight", "search", "top"),
+    Patch(_V2, "search_optimized_init_scale", "dpq.autoround.seams_init_scale:search_optimized_init_scale", "search",
           "top"),
-    Patch(_AWQ, "_grid_search_scales", "dpq.autoround.seams_awq:grid_search_scales", _same("self, mapping, x_mean"),
-          "search", hands="top"),
-    Patch(_AWQ, "_run_parent_samples", "dpq.autoround.seams_awq:run_parent_samples",
-          _same("self, parent, kwargs_list, offload_to_cpu=False"), "search", hands="top"),
-    Patch(_AWQ, "_compute_parent_loss", "dpq.autoround.seams_awq:compute_parent_loss",
-          _same("self, parent, kwargs_list, fp16_outputs"), "search", hands="top"),
-    Patch(_AWQ, "_clip_block", "dpq.autoround.seams_awq:clip_block", _same("self, block_prefix, block_mappings"),
-          "search", hands="top"),
-    Patch(_AWQ, "_compute_best_clip", "dpq.autoround.seams_awq:compute_best_clip",
-          _same("self, layer, input_feat"), "search", hands="top"),
+    Patch(_AWQ, "_grid_search_scales", "dpq.autoround.seams_awq:grid_search_scales", "search", "top"),
+    Patch(_AWQ, "_run_parent_samples", "dpq.autoround.seams_awq:run_parent_samples", "search", "top"),
+    Patch(_AWQ, "_compute_parent_loss", "dpq.autoround.seams_awq:compute_parent_loss", "search", "top"),
+    Patch(_AWQ, "_clip_block", "dpq.autoround.seams_awq:clip_block", "search", "top"),
+    Patch(_AWQ, "_compute_best_clip", "dpq.autoround.seams_awq:compute_best_clip", "search", "top"),
 )
-"""Every auto-round symbol dpq replaces for the whole run. Besides these, the collection seam swaps
-two attributes of one object for the duration of one ``AlgorithmComposer.compress_block`` call
-(per-call swaps, undone in its ``finally``): the composer's ``block_forward`` (a
-``BlockForwardRunner``) and the block quantizer's bound ``quantize_block`` (timed)."""
-
-NOT_PATCHED: MappingProxyType[str, MappingProxyType[str, str]] = MappingProxyType({
-    "0.17": MappingProxyType({
-        "OptimizedRTNQuantizer._quantize_targets": (
-            "auto-round 0.17 removed it: optimized-RTN (iters=0) weight searches run through auto-round's own "
-            "search dispatch (batched, spread over idle devices), so dpq leaves them to it"),
-        "SignRoundV2 init-scale searches": (
-            "auto-round 0.17 stages SignRoundV2's wrap-time init-scale searches into its own batched search "
-            "dispatch (resolve_optimized_init_scale_fn), so dpq leaves them to it"),
-    }),
-})
+"""Every auto-round symbol dpq replaces for the whole run, in any series; a series patches those its
+module (:mod:`dpq.autoround.versions`) lists with their parameters. Besides these, the collection seam
+swaps two attributes of one object for the duration of one ``AlgorithmComposer.compress_block`` call
+(per-call swaps, undone in its ``finally``): the composer's ``block_forward`` (a ``BlockForwardRunner``)
+and the block quantizer's bound ``quantize_block`` (timed)."""
 
 
-REPRODUCED: MappingProxyType[str, str] = MappingProxyType({
-    # dpq.sign_step reproduces auto-round's pure SignSGD step (no momentum, no weight decay):
-    # ``param.add_(torch.sign(grad), alpha=-lr)`` per tensor, as one foreach op per device and lr.
-    # sha256 (first 16 hex digits) of each upstream source, as checked in 0.16.1 and 0.17.0.dev20261026.
-    "auto_round.algorithms.quantization.sign_round.sign_sgd:SignSGD": "f8715df118ee1cfe",
-    "auto_round.algorithms.quantization.sign_round.sign_sgd:_use_grad_for_differentiable": "3371f9df5881fe28",
-    "auto_round.algorithms.quantization.sign_round.sign_sgd:sgd": "c830617d808c6b98",
-    "auto_round.algorithms.quantization.sign_round.sign_sgd:_single_tensor_sgd": "06fa26629f64157d",
-})
-"""auto-round code dpq does not patch but reproduces in its own runtime (a faster equivalent).
-Unlike :data:`TABLE` a change here refuses nothing: :func:`reproduced_changes` names each changed
-symbol, and the caller runs auto-round's own code instead of the reproduction (never a stale copy)."""
-
-
-LOOP_REPRODUCED: MappingProxyType[str, MappingProxyType[str, str]] = MappingProxyType({
-    path: MappingProxyType(by_series) for path, by_series in {
-        # dpq.autoround.tune._mse
-        "auto_round.algorithms.quantization.sign_round.quantizer:SignRoundQuantizer._get_loss":
-            {"0.16": "16731484cd50c5dc", "0.17": "16731484cd50c5dc"},
-        # dpq.autoround.tune._select_others (its input_others branch)
-        "auto_round.algorithms.block_runner:BlockForwardRunner._select_batch":
-            {"0.16": "28536ad0ffb34ae2", "0.17": "f095491358e40550"},
-        # dpq.autoround.tune.lane_forward
-        "auto_round.algorithms.block_runner:BlockForwardRunner.forward":
-            {"0.16": "4ec3efa90177bf8b", "0.17": "d3d24e0683c83b23"},
-    }.items()})
-"""auto-round code dpq's lane loop reproduces op for op (``dpq/autoround/tune.py``): sha256 (first 16 hex
-digits) of each source per series, each read when recorded (0.16.1, 0.17.0.dev20261026). 0.17's
-``_select_batch`` and ``forward`` differ from 0.16's only in where samples go (gathered onto the runner's
-device first, indices moved to the value's device, list-mode outputs placed by the pool), which each
-lane's staging does itself (R7): the same values. Unlike :data:`REPRODUCED` there is no upstream code to
-fall back to (the lane loop needs its own), so a change refuses the install by name (:func:`check`), as
-a changed signature of :data:`TABLE` does."""
+def series_module(version: str | None = None) -> ModuleType | None:
+    """What dpq expects of the installed auto-round's series (of ``version``): its module in
+    :mod:`dpq.autoround.versions`, None for a series dpq does not cover."""
+    return SERIES.get(series(version))
 
 
 def _source_digest(path: str) -> str | None:
@@ -200,8 +144,13 @@ def _source_digest(path: str) -> str | None:
 
 
 def reproduced_changes() -> list[str]:
-    """The symbols of :data:`REPRODUCED` whose installed source differs from the checked one (or is gone)."""
-    return [path for path, digest in REPRODUCED.items() if _source_digest(path) != digest]
+    """The symbols the series' ``REPRODUCED`` pins (:mod:`dpq.autoround.versions`: dpq's runtime reproduces
+    them with a fallback) whose installed source differs from the checked one (or is gone). Unlike a
+    ``LOOP_REPRODUCED`` source a change here refuses nothing: the caller runs auto-round's own code instead
+    of the reproduction (never a stale copy)."""
+    module = series_module()
+    pinned = module.REPRODUCED if module is not None else {}
+    return [path for path, digest in pinned.items() if _source_digest(path) != digest]
 
 
 class PatchMismatch(RuntimeError):
@@ -216,8 +165,9 @@ def series(version: str | None = None) -> str:
 
 
 def patches_for(version: str | None = None) -> list[Patch]:
-    s = series(version)
-    return [p for p in TABLE if s in p.signatures]
+    """The table's patches the series of ``version`` (default: installed) patches: those its module lists."""
+    module = series_module(version)
+    return [p for p in TABLE if module is not None and p.path in module.SIGNATURES]
 
 
 def params_of(fn) -> str:
@@ -259,7 +209,9 @@ def check(version: str | None = None) -> list[str]:
     from auto_round.version import __version__
 
     version = version or __version__
-    s = series(version)
+    module = series_module(version)
+    if module is None:
+        return []  # compat refused this series when the package was imported
     problems = []
     for p in patches_for(version):
         try:
@@ -274,22 +226,27 @@ def check(version: str | None = None) -> list[str]:
         fn = inspect.unwrap(fn)
         if not getattr(fn, "__module__", "").startswith("auto_round"):
             continue  # someone else's patch, put before dpq's: theirs answers for what it calls
-        found = params_of(fn)
-        if found != p.signatures[s]:
-            problems.append(refusals.symbol_differs(p.symbol, found, p.signatures[s]))
-    for path, by_series in LOOP_REPRODUCED.items():
+        found, expected = params_of(fn), module.SIGNATURES[p.path]
+        if found != expected:
+            problems.append(refusals.symbol_differs(p.symbol, found, expected))
+    for path, expected in module.LOOP_REPRODUCED.items():
         digest = _source_digest(path)
-        if s in by_series and digest != by_series[s]:
+        if digest != expected:
             symbol = path.rpartition(":")[2]
             problems.append(refusals.symbol_missing(symbol) if digest is None
-                            else refusals.source_differs(symbol, digest, by_series[s]))
+                            else refusals.source_differs(symbol, digest, expected))
+    for path in module.CALLED:
+        try:
+            _resolve(path)
+        except (ImportError, AttributeError):
+            problems.append(refusals.symbol_missing(path.rpartition(":")[2]))
     return problems
 
 
 def _refuse(problems: list[str]) -> PatchMismatch:
     from auto_round.version import __version__
 
-    return PatchMismatch(refusals.patch_mismatch(__version__, sorted({c for p in TABLE for c in p.checked}), problems))
+    return PatchMismatch(refusals.patch_mismatch(__version__, sorted(m.RELEASE for m in SERIES.values()), problems))
 
 
 @dataclass
