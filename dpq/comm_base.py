@@ -230,14 +230,27 @@ class CommunicatorBase:
     # nccl: an NCCL communicator per lane set (the plan prices its buffers on every lane);
     # sends_to_peers: its collectives send to every other lane (an NCCL peer buffer each);
     # shares_handles: built with shared=True, its handles made once per device tuple per run;
-    # setup_failure: what its set-up raises when it cannot start (the session then chooses again).
+    # setup_failure: what its set-up raises when it cannot start (the session then chooses again);
+    # priority: among the NCCL kinds available here (available()), the plan takes the lowest for lanes on
+    # distinct GPUs, saying chosen_because(world).
     nccl = False
+    priority = 100
     sends_to_peers = False
     shares_handles = False
     setup_failure: tuple[type[BaseException], ...] = ()
     # World 1 skips the collectives (nothing to exchange). The GPU smoke test sets this
     # False on an instance to push one-rank NCCL collectives through the real library.
     shortcut_world_one = True
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this kind can be built in this process (its library importable, its devices there)."""
+        return True
+
+    @classmethod
+    def chosen_because(cls, world: int) -> str:
+        """The plan's one-line reason when it picks this kind for ``world`` lanes on distinct GPUs."""
+        return f"{world} distinct GPUs: {cls.name}"
 
     def __init__(self, lanes: Sequence[Lane]) -> None:
         if len(lanes) == 0:

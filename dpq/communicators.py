@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dpq import nccl_comm, nccl_lifecycle, refusals
+from dpq import nccl_lifecycle, refusals
 from dpq.comm_base import Communicator, CommunicatorBase
 from dpq.fallback_p2p import HostStagedCommunicator, LocalCommunicator, PeerCopyCommunicator, XpuCopyCommunicator
 from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator
@@ -64,13 +64,12 @@ def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
             if failed:
                 why = (f"{world} distinct GPUs, but NCCL over cuda devices {list(failed[0].device_ids)} failed earlier "
                        f"in this run ({failed[0].failure}), so no NCCL kind is used for them again in this process")
-            elif nccl_comm.cupy_nccl_available():
-                return "cupy-nccl", f"{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
-            elif nccl_comm.torch_nccl_available():
-                return "torch-nccl", (f"{world} distinct GPUs, CuPy absent (pip install auto-round-dp[cuda12]): "
-                                      "torch.cuda.nccl")
             else:
-                why = f"{world} distinct GPUs but no NCCL (neither CuPy nor torch.cuda.nccl)"
+                kinds = sorted((c for c in COMMUNICATORS.values() if c.nccl), key=lambda c: c.priority)
+                kind = next((c for c in kinds if c.available()), None)
+                if kind is not None:
+                    return kind.name, kind.chosen_because(world)
+                why = f"{world} distinct GPUs but no NCCL ({', '.join(c.name for c in kinds)}: none available here)"
         else:
             why = f"{world} lanes on {len(keys)} GPUs, some shared (NCCL takes one GPU per rank)"
         if _all_pairs_peer(devices):

@@ -253,6 +253,28 @@ def test_select_torch_nccl_without_cupy(monkeypatch, no_cupy):
     assert isinstance(comm, TorchNcclCommunicator) and "pip install auto-round-dp[cuda12]" in reason
 
 
+def test_the_registry_orders_the_nccl_kinds(monkeypatch, no_cupy):
+    """The plan takes, for lanes on distinct GPUs, the NCCL kind of lowest priority that is available here,
+    with its own reason (no kind named in the choice): a kind registered ahead of the others is taken
+    where it is available and passed by where it is not."""
+    from dpq import communicators
+    from dpq.comm_base import CommunicatorBase
+
+    class Planted(CommunicatorBase):
+        name, nccl, priority, up = "planted-nccl", True, -1, True
+
+        @classmethod
+        def available(cls) -> bool:
+            return cls.up
+
+    monkeypatch.setitem(communicators.COMMUNICATORS, "planted-nccl", Planted)
+    monkeypatch.setattr(nccl_comm, "torch_nccl_available", lambda: True)
+    assert communicators.choose_communicator(["cuda:0", "cuda:1"]) == ("planted-nccl", "2 distinct GPUs: planted-nccl")
+    Planted.up = False
+    name, reason = communicators.choose_communicator(["cuda:0", "cuda:1"])
+    assert name == "torch-nccl" and "CuPy absent" in reason
+
+
 @pytest.mark.parametrize(("peer", "name"), [(True, "p2p"), (False, "host")])
 def test_select_without_nccl(monkeypatch, no_cupy, peer, name):
     monkeypatch.setattr(nccl_comm, "torch_nccl_available", lambda: False)

@@ -397,6 +397,7 @@ FOREIGN_PROBES = {
     ("dpq/compiles.py", "name"): "dynamo's compile trigger, an enum of torch's",
     ("dpq/process_group.py", "abort"): "torch's process-group backend (abort exists in some builds)",
     ("dpq/streams.py", "empty_cache"): "a torch device module (torch.cuda, torch.xpu, ...)",
+    ("dpq/nccl_comm.py", "available"): "CuPy's nccl module (cupy.cuda.nccl.available: False where libnccl is missing)",
 }
 
 
