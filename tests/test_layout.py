@@ -272,7 +272,7 @@ def test_no_stack_lookup_of_the_run_outside_the_patch_table():
     for p in patches.TABLE:  # every replacement takes the run first
         module, _, name = p.replacement.partition(":")
         fn = getattr(importlib.import_module(module), name)
-        assert next(iter(inspect.signature(fn).parameters)) in ("run", "cfg"), p.replacement
+        assert next(iter(inspect.signature(fn).parameters)) == "run", p.replacement
 
 
 def test_a_stack_lookup_outside_the_patch_table_is_found():

@@ -306,11 +306,11 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
     from .outputs import error_of, exit_status_of
     from .summary import log_summary
 
-    run, rank = runner_for(recipe), _rank()
-    enabled = None  # the run dpq's replacements are handed (dpq.autoround.run.Run)
+    quantize, rank = runner_for(recipe), _rank()  # auto-round's command for the recipe
+    run = None  # the run dpq's replacements are handed (dpq.autoround.run.Run)
     if spec.world != "off":
         try:
-            enabled = integration.enable_spec(spec, processes=procs)
+            run = integration.enable_spec(spec, processes=procs)
         except PatchMismatch as e:
             _stopped_before_run(report, str(e), e)
             return 1
@@ -321,14 +321,14 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
     started = time.perf_counter()
     try:
         with tqdm_safe_logging():
-            run()
+            quantize()
     except (PlanRefused, ParallelLaneError, RankFailure) as e:
         failure = e
     except Exception as e:  # outside a block's run: under several processes the others learn which rank
-        if enabled is None or enabled.processes is None:
+        if run is None or run.processes is None:
             failure = e  # reported, then raised with its traceback (a failed save too: the output is as it was)
             raise
-        failure = enabled.processes.stop(e, peer_lost(e))
+        failure = run.processes.stop(e, peer_lost(e))
         failure.__cause__ = e
     except BaseException as e:  # an interrupt, the user's cancel: reported, then raised
         failure = e

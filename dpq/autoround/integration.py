@@ -164,17 +164,17 @@ def _auto_split_requested() -> bool:
     return is_auto_device_mapping(device_manager.device_map) and len(device_manager.device_list) > 1
 
 
-def _whole_block_dispatch(cfg: Run | None, self, block, input_ids, input_others):
+def _whole_block_dispatch(run: Run | None, self, block, input_ids, input_others):
     """``--device_map 0,1,2,3`` asks auto-round to split each block over those GPUs for memory.
     With dpq on, those GPUs are lanes instead: a block whose mirror fits the home device stays
     whole there (and runs data-parallel); a block that does not fit keeps auto-round's split
-    placement, and the plan then runs it serially (weights span several devices). ``cfg``: the run
+    placement, and the plan then runs it serially (weights span several devices). ``run``: the run
     (Note [each replacement is handed its run] in ``dpq.autoround.patches``)."""
-    if cfg is None or cfg.world == "off":
+    if run is None or run.world == "off":
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     block = _dispatch(self, block, input_ids, input_others)
-    if isinstance(cfg.world, int):
-        _preflight(cfg, self, block, input_ids)
+    if isinstance(run.world, int):
+        _preflight(run, self, block, input_ids)
     return block
 
 
@@ -212,115 +212,116 @@ def parallel_quantization(*args, **kw) -> Iterator[list[BlockRecord]]:
 
 def run_summary() -> list[BlockRecord]:
     """The block records of the innermost enabled run, or after it, of the last run."""
-    cfg = patches.reported()
-    return list(cfg.records) if cfg is not None else []
+    run = patches.reported()
+    return list(run.records) if run is not None else []
 
 
 def auto_world_report() -> list[dict]:
     """``'auto'``'s predicted vs measured seconds per block of that run (``AutoWorld.report``;
     [] when no block chose its world by the cost model)."""
-    cfg = patches.reported()
-    return cfg.auto_world.report() if cfg is not None and cfg.auto_world is not None else []
+    run = patches.reported()
+    return run.auto_world.report() if run is not None and run.auto_world is not None else []
 
 
-def _preflight(cfg: Run, q, block, inputs) -> None:
+def _preflight(run: Run, q, block, inputs) -> None:
     """An explicit world's plan for this block, resolved before any of the block's work (the
     collection passes come first): raises :class:`dpq.plan.PlanRefused` with every reason at
     once, the tuner's feature reasons included. Several processes: agreed by every rank
     (:func:`dpq.session.agree_plan`, as the tune's plan is), so a refusal on any rank (more lanes
     over the processes than samples per iteration among them) stops every rank here."""
-    request = _tuner_request(cfg, q, block, inputs)
-    if cfg.processes is None:
+    request = _tuner_request(run, q, block, inputs)
+    if run.processes is None:
         resolve(request)
     else:
-        session.agree_plan(_session_config(cfg, None), cfg.processes, request.samples_per_iter,
+        session.agree_plan(_session_config(run, None), run.processes, request.samples_per_iter,
                            bool(request.extra_reasons), lambda: resolve(request))
 
 
-def _session_config(cfg: Run, auto_world: AutoWorld | None) -> session.SessionConfig:
+def _session_config(run: Run, auto_world: AutoWorld | None) -> session.SessionConfig:
     """``auto_world``: this block's cost model (:func:`_auto_world_for`; None across processes: the
     session plans and agrees there and runs no cost model)."""
-    return session.SessionConfig(world=cfg.world, devices=cfg.lane_devices(), debug_identical=cfg.debug_identical,
-                                 auto_world=auto_world, processes=cfg.processes, overlap=cfg.overlap,
-                                 timeout=cfg.timeout)
+    return session.SessionConfig(world=run.world, devices=run.lane_devices(), debug_identical=run.debug_identical,
+                                 auto_world=auto_world, processes=run.processes, overlap=run.overlap,
+                                 timeout=run.timeout)
 
 
-def _auto_world_for(cfg: Run, plan: Plan) -> tuple[AutoWorld | None, Plan]:
+def _auto_world_for(run: Run, plan: Plan) -> tuple[AutoWorld | None, Plan]:
     """The run's cost model for this block's lanes, and the plan to run. The default one models one
     device per lane (compute divided by W): for lanes sharing a device it has no basis, so every
     fitting lane runs (as without it), and the plan to run notes why."""
-    if cfg.auto_world is None or plan.local_lanes < 2:
+    if run.auto_world is None or plan.local_lanes < 2:
         return None, plan
-    if not cfg.auto_given and len(set(plan.devices)) < len(plan.devices):
+    if not run.auto_given and len(set(plan.devices)) < len(plan.devices):
         note = refusals.auto_shared_device(len(plan.devices), sorted({str(d) for d in plan.devices}))
         return None, dataclasses.replace(plan, notes=[*plan.notes, note])
-    return cfg.auto_world, plan
+    return run.auto_world, plan
 
 
-def _tuner_request(cfg: Run, q, block, fp_inputs) -> PlanRequest:
-    return PlanRequest(world=cfg.world, devices=cfg.lane_devices(), overlap=cfg.overlap is True,
-                       **task_plan_fields(q, block, fp_inputs, cfg.processes))
+def _tuner_request(run: Run, q, block, fp_inputs) -> PlanRequest:
+    return PlanRequest(world=run.world, devices=run.lane_devices(), overlap=run.overlap is True,
+                       **task_plan_fields(q, block, fp_inputs, run.processes))
 
 
-def _plan_for(cfg: Run, q, block, fp_inputs, block_ctx) -> Plan:
-    plan = resolve(_tuner_request(cfg, q, block, fp_inputs))
-    _log_plan(cfg, plan.devices, Topology.alone(plan.local_lanes), plan.said, block, block_ctx)
+def _plan_for(run: Run, q, block, fp_inputs, block_ctx) -> Plan:
+    plan = resolve(_tuner_request(run, q, block, fp_inputs))
+    _log_plan(run, plan.devices, Topology.alone(plan.local_lanes), plan.said, block, block_ctx)
     return plan
 
 
-def _log_plan(cfg: Run, devices: Sequence[torch.device], topology: Topology, reasons: Sequence[str], block,
+def _log_plan(run: Run, devices: Sequence[torch.device], topology: Topology, reasons: Sequence[str], block,
               block_ctx) -> None:
     """The plan (its lanes ``devices`` over ``topology``, its ``reasons`` and notes), once per block
     shape (several processes: on rank 0, with the agreed topology)."""
-    if cfg.processes is not None and cfg.processes.rank != 0:
+    if run.processes is not None and run.processes.rank != 0:
         return
     key = (type(block).__name__, tuple(p.shape for p in block.parameters()))
-    if key not in cfg.shapes_logged:
-        cfg.shapes_logged.add(key)
+    if key not in run.shapes_logged:
+        run.shapes_logged.add(key)
         lanes = ", ".join(map(str, devices))
         where = f"{topology.describe()}, each process's lanes" if topology.several else f"world {topology.world}"
         said = topology.describe() if topology.several else None
         logger.info(f"dpq plan for {block_ctx.block_name} ({type(block).__name__}): {where} on [{lanes}]"
                     + "".join(f"\n  - {r}" for r in reasons if r != said))
-    if len(devices) > 1 and devices[0].type == "cpu" and not cfg.cpu_logged:
-        cfg.cpu_logged = True
+    if len(devices) > 1 and devices[0].type == "cpu" and not run.cpu_logged:
+        run.cpu_logged = True
         logger.info("dpq: CPU lanes share the CPU: no speedup, but the parallel path and its parity run here")
 
 
-def _delegated_quantize_block(cfg: Run | None, self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
+def _delegated_quantize_block(run: Run | None, self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
                               input_ids=None, **kwargs):
-    if cfg is None:  # left under someone else's patch after disable(): pass through
+    if run is None:  # left under someone else's patch after disable(): pass through
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
     t0 = time.perf_counter()
-    cfg.at = block_ctx.block_name  # a failure from here on stopped in this block (the report's "where")
+    run.at = block_ctx.block_name  # a failure from here on stopped in this block (the report's "where")
     # PlanRefused propagates: nothing started. Several processes: the session plans and agrees
     # on every rank (a refusal anywhere stops every rank there, with every rank's reasons).
-    plan = _plan_for(cfg, self, block, fp_inputs, block_ctx) if cfg.processes is None else None
+    plan = _plan_for(run, self, block, fp_inputs, block_ctx) if run.processes is None else None
 
     def serial():
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)
 
-    chosen = len(cfg.auto_world.records) if cfg.auto_world is not None else 0
-    run = _parallel_block(cfg, self, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
-                          input_ids, serial)
+    chosen = len(run.auto_world.records) if run.auto_world is not None else 0
+    block_run = _parallel_block(run, self, plan, block, fp_inputs, input_others, fp_outputs, q_inputs,
+                                block_ctx, input_ids, serial)
     name, algorithm = block_ctx.block_name, type(self).__name__
-    ran = run.ran
-    if cfg.processes is not None:
-        _log_plan(cfg, ran.devices, ran.topology, ran.said, block, block_ctx)
-    if run.fell_back:
-        cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=[refusals.lane_failure(run.failure)],
-                                       fell_back=True, algorithm=algorithm))
-    elif run.serial:
-        cfg.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=ran.said, algorithm=algorithm))
-    elif run.outcome is not None:
-        out = run.outcome
-        cfg.records.append(BlockRecord(name, ran.world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
+    ran = block_run.ran
+    if run.processes is not None:
+        _log_plan(run, ran.devices, ran.topology, ran.said, block, block_ctx)
+    if block_run.fell_back:
+        run.records.append(BlockRecord(name, 1, time.perf_counter() - t0,
+                                       reasons=[refusals.lane_failure(block_run.failure)], fell_back=True,
+                                       algorithm=algorithm))
+    elif block_run.serial:
+        run.records.append(BlockRecord(name, 1, time.perf_counter() - t0, reasons=ran.said, algorithm=algorithm))
+    elif block_run.outcome is not None:
+        out = block_run.outcome
+        run.records.append(BlockRecord(name, ran.world, time.perf_counter() - t0, out.wire_bytes, out.best_loss,
                                        ran.communicator, [*ran.said, ran.communicator_reason, f"step: {ran.step}"],
                                        algorithm=algorithm, losses=out.losses, best_iter=out.best_iter,
                                        issue_s=out.issue_s, devices=[str(d) for d in ran.devices],
-                                       **_compile_fields(run.compiles), **_prediction(cfg, chosen)))
-    cfg.at = ""
-    return run.result
+                                       **_compile_fields(block_run.compiles), **_prediction(run, chosen)))
+    run.at = ""
+    return block_run.result
 
 
 def _compile_fields(watch) -> dict:
@@ -330,16 +331,16 @@ def _compile_fields(watch) -> dict:
     return {"recompiles": watch.recompiles(), "compiles": watch.compiles(), "compile_s": watch.compile_s()}
 
 
-def _prediction(cfg: Run, before: int) -> dict:
+def _prediction(run: Run, before: int) -> dict:
     """The cost model's prediction and measurement for the block just run: the record its
     choice added after the first ``before`` (none: the block's world was not chosen by it)."""
-    new = cfg.auto_world.records[before:] if cfg.auto_world is not None else []
+    new = run.auto_world.records[before:] if run.auto_world is not None else []
     if not new:
         return {}
     return {"predicted_s": dict(new[-1]["predicted_s"]), "measured_s": new[-1]["measured_s"]}
 
 
-def _parallel_block(cfg: Run, q, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
+def _parallel_block(run: Run, q, plan, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx,
                     input_ids, serial) -> session.BlockRun:
     """The block through the session: auto-round's own ``serial`` when the plan says one lane
     (an explicit world 1 runs the engine: bitwise serial, the CLI's '1 == off' test checks the
@@ -348,9 +349,9 @@ def _parallel_block(cfg: Run, q, plan, block, fp_inputs, input_others, fp_output
     task = AutoRoundBlock(q, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids)
     auto_world = None
     if plan is not None:
-        auto_world, plan = _auto_world_for(cfg, plan)
+        auto_world, plan = _auto_world_for(run, plan)
     try:
-        described = task.describe(serial, cfg.records, cfg.processes)
-        return session.run(_session_config(cfg, auto_world), described, plan=plan)
+        described = task.describe(serial, run.records, run.processes)
+        return session.run(_session_config(run, auto_world), described, plan=plan)
     finally:
         task.close()

@@ -254,7 +254,7 @@ class Frame:
     """One install (one ``enable()``, or a seams-only install): its run (a :class:`dpq.autoround.run.Run`:
     settings, records and the replacements' scratch)."""
 
-    config: object
+    run: object
 
 
 _stack: list[Frame] = []  # installed frames, innermost last
@@ -265,13 +265,13 @@ _ours: dict[tuple[object, str], object] = {}  # the replacement installed per (o
 _chained: set[tuple[object, str]] = set()  # ours, left under someone else's later patch: they call us
 
 
-def install(config) -> Frame:
-    """Push ``config`` (a :class:`dpq.autoround.run.Run`); the outermost install checks and patches
+def install(run) -> Frame:
+    """Push ``run`` (a :class:`dpq.autoround.run.Run`); the outermost install checks and patches
     every symbol of the installed series."""
     global _last
     if not _stack:
         _patch()
-    f = Frame(config)
+    f = Frame(run)
     _stack.append(f)
     _last = f
     return f
@@ -296,7 +296,7 @@ def uninstall_enabled():
     run = enabled_run()
     if run is None:
         return None, False
-    while uninstall().config is not run:
+    while uninstall().run is not run:
         pass
     return run, enabled_run() is None
 
@@ -309,14 +309,14 @@ def enabled_run():
     """The innermost installed run that is not seams-only, or None: what the tuner's replacements are
     handed, and whether an ``enable()`` is in effect."""
     for f in reversed(_stack):
-        if not f.config.seams_only:
-            return f.config
+        if not f.run.seams_only:
+            return f.run
     return None
 
 
 def _top_run():
     """The top frame's run, or None: what the seams are handed."""
-    return _stack[-1].config if _stack else None
+    return _stack[-1].run if _stack else None
 
 
 def reported(*, seams: bool = False):
@@ -326,11 +326,11 @@ def reported(*, seams: bool = False):
     run, seams-only included, else the last run's."""
     if seams:
         now = _top_run()
-        return now if now is not None else (_last.config if _last is not None else None)
+        return now if now is not None else (_last.run if _last is not None else None)
     run = enabled_run()
     if run is not None:
         return run
-    return _last.config if _last is not None and not _last.config.seams_only else None
+    return _last.run if _last is not None and not _last.run.seams_only else None
 
 
 _HANDS = MappingProxyType({"tuner": enabled_run, "top": _top_run})

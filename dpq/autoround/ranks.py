@@ -61,23 +61,23 @@ _DIFFUSION = "auto_round.compressors.diffusion_mixin:DiffusionMixin"
 _SR_MODULE = "auto_round.algorithms.quantization.sign_round.quantizer"
 
 
-def save_quantized(cfg: Run | None, self, output_dir=None, format=None, inplace=True, return_folders=False,
+def save_quantized(run: Run | None, self, output_dir=None, format=None, inplace=True, return_folders=False,
                    max_shard_size=None, **kwargs):
-    return _rank0_writes(cfg, _BASE, self, output_dir, format, inplace, return_folders, max_shard_size=max_shard_size,
+    return _rank0_writes(run, _BASE, self, output_dir, format, inplace, return_folders, max_shard_size=max_shard_size,
                          **kwargs)
 
 
-def mllm_save_quantized(cfg: Run | None, self, output_dir=None, format="auto_round", inplace=True, **kwargs):
+def mllm_save_quantized(run: Run | None, self, output_dir=None, format="auto_round", inplace=True, **kwargs):
     return_folders = kwargs.pop("return_folders", False)  # MLLMMixin hands it on to BaseCompressor in **kwargs
-    return _rank0_writes(cfg, _MLLM, self, output_dir, format, inplace, return_folders, **kwargs)
+    return _rank0_writes(run, _MLLM, self, output_dir, format, inplace, return_folders, **kwargs)
 
 
-def diffusion_save_quantized(cfg: Run | None, self, output_dir=None, format=None, inplace=True, return_folders=False,
+def diffusion_save_quantized(run: Run | None, self, output_dir=None, format=None, inplace=True, return_folders=False,
                              **kwargs):
-    return _rank0_writes(cfg, _DIFFUSION, self, output_dir, format, inplace, return_folders, **kwargs)
+    return _rank0_writes(run, _DIFFUSION, self, output_dir, format, inplace, return_folders, **kwargs)
 
 
-def quantize_and_save(cfg: Run | None, self, output_dir="tmp_autoround", format=None, inplace=True, max_shard_size=None,
+def quantize_and_save(run: Run | None, self, output_dir="tmp_autoround", format=None, inplace=True, max_shard_size=None,
                       **kwargs):
     """auto-round's ``quantize_and_save`` with its output written whole or not at all
     (:class:`dpq.staging.Staging`): the whole run (auto-round's immediate saving writes shards during
@@ -92,13 +92,13 @@ def quantize_and_save(cfg: Run | None, self, output_dir="tmp_autoround", format=
     from dpq.distributed import RankFailure, peer_lost
 
     original = _original(_BASE, "quantize_and_save")
-    procs = cfg.processes if cfg is not None else None
-    if cfg is None or cfg.world == "off" or (procs is not None and procs.rank != 0):
+    procs = run.processes if run is not None else None
+    if run is None or run.world == "off" or (procs is not None and procs.rank != 0):
         return original(self, output_dir, format, inplace, max_shard_size, **kwargs)
     if os.environ.get("AR_RESUME_DIR"):
         logger.warning(f"dpq: {refusals.UNSTAGED_FOR_RESUME}")
         return original(self, output_dir, format, inplace, max_shard_size, **kwargs)
-    staging = cfg.staging = Staging(output_dir)
+    staging = run.staging = Staging(output_dir)
     if staging.leftovers:
         logger.warning(f"dpq: {refusals.staging_leftovers([str(p) for p in staging.leftovers])}")
     if staging.removed:
@@ -114,7 +114,7 @@ def quantize_and_save(cfg: Run | None, self, output_dir="tmp_autoround", format=
                 raise failure from err
         raise
     finally:
-        cfg.staging = None
+        run.staging = None
     folders = [staging.path_in_place(f) for f in folders] if isinstance(folders, list) else \
         staging.path_in_place(folders)
     self.output_dir = self.compress_context.output_dir = staging.path_in_place(self.output_dir)
@@ -127,18 +127,18 @@ def quantize_and_save(cfg: Run | None, self, output_dir="tmp_autoround", format=
     return model, folders
 
 
-def _rank0_writes(cfg: Run | None, owner: str, self, output_dir, format, inplace, return_folders, **kwargs):
+def _rank0_writes(run: Run | None, owner: str, self, output_dir, format, inplace, return_folders, **kwargs):
     """``owner.save_quantized`` under several processes: the barrier, rank 0 writes, every rank returns
     rank 0's folders (module docstring). A save called from inside rank 0's save (a mixin's
     ``super().save_quantized``) is part of it: it passes straight through, with no second barrier.
     The other ranks wait for rank 0's folders without a collective deadline (a save can take long):
     on its heartbeat (:meth:`dpq.distributed.ProcessSet.await_rank0`), until rank 0 hands them out:
     after this save, or, inside :func:`quantize_and_save`, once they are moved into place."""
-    procs = cfg.processes if cfg is not None else None
+    procs = run.processes if run is not None else None
     save = _original(owner, "save_quantized")
-    if cfg is not None:
-        cfg.at = "save"  # a failure from here on stopped in the save (the report's "where")
-    if procs is None or cfg is None or cfg.rank0_saving:
+    if run is not None:
+        run.at = "save"  # a failure from here on stopped in the save (the report's "where")
+    if procs is None or run is None or run.rank0_saving:
         return save(self, output_dir, format, inplace, return_folders=return_folders, **kwargs)
     import torch.distributed as dist
 
@@ -149,13 +149,13 @@ def _rank0_writes(cfg: Run | None, owner: str, self, output_dir, format, inplace
         dist.barrier(group=procs.group)  # every rank got here: none failed after its last collective
         if procs.rank == 0:
             procs.beat("save")
-            cfg.rank0_saving = True
+            run.rank0_saving = True
             try:
                 out = save(self, output_dir, format, inplace, return_folders=True, **kwargs)
             finally:
-                cfg.rank0_saving = False
+                run.rank0_saving = False
             folders = out[1]
-            if cfg.staging is None:
+            if run.staging is None:
                 procs.publish("save", folders)
         else:
             from auto_round.logger import logger
@@ -168,15 +168,15 @@ def _rank0_writes(cfg: Run | None, owner: str, self, output_dir, format, inplace
     return (model, folders) if return_folders else model
 
 
-def adjust_immediate_packing_and_saving(cfg: Run | None, self):
+def adjust_immediate_packing_and_saving(run: Run | None, self):
     _original(_BASE, "_adjust_immediate_packing_and_saving")(self)
-    procs = cfg.processes if cfg is not None else None
+    procs = run.processes if run is not None else None
     if procs is not None and procs.rank != 0:
         self.compress_context.is_immediate_saving = False  # only rank 0 writes --output_dir
 
 
-def setup_ddp_if_needed_(cfg: Run | None, ar, block, device_list):
-    if cfg is None or cfg.world == "off":
+def setup_ddp_if_needed_(run: Run | None, ar, block, device_list):
+    if run is None or run.world == "off":
         return _original(_SR_MODULE, "setup_ddp_if_needed_")(ar, block, device_list)
     return block, _no_sync
 
