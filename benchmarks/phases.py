@@ -21,12 +21,13 @@ def measure_phases(world, devices=None, *, iters: int = 0, nsamples: int = 16, s
     from dpq.autoround import integration, seams_common, shard_seams
     from dpq.autoround.run import Run
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
+    from dpq.spec import ParallelSpec
 
     model = build_tiny_llama(TinyLlamaConfig())
     if tune_parallel:
         integration.enable(world, devices)
     else:
-        shard_seams.install(Run(world=world, devices=devices, seams_only=True))  # the seams alone; tuning serial
+        shard_seams.install(Run(ParallelSpec(world, devices), seams_only=True))  # the seams alone; tuning serial
     t0 = time.perf_counter()
     try:
         AutoRound(model, tokenizer=build_tokenizer(), dataset=calibration_samples(nsamples, seqlen),

@@ -18,6 +18,7 @@ from dpq import session
 from dpq.autoround.run import BlockRecord
 from dpq.compiles import CompileWatch, _frame_compile
 from dpq.mirror import ReplicaSet
+from dpq.spec import ParallelSpec
 from dpq.streams import make_lanes
 from dpq.tune_loop import TuneSpec
 
@@ -193,7 +194,7 @@ def _toy_run(world: int, batch: int, iters: int = 3) -> session.BlockRun:
                     iters=iters, batch_size=batch)
     task = session.BlockTask(name="toy", block=_Block(), start=lambda plan: spec,
                              finish=lambda outcome, plan: outcome, samples_per_iter=batch)
-    return session.run(session.SessionConfig(world=world, devices=",".join(["cpu"] * world)), task)
+    return session.run(session.SessionConfig(ParallelSpec(world, ",".join(["cpu"] * world))), task)
 
 
 @pytest.mark.parametrize("batch, recompiles", [(4, [0, 0]), (3, [0, 1])], ids=["even", "uneven"])

@@ -29,6 +29,7 @@ from dpq.exchange import GradBuckets
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.plan import PlanRefused
 from dpq.session import BlockTask, SessionConfig, run
+from dpq.spec import ParallelSpec
 from dpq.streams import make_lanes
 from dpq.tune_loop import TuneSpec
 from tests.processes import worker_context
@@ -116,7 +117,7 @@ def make_task(case: str, block: Block | None = None, lane_loss=None) -> BlockTas
 
 
 def tune(case: str, world: int, processes: ProcessSet | None = None) -> dict:
-    done = run(SessionConfig(world=world, devices=["cpu"] * world, processes=processes), make_task(case))
+    done = run(SessionConfig(ParallelSpec(world, ["cpu"] * world), processes=processes), make_task(case))
     out = done.outcome
     return {"losses": out.losses, "best_iter": out.best_iter, "values": done.result,
             "topology": dataclasses.astuple(done.topology), "communicator": done.ran.communicator,
@@ -180,7 +181,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     # a refusal on a pair's second rank reaches the first before any work; the group goes on
     devices = ["cpu", "cpu"] if rank % 2 == 0 else ["cpu", "nowhere"]
     try:
-        run(SessionConfig(world=2, devices=devices, processes=procs["pair"]), make_task("sign"))
+        run(SessionConfig(ParallelSpec(2, devices), processes=procs["pair"]), make_task("sign"))
     except PlanRefused as err:
         result["refused"] = err.reasons
     result["buckets"] = set(SmallBuckets.made)
@@ -206,7 +207,7 @@ def _failing_run(rank: int, procs: ProcessSet, result: dict) -> None:
 
     t0 = time.monotonic()
     try:
-        run(SessionConfig(world=1, devices=["cpu"], processes=procs), make_task("sign", block, loss))
+        run(SessionConfig(ParallelSpec(1, ["cpu"]), processes=procs), make_task("sign", block, loss))
     except RankFailure as err:
         result["failure"] = str(err)
         result["seconds"] = time.monotonic() - t0
@@ -404,7 +405,7 @@ def test_agreement_counts_only_physical_accelerators(monkeypatch, device, shared
     monkeypatch.setattr(session, "agree", agree)
     monkeypatch.setattr(session, "plan_for", lambda config, task: Plan([torch.device(device)]))
     task = SimpleNamespace(extra_reasons=[], samples_per_iter=8)
-    session._agreed_plan(SessionConfig(world=1, devices=[device]), task, procs=None, plan=None)
+    session._agreed_plan(SessionConfig(ParallelSpec(1, [device])), task, procs=None, plan=None)
     assert told[0].devices == ([device] if shared else [])
 
 

@@ -14,6 +14,7 @@ import torch
 
 from dpq import mirror, tune_loop
 from dpq.session import SessionConfig, run
+from dpq.spec import ParallelSpec
 from dpq.testing.timeline.record import TimelineModel
 from tests.test_distributed import Block, make_task
 
@@ -56,9 +57,9 @@ def test_the_engine_lets_go_before_the_cache_is_emptied(monkeypatch, fail):
         spec.lane_loss = loss
         task.start = lambda plan: spec
         with pytest.raises(RuntimeError, match="injected"):
-            run(SessionConfig(world=2, devices=["cpu", "cpu"]), task)
+            run(SessionConfig(ParallelSpec(2, ["cpu", "cpu"])), task)
     else:
-        run(SessionConfig(world=2, devices=["cpu", "cpu"]), task)
+        run(SessionConfig(ParallelSpec(2, ["cpu", "cpu"])), task)
     assert held and alive_at_release and alive_at_release[0] == 0
 
 
@@ -72,7 +73,7 @@ def test_lane_streams_are_the_runs_not_each_blocks():
     for overlap, lane_streams in ((None, 2), (True, 5)):
         with StreamOrderChecker() as chk:
             for _ in range(2):
-                run(SessionConfig(world=3, devices=["cpu"] * 3, overlap=overlap), make_task("sign", Block()))
+                run(SessionConfig(ParallelSpec(3, ["cpu"] * 3, overlap=overlap)), make_task("sign", Block()))
         assert chk.violations == []
         assert len(chk.streams) == 1 + lane_streams, [s.name for s in chk.streams]  # the default stream + the run's
         release_run_streams()

@@ -10,6 +10,7 @@ import pytest
 
 from dpq.autoround import integration, patches, run
 from dpq.autoround.versions import SERIES
+from dpq.spec import ParallelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +127,7 @@ def test_nested_installs_stack_and_a_later_foreign_patch_stays():
     from auto_round.algorithms.composer import AlgorithmComposer as C
 
     before = C.__dict__["compress_block"]
-    outer, inner = run.Run(world=2, seams_only=True), run.Run(world="off", seams_only=True)
+    outer, inner = run.Run(ParallelSpec(2), seams_only=True), run.Run(ParallelSpec("off"), seams_only=True)
     patches.install(outer)
     patches.install(inner)
     assert patches.reported(seams=True) is inner and C.compress_block is not before
@@ -268,7 +269,7 @@ def test_each_replacement_is_handed_its_run(monkeypatch):
     monkeypatch.setattr(ranks, "setup_ddp_if_needed_", lambda cfg, ar, block, devices: seen.append(cfg) or block)
     monkeypatch.setattr(seams_awq, "compute_best_clip", lambda run, self, layer, feat: seen.append(run))
     outer = integration.enable(2, "cpu,cpu")
-    seams = run.Run(world=2, devices="cpu,cpu", seams_only=True)
+    seams = run.Run(ParallelSpec(2, "cpu,cpu"), seams_only=True)
     patches.install(seams)
     try:
         quantizer.setup_ddp_if_needed_(None, "block", [0])

@@ -6,6 +6,7 @@ import pytest
 
 import dpq.plan as plan_mod
 from dpq.plan import PlanRefused, PlanRequest, resolve, validate_world
+from dpq.spec import ParallelSpec
 from dpq.spec import problems as check_arguments
 
 NO_SUCH_GPU = "cuda:99"  # cannot exist here, nor on a lent GPU machine
@@ -151,5 +152,5 @@ def test_a_task_without_home_is_planned_where_its_block_is(monkeypatch):
     monkeypatch.setattr(plan_mod, "default_accelerator_type", lambda: "cuda")  # a machine with a GPU
     task = make_task("sign")
     assert task.home is None and next(task.block.parameters()).device.type == "cpu"
-    plan = plan_for(SessionConfig(world=2, devices=["cpu", "cpu"]), task)
+    plan = plan_for(SessionConfig(ParallelSpec(2, ["cpu", "cpu"])), task)
     assert [d.type for d in plan.devices] == ["cpu", "cpu"]

@@ -238,6 +238,7 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
     from dpq.autoround import integration, seams_common, shard_seams
     from dpq.autoround.run import Run
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
+    from dpq.spec import ParallelSpec
     from dpq.testing.faults import inject_fault
 
     args = dict(nsamples=16, seqlen=64, batch_size=8, iters=0)
@@ -247,7 +248,7 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
     if tune_world is not None:
         integration.enable(tune_world, "cpu,cpu")
     if world is not None:
-        shard_seams.install(Run(world=world, devices="cpu,cpu", seams_only=True))
+        shard_seams.install(Run(ParallelSpec(world, "cpu,cpu"), seams_only=True))
     try:
         dataset = calibration_samples(args["nsamples"], args["seqlen"])
         ar = AutoRound(model, tokenizer=build_tokenizer(), dataset=dataset, device_map="cpu",
@@ -490,10 +491,11 @@ def test_install_is_idempotent_and_uninstall_restores():
 
     from dpq.autoround import shard_seams
     from dpq.autoround.run import Run
+    from dpq.spec import ParallelSpec
 
     before = (AlgorithmComposer.compress_block, RTNQuantizer.quantize_block, OptimizedRTNQuantizer._quantize_targets)
-    shard_seams.install(Run(world=2, seams_only=True))
-    shard_seams.install(Run(world="off", seams_only=True))
+    shard_seams.install(Run(ParallelSpec(2), seams_only=True))
+    shard_seams.install(Run(ParallelSpec("off"), seams_only=True))
     assert shard_seams.installed() and AlgorithmComposer.compress_block is not before[0]
     shard_seams.uninstall()
     shard_seams.uninstall()

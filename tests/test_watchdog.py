@@ -25,6 +25,7 @@ import dpq.streams as dpq_streams
 from dpq import communicators
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.session import PG_WATCHDOG_LEAD, SessionConfig, run
+from dpq.spec import ParallelSpec
 from dpq.streams import WaitExpired, wait_events
 from dpq.tune_loop import LanesHung
 from tests.test_distributed import TUNED, Block, make_task
@@ -147,7 +148,7 @@ def tune(world, *, timeout: float, serial=None):
     before = values(block)
     t0 = time.perf_counter()
     try:
-        return run(SessionConfig(world=world, devices=["cpu", "cpu"], timeout=timeout), task), block, before, \
+        return run(SessionConfig(ParallelSpec(world, ["cpu", "cpu"], timeout=timeout)), task), block, before, \
             time.perf_counter() - t0
     except LanesHung as err:
         return err, block, before, time.perf_counter() - t0
@@ -217,8 +218,8 @@ def test_wait_events_polls_checks_and_expires():
 
 def test_the_watchdog_fires_before_the_process_groups_own():
     procs = type("P", (), {"size": 2})()
-    assert SessionConfig(timeout=100).watchdog_s() == 100
-    lead = SessionConfig(timeout=100, processes=procs).watchdog_s()
+    assert SessionConfig(ParallelSpec(timeout=100)).watchdog_s() == 100
+    lead = SessionConfig(ParallelSpec(timeout=100), processes=procs).watchdog_s()
     assert lead == pytest.approx(100 * PG_WATCHDOG_LEAD) and lead < 100
 
 

@@ -19,7 +19,8 @@ from auto_round.wrapper import unwrapper_block, wrapper_block
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
 from dpq.mirror import tensors_in
-from dpq.plan import PlanRefused
+from dpq.plan import PlanRefused, validate_world
+from dpq.spec import ParallelSpec
 
 from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
 
@@ -360,9 +361,8 @@ def parallel_tune(
         try:  # the plan needs the samples per iteration
             if auto_world is None and world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
-            config = session.SessionConfig(world=world, devices=devices, debug_identical=debug_identical,
-                                           auto_world=auto_world, overlap=overlap, timeout=float(timeout),
-                                           caller="api")
+            spec = ParallelSpec(validate_world(world, "api"), devices, bool(debug_identical), overlap, float(timeout))
+            config = session.SessionConfig(spec, auto_world=auto_world, caller="api")
             plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons

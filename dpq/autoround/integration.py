@@ -134,8 +134,7 @@ def enable_spec(spec: ParallelSpec, *, auto_world: AutoWorld | None = None,
     world = spec.world
     model = auto_world if auto_world is not None else (AutoWorld() if world == "auto" else None)
     procs = (processes if processes is not None else ProcessSet.detect()) if world != "off" else None
-    new = Run(world=world, devices=spec.devices, debug_identical=spec.debug, overlap=spec.overlap,
-              timeout=spec.timeout, auto_world=model, auto_given=auto_world is not None,
+    new = Run(spec, auto_world=model, auto_given=auto_world is not None,
               processes=procs if procs is not None and procs.size > 1 else None)
     patches.install(new)  # the outermost install checks and patches the whole table (PatchMismatch: nothing done)
     return new
@@ -240,9 +239,8 @@ def _preflight(run: Run, q, block, inputs) -> None:
 def _session_config(run: Run, auto_world: AutoWorld | None) -> session.SessionConfig:
     """``auto_world``: this block's cost model (:func:`_auto_world_for`; None across processes: the
     session plans and agrees there and runs no cost model)."""
-    return session.SessionConfig(world=run.world, devices=run.lane_devices(), debug_identical=run.debug_identical,
-                                 auto_world=auto_world, processes=run.processes, overlap=run.overlap,
-                                 timeout=run.timeout)
+    return session.SessionConfig(dataclasses.replace(run.spec, devices=run.lane_devices()), auto_world=auto_world,
+                                 processes=run.processes)
 
 
 def _auto_world_for(run: Run, plan: Plan) -> tuple[AutoWorld | None, Plan]:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from auto_round.utils.device_manager import device_manager
 
-from dpq import session
 from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet
+from dpq.spec import ParallelSpec
 from dpq.staging import Staging
 
 __all__ = ["BlockRecord", "PhaseRecord", "Run", "SeamScratch"]
@@ -88,14 +88,11 @@ class SeamScratch:
 
 @dataclass(slots=True)
 class Run:
-    """One ``enable()`` (or one seams-only install, ``seams_only``): its settings, its records
-    (the tuner's per block, the seams' per phase) and the seams' scratch."""
+    """One ``enable()`` (or one seams-only install, ``seams_only``): its settings (``spec``, validated
+    once where they came in: the CLI, ``enable()``; read through :attr:`world`, :attr:`devices`, ...),
+    its records (the tuner's per block, the seams' per phase) and the seams' scratch."""
 
-    world: int | str = "off"
-    devices: object = None
-    debug_identical: bool = False
-    overlap: bool | None = None  # dpq.session.SessionConfig.overlap
-    timeout: float = session.DEFAULT_TIMEOUT_S  # dpq.session.SessionConfig.timeout (--parallel_timeout)
+    spec: ParallelSpec = field(default_factory=ParallelSpec)
     auto_world: AutoWorld | None = None  # 'auto': the run's cost model (one per enable())
     auto_given: bool = False  # the caller gave it: used even where lanes share a device
     # shard_seams.install: the no-grad phases over lanes alone; each block's tune is auto-round's own
@@ -117,6 +114,28 @@ class Run:
     # what the run works on now: a block's name while auto-round quantizes it, "save" while the output
     # is written (dpq.autoround.ranks), "" between them; a failure's report says where it stopped
     at: str = ""
+
+    @property
+    def world(self) -> int | str:
+        return self.spec.world
+
+    @property
+    def devices(self) -> object:
+        return self.spec.devices
+
+    @property
+    def debug_identical(self) -> bool:
+        return self.spec.debug
+
+    @property
+    def overlap(self) -> bool | None:
+        """``--parallel_overlap`` (dpq.session.SessionConfig.overlap)."""
+        return self.spec.overlap
+
+    @property
+    def timeout(self) -> float:
+        """``--parallel_timeout`` (dpq.session.SessionConfig.timeout)."""
+        return self.spec.timeout
 
     def lane_devices(self):
         """The lanes' devices: the given ``devices``, else auto-round's device list (``--device_map``)

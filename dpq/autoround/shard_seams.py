@@ -5,7 +5,7 @@ The seams themselves live by phase: :mod:`.seams_collection` (collection forward
 init-scale searches), :mod:`.seams_awq` (AWQ grid and clip searches), with what they share in
 :mod:`.seams_common`. They are installed, with every other replacement, by the patch table
 (:mod:`.patches`); ``install(run)`` here pushes a seams-only run
-(``Run(world=2, devices="cpu,cpu", seams_only=True)``) on it without an ``enable()``: the no-grad
+(``Run(ParallelSpec(2, "cpu,cpu"), seams_only=True)``) on it without an ``enable()``: the no-grad
 phases run over lanes and each block's tune stays auto-round's own. The phase benchmark is
 ``benchmarks/phases.py``.
 """
