@@ -258,5 +258,16 @@ class LaneData:
 
     def gather(self, lane: Lane, samples, indices, dim: int = 0) -> torch.Tensor:
         """``samples[i] for i in indices`` concatenated along ``dim`` on ``lane``: each sample
-        brought from where it lives (R7), the concatenation queued on the lane's stream."""
+        brought from where it lives (R7), the concatenation queued on the lane's stream.
+
+        Note [one sample, no concatenation]: a lane with one sample per iteration (8 lanes of a
+        batch of 8) gets the copy ``bring`` just made, not a concatenation of it: the same values
+        in a tensor of its own, one op fewer on the issuing thread per lane-iteration. A sample that
+        already lives on the lane (``bring`` returns the pool's own tensor) is still copied by the
+        concatenation, so nothing the lane does can write into the pool."""
+        if len(indices) == 1:
+            brought = self.bring(lane, samples[indices[0]])
+            if brought is not samples[indices[0]] and brought.is_contiguous():
+                return brought
+            return torch.cat([brought], dim=dim)
         return torch.cat([self.bring(lane, samples[i]) for i in indices], dim=dim)

@@ -98,3 +98,23 @@ def test_unknown_tuned_name_is_refused(recorded_blocks):
     block = _wrapped_block(recorded_blocks)
     with pytest.raises(ValueError, match="not found"):
         ReplicaSet(block, make_lanes(["cpu"] * 2), ["nope.value"])
+
+
+def test_gather_of_one_sample_is_a_tensor_of_its_own():
+    """Note [one sample, no concatenation]: one sample brought from elsewhere is the copy itself (no
+    concatenation); one that already lives on the lane is still copied, so the lane never holds the
+    pool's own tensor; several are concatenated as before."""
+    from types import SimpleNamespace
+
+    from dpq.mirror import LaneData
+
+    pool = [torch.randn(1, 3, 4) for _ in range(3)]
+    here = make_lanes(["cpu"])[0]
+    out = LaneData().gather(here, pool, [1])
+    assert out is not pool[1] and out.data_ptr() != pool[1].data_ptr() and torch.equal(out, pool[1])
+    copies = []
+    elsewhere = SimpleNamespace(accelerator=False, bring=lambda t: copies.append(t.clone()) or copies[-1])
+    out = LaneData().gather(elsewhere, pool, [2])
+    assert out is copies[-1] and torch.equal(out, pool[2])
+    out = LaneData().gather(elsewhere, pool, [0, 2])
+    assert out.shape == (2, 3, 4) and torch.equal(out, torch.cat([pool[0], pool[2]]))

@@ -142,7 +142,9 @@ def lane_forward(runner, module: torch.nn.Module, inputs: list, input_others: di
     * every input reaches the lane through ``staged`` (R7 of ``dpq.streams``): nothing is
       copied on another lane's stream, nothing from pageable host memory;
     * the output stays on the runner's device (the lane's) instead of going through
-      ``cache_device`` and back.
+      ``cache_device`` and back;
+    * one batch's output is returned itself, not a concatenation of it (a copy: the same values,
+      one op fewer per lane-iteration; Note [one sample, no concatenation] in ``dpq.mirror``).
     """
     outputs = []
     for start in range(0, len(indices), runner.batch_size):
@@ -152,7 +154,8 @@ def lane_forward(runner, module: torch.nn.Module, inputs: list, input_others: di
         raw = runner.block_forward(module, batch_inputs, batch_others, runner.amp, runner.amp_dtype,
                                    runner.device, None)
         outputs.append(runner._normalize_output(raw, module))
-    return torch.cat(outputs, dim=runner.batch_dim)
+    # one batch (a lane's share fits the runner's batch size): the block's own output, no copy
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=runner.batch_dim)
 
 
 def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reduction: str, loss_fn=None):
