@@ -56,7 +56,7 @@ from dpq.exchange import FullSumExchange, SignExchange
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.plan import ONE_LANE_EXCHANGE, BlockPrice, Plan, PlanRefused, PlanRequest, resolve
 from dpq.process_group import ProcessGroupCommunicator
-from dpq.spec import ParallelSpec
+from dpq.spec import ParallelSpec, SpecSettings
 from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LanesHung, LoopOutcome, TuneEngine, TuneSpec, run_loop
 from dpq.watchdog import GRACE_S
@@ -75,14 +75,15 @@ OVERLAP_NOTE = "; on a second stream per lane (overlap)"  # the communicator rea
 
 
 @dataclass
-class SessionConfig:
+class SessionConfig(SpecSettings):
     """What the user asked for, as ``spec`` (:class:`dpq.spec.ParallelSpec`, validated where it came in:
-    the CLI, ``enable()``, ``parallel_tune``), read through :attr:`world` ('auto', 'off' or an int),
-    :attr:`devices` (None: the plan's default), :attr:`debug_identical` (check the lanes bitwise after
-    every step), :attr:`overlap` and :attr:`timeout`. With ``processes`` (more than one), ``world``/``devices``
-    are each process's local lanes and the global world is the processes times the agreed local lane
-    count (:func:`dpq.distributed.agree`). ``auto_world``: under 'auto', the run's cost model; after the
-    memory check it keeps the first W of the fitting lanes, W by predicted time (None: every fitting lane)."""
+    the CLI, ``enable()``, ``parallel_tune``), read through :class:`dpq.spec.SpecSettings`: ``world``
+    ('auto', 'off' or an int), ``devices`` (None: the plan's default), ``debug_identical`` (check the
+    lanes bitwise after every step), ``overlap`` and ``timeout``. With ``processes`` (more than one),
+    ``world``/``devices`` are each process's local lanes and the global world is the processes times
+    the agreed local lane count (:func:`dpq.distributed.agree`). ``auto_world``: under 'auto', the run's
+    cost model; after the memory check it keeps the first W of the fitting lanes, W by predicted time
+    (None: every fitting lane)."""
 
     spec: ParallelSpec = field(default_factory=lambda: ParallelSpec("auto"))
     auto_world: AutoWorld | None = None  # one per run: 'auto' picks the world by predicted time
@@ -90,31 +91,6 @@ class SessionConfig:
     # (dpq.distributed.ProcessSet.detect()); ``world`` and ``devices`` are then this process's lanes.
     processes: ProcessSet | None = None
     caller: str = "cli"  # how a refusal's fix names settings (dpq.plan.PlanRequest.caller)
-
-    @property
-    def world(self) -> int | str:
-        return self.spec.world
-
-    @property
-    def devices(self) -> object:
-        return self.spec.devices
-
-    @property
-    def debug_identical(self) -> bool:
-        return self.spec.debug
-
-    @property
-    def overlap(self) -> bool | None:
-        """Exchange buckets during the backward: None = on for CPU lanes, off for accelerator lanes (not
-        run on one yet); True on accelerators puts the exchange on a second stream per lane
-        (dpq.comm_streams), one process only."""
-        return self.spec.overlap
-
-    @property
-    def timeout(self) -> float:
-        """--parallel_timeout: how long the host waits for an iteration's work (dpq.tune_loop: the
-        watchdog) and, across processes, a collective for the other ranks (the process group's timeout)."""
-        return self.spec.timeout
 
     def watchdog_s(self) -> float:
         """The readback's deadline: the timeout in one process; across processes a little less

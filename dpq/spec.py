@@ -20,7 +20,8 @@ from dpq import refusals
 from dpq.machine import Machine
 from dpq.plan import parse_device_spec, validate_world
 
-__all__ = ["FLAGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "machine_problems", "problems"]
+__all__ = ["FLAGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "SpecSettings", "machine_problems",
+           "problems"]
 
 TIMEOUT_RANGE_S = (10.0, 604800.0)  # the process group's start waits that long for every rank; a week
 
@@ -115,6 +116,39 @@ class ParallelSpec:
             raise SpecError(found)
         return cls(validate_world(parallel_quantization), parallel_devices, bool(parallel_debug), parallel_overlap,
                    float(parallel_timeout), parallel_report)
+
+
+class SpecSettings:
+    """The settings of an object that holds a validated ``spec`` (:class:`ParallelSpec`), read through
+    it, never copied: the adapter's run (``dpq.autoround.run.Run``) and the session's config
+    (``dpq.session.SessionConfig``)."""
+
+    __slots__ = ()
+    spec: ParallelSpec
+
+    @property
+    def world(self) -> int | str:
+        return self.spec.world
+
+    @property
+    def devices(self) -> object:
+        return self.spec.devices
+
+    @property
+    def debug_identical(self) -> bool:
+        return self.spec.debug
+
+    @property
+    def overlap(self) -> bool | None:
+        """Exchange buckets during the backward: None = on for CPU lanes, off for accelerator lanes;
+        True on accelerators puts the exchange on a second stream per lane (dpq.comm_streams)."""
+        return self.spec.overlap
+
+    @property
+    def timeout(self) -> float:
+        """--parallel_timeout: how long the host waits for an iteration's work (dpq.tune_loop: the
+        watchdog) and, across processes, a collective for the other ranks (the process group's timeout)."""
+        return self.spec.timeout
 
 
 def _timeout_problem(value: object) -> str | None:

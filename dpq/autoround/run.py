@@ -21,7 +21,7 @@ from auto_round.utils.device_manager import device_manager
 
 from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet
-from dpq.spec import ParallelSpec
+from dpq.spec import ParallelSpec, SpecSettings
 from dpq.staging import Staging
 
 __all__ = ["BlockRecord", "PhaseRecord", "Run", "SeamScratch"]
@@ -87,9 +87,9 @@ class SeamScratch:
 
 
 @dataclass(slots=True)
-class Run:
+class Run(SpecSettings):
     """One ``enable()`` (or one seams-only install, ``seams_only``): its settings (``spec``, validated
-    once where they came in: the CLI, ``enable()``; read through :attr:`world`, :attr:`devices`, ...),
+    once where they came in: the CLI, ``enable()``; read through :class:`dpq.spec.SpecSettings`),
     its records (the tuner's per block, the seams' per phase) and the seams' scratch."""
 
     spec: ParallelSpec = field(default_factory=ParallelSpec)
@@ -114,28 +114,6 @@ class Run:
     # what the run works on now: a block's name while auto-round quantizes it, "save" while the output
     # is written (dpq.autoround.ranks), "" between them; a failure's report says where it stopped
     at: str = ""
-
-    @property
-    def world(self) -> int | str:
-        return self.spec.world
-
-    @property
-    def devices(self) -> object:
-        return self.spec.devices
-
-    @property
-    def debug_identical(self) -> bool:
-        return self.spec.debug
-
-    @property
-    def overlap(self) -> bool | None:
-        """``--parallel_overlap`` (dpq.session.SessionConfig.overlap)."""
-        return self.spec.overlap
-
-    @property
-    def timeout(self) -> float:
-        """``--parallel_timeout`` (dpq.session.SessionConfig.timeout)."""
-        return self.spec.timeout
 
     def lane_devices(self):
         """The lanes' devices: the given ``devices``, else auto-round's device list (``--device_map``)
