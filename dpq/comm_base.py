@@ -232,9 +232,10 @@ class CommunicatorBase:
     # shares_handles: built with shared=True, its handles made once per device tuple per run;
     # setup_failure: what its set-up raises when it cannot start (the session then chooses again);
     # priority: among the NCCL kinds available here (available()), the plan takes the lowest for lanes on
-    # distinct GPUs, saying chosen_because(world).
+    # distinct GPUs, saying chosen_because (formatted with the lane count ``world`` and the kind's ``name``).
     nccl = False
     priority = 100
+    chosen_because = "{world} distinct GPUs: {name}"
     sends_to_peers = False
     shares_handles = False
     setup_failure: tuple[type[BaseException], ...] = ()
@@ -246,11 +247,6 @@ class CommunicatorBase:
     def available(cls) -> bool:
         """Whether this kind can be built in this process (its library importable, its devices there)."""
         return True
-
-    @classmethod
-    def chosen_because(cls, world: int) -> str:
-        """The plan's one-line reason when it picks this kind for ``world`` lanes on distinct GPUs."""
-        return f"{world} distinct GPUs: {cls.name}"
 
     def __init__(self, lanes: Sequence[Lane]) -> None:
         if len(lanes) == 0:

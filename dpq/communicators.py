@@ -68,7 +68,7 @@ def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
                 kinds = sorted((c for c in COMMUNICATORS.values() if c.nccl), key=lambda c: c.priority)
                 kind = next((c for c in kinds if c.available()), None)
                 if kind is not None:
-                    return kind.name, kind.chosen_because(world)
+                    return kind.name, kind.chosen_because.format(world=world, name=kind.name)
                 why = f"{world} distinct GPUs but no NCCL ({', '.join(c.name for c in kinds)}: none available here)"
         else:
             why = f"{world} lanes on {len(keys)} GPUs, some shared (NCCL takes one GPU per rank)"

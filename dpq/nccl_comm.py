@@ -210,14 +210,11 @@ class CupyNcclCommunicator(CommunicatorBase):
     nccl, sends_to_peers, shares_handles = True, True, True  # its canonical order sends to every other lane
     setup_failure = (NcclInitFailed,)
     priority = 0  # the plan's first choice for distinct GPUs where CuPy's NCCL imports
+    chosen_because = "{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
 
     @classmethod
     def available(cls) -> bool:
         return cupy_nccl_available()
-
-    @classmethod
-    def chosen_because(cls, world: int) -> str:
-        return f"{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
 
     def __init__(self, lanes: Sequence[Lane], *, shared: bool = False, allow_shared_gpu: bool | None = None) -> None:
         super().__init__(lanes)
@@ -405,14 +402,11 @@ class TorchNcclCommunicator(CommunicatorBase):
 
     name = "torch-nccl"
     priority = 1  # after CuPy's (the plan's choice: dpq.communicators.choose_communicator)
+    chosen_because = "{world} distinct GPUs, CuPy absent (pip install auto-round-dp[cuda12]): torch.cuda.nccl"
 
     @classmethod
     def available(cls) -> bool:
         return torch_nccl_available()
-
-    @classmethod
-    def chosen_because(cls, world: int) -> str:
-        return f"{world} distinct GPUs, CuPy absent (pip install auto-round-dp[cuda12]): torch.cuda.nccl"
     nccl, shares_handles = True, True  # no send/recv: no peer buffers
     setup_failure = (NcclInitFailed,)
     canonical_order = False

@@ -112,13 +112,17 @@ class Pricing:
         host = self.host
         if op.kind == "wait":
             return host.wait_s
-        if op.kind == "call":
-            return host.region_call_s
+        if op.kind == "call":  # a compiled region's graph call; replayed through CUDA graph trees, also their
+            # checks and one launch, its kernels none (below)
+            graphed = host.graph_tree_s + host.graph_launch_s if self.graphs == "regions" else 0.0
+            return host.region_call_s + graphed
         if op.kind == "host":
             return host.eager_op_s + self.scaled_bytes(op) / host.host_copy_bw
         if op.kind == "view":
             return host.view_op_s
         if op.kind == "kernel" and op.region:
+            if self.graphs == "regions":
+                return 0.0
             return host.compiled_extern_s if op.work != "elementwise" else host.compiled_kernel_s
         if op.kind in ("kernel", "copy", "collective"):
             return host.eager_op_s
@@ -241,9 +245,7 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     device_ops = [op for op in ops if op.stream is not None and op.kind in ("kernel", "copy", "collective", "wait")]
     duration = {op.id: pricing.device_s(op) for op in device_ops}
     host_cost = {op.id: pricing.host_s(op) for op in ops}
-    if pricing.graphs == "regions":
-        host_cost = _regions_graphed(ops, host_cost, pricing.host)
-    elif pricing.graphs == "iteration":
+    if pricing.graphs == "iteration":
         host_cost = _iterations_graphed(ops, host_cost, pricing.host, model)
     end: dict[int, float] = {}
     waits: list[float] | None = None
@@ -258,18 +260,6 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     iterations = _summaries(ops, issue, start, end, syncs, lane_streams)
     return Timeline(ops, issue, start, end, iterations, lane_streams, pricing,
                     None if buckets is None else [b.numel for b in buckets])
-
-
-def _regions_graphed(ops: list[Op], cost: dict[int, float], host: HostCosts) -> dict[int, float]:
-    """Host costs with every compiled region replayed through CUDA graph trees: a region call pays its
-    call, the trees' checks and a launch; the region's kernels are in the graph."""
-    out = dict(cost)
-    for op in ops:
-        if op.region and op.kind == "call":
-            out[op.id] = host.region_call_s + host.graph_tree_s + host.graph_launch_s
-        elif op.region and op.kind == "kernel":
-            out[op.id] = 0.0
-    return out
 
 
 def _iterations_graphed(ops: list[Op], cost: dict[int, float], host: HostCosts,
