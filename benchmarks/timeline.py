@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from dpq.exchange import WHOLE_BLOCK_CAP  # noqa: E402
+from dpq.plan import overlap_choice  # noqa: E402
 from dpq.testing.timeline.calibration import (  # noqa: E402
     Calibration,
     block_shape,
@@ -62,6 +63,7 @@ from dpq.testing.timeline.shapes import BLOCKS, RECORDED, BlockShape  # noqa: E4
 PRESETS = {"70b-3090": ("70b", "3090"), "8b-h100": ("8b", "h100"), "70b-h100": ("70b", "h100")}
 MACHINES = [("4 x RTX 3090 (PCIe)", "3090", 4), ("8 x H100 (NVLink)", "h100", 8)]  # --table
 PATHS = ("compile", "eager")
+OVERLAPPED = "+overlap"  # a path's records with --parallel_overlap on: f"{path}{OVERLAPPED}"
 ITERS_PER_BLOCK = 200  # auto-round's default iters: what a block's compile is amortised over
 PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:green", "exchange": "tab:orange", "step": "tab:purple",
                 "grads": "tab:olive", "readback": "tab:red", "pin": "tab:gray", "": "tab:gray"}
@@ -242,6 +244,8 @@ class Row:
     roof: dict[str, float]
     # at the most lanes recorded, priced with CUDA graphs (Pricing.graphs: "regions", "iteration"); compile only
     graphed: dict[str, Timeline] = dataclasses.field(default_factory=dict)
+    overlap: tuple[bool, str] = (False, "")  # what --parallel_overlap auto takes on this machine, and why
+    other: Timeline | None = None  # all lanes with the other overlap setting
 
     def compile_s(self, world: int) -> float:
         n = self.compiles[world]
@@ -264,25 +268,45 @@ def compiles_per_run(model: TimelineModel) -> int:
     return len({(place, lead) for name, place, lead in model.region_calls if name == "block_forward"}) or 0
 
 
+def auto_overlap(gpu: GpuClass, lanes: int) -> tuple[bool, str]:
+    """What ``--parallel_overlap auto`` takes on ``lanes`` GPUs of this class (dpq.plan.overlap_choice,
+    asked about the class's peer access)."""
+    return overlap_choice(None, [f"cuda:{i}" for i in range(lanes)], peer=lambda a, b: gpu.peer_access)
+
+
 def table(records: dict[tuple[str, int], TimelineModel], cal: Calibration | None, host: HostCosts,
           paths: tuple[str, ...]) -> tuple[list[Row], list[str]]:
+    """The rows, each running what ``--parallel_overlap auto`` takes on the machine: worlds >= 2 from the
+    path's overlapped records (``OVERLAPPED``) where auto turns overlap on; ``Row.other`` holds all lanes
+    with the other setting."""
     rows, notes = [], []
     for mname, gpu_key, lanes in MACHINES:
         one_lane = {p: records[(p, 1)] for p in paths}
         gpu, host_k, cal_notes = calibrated(cal, gpu_key, host, one_lane, records)
         notes += [f"{mname}: {n}" for n in cal_notes]
+        overlap = auto_overlap(gpu, lanes)
         for path in paths:
             for bkey in ("8b", "32b", "70b"):
                 block = BLOCKS[bkey]
                 worlds = sorted(w for p, w in records if p == path and w <= lanes)
-                tls = {w: _priced(records[(path, w)], bkey, gpu_key, gpu, host_k, w) for w in worlds}
+                on = overlap[0]
+
+                def ran(w: int, overlapped: bool, path=path) -> TimelineModel:
+                    key = (path + OVERLAPPED, w) if overlapped and w > 1 else (path, w)
+                    if key not in records:
+                        raise ValueError(f"no record of {key[0]} at world {w}: record_worlds makes one per path, "
+                                         f"world and overlap setting")
+                    return records[key]
+
+                tls = {w: _priced(ran(w, on), bkey, gpu_key, gpu, host_k, w) for w in worlds}
                 top = worlds[-1]  # all lanes, where recorded
-                graphed = ({g: _priced(records[(path, top)], bkey, gpu_key, gpu, host_k, top, g)
-                            for g in GRAPHS if g} if path == "compile" else {})
+                graphed = ({g: _priced(ran(top, on), bkey, gpu_key, gpu, host_k, top, g) for g in GRAPHS if g}
+                           if path == "compile" else {})
+                other = _priced(ran(top, not on), bkey, gpu_key, gpu, host_k, top) if top > 1 else None
                 rows.append(Row(mname, gpu_key, lanes, bkey, path, {w: tl.seconds_per_iteration() for w, tl in
                                                                       tls.items()}, tls,
                                 {w: compiles_per_run(records[(path, w)]) if path == "compile" else 0 for w in worlds},
-                                host_k, roofline(block, gpu), graphed))
+                                host_k, roofline(block, gpu), graphed, overlap, other))
     return rows, notes
 
 
@@ -404,6 +428,32 @@ def graphs_lines(rows: list[Row]) -> list[str]:
     return out
 
 
+def overlap_lines(rows: list[Row]) -> list[str]:
+    """Lever 1: each row at all lanes with --parallel_overlap off and on (the exchange during the backward;
+    on the compile path the lanes' block forward uncompiled so that it can be), and what auto takes."""
+    sel = [r for r in rows if r.other is not None]
+    if not sel:
+        return []
+    out = ["", "--parallel_overlap at all lanes (on: the exchange during the backward on a second stream per lane, "
+               "with torch.compile the lanes' block forward uncompiled; Note [overlap where the wire is slow] in "
+               "dpq/plan.py; speedup over 1 lane):", "",
+           "| path | machine | block | off: speedup | exposed, ms | host/lane-iter, ms | on: speedup | exposed, ms | "
+           "host/lane-iter, ms | auto takes |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in sel:
+        on = r.overlap[0]
+        built = r.timelines[max(r.timelines)]
+        cells = []
+        for tl in ((r.other, built) if on else (built, r.other)):
+            b = tl.breakdown()
+            cells += [f"{r.per_iter[1] / tl.seconds_per_iteration():.2f}x", f"{b['exchange_exposed'] * 1e3:.2f}",
+                      f"{b['host_per_lane_iteration'] * 1e3:.2f}"]
+        out.append(f"| {r.path} | {r.machine} | {BLOCKS[r.block].name} | " + " | ".join(cells)
+                   + f" | {'on' if on else 'off'} |")
+    reasons = dict.fromkeys(f"{r.machine}: {r.overlap[1]}" for r in sel)
+    return [*out, "", "auto's reasons (dpq.plan.overlap_choice, asked about each card's peer access):",
+            *(f"- {why}" for why in reasons)]
+
+
 def final_line(rows: list[Row], cal: Calibration | None) -> str:
     pick = {(r.gpu, r.lanes, r.block): r.speedup() for r in rows if r.path == "compile"}
     return (f"timeline_table path=compile speedup_3090_w4_70b={pick[('3090', 4, '70b')]:.2f} "
@@ -412,13 +462,18 @@ def final_line(rows: list[Row], cal: Calibration | None) -> str:
 
 
 def record_worlds(paths: tuple[str, ...], worlds: tuple[int, ...], iters: int) -> dict[tuple[str, int], TimelineModel]:
+    """Each path at each world with --parallel_overlap off, and at worlds >= 2 also with it on (key
+    ``path + OVERLAPPED``; on the compile path the lanes' block forward uncompiled)."""
     out = {}
     for path in paths:
         rec = record_block(compile=path == "compile")
         for w in worlds:
-            t0 = time.perf_counter()
-            out[(path, w)] = run_adapter(rec, w, iters=iters)
-            print(f"recorded {path} world {w} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            for key, overlap in ((path, False), (path + OVERLAPPED, True)):
+                if overlap and w == 1:
+                    continue
+                t0 = time.perf_counter()
+                out[(key, w)] = run_adapter(rec, w, iters=iters, overlap=overlap)
+                print(f"recorded {key} world {w} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     return out
 
 
@@ -465,7 +520,7 @@ def main(argv=None) -> int:
         rows, notes = table(records, cal, host, paths)
         for n in notes:
             print(f"calibrated: {n}")
-        print("\n".join(table_lines(rows) + graphs_lines(rows) + bucket_price_lines()))
+        print("\n".join(table_lines(rows) + overlap_lines(rows) + graphs_lines(rows) + bucket_price_lines()))
         print(f"({time.perf_counter() - t0:.0f} s)")
         print(final_line(rows, cal) if "compile" in paths else "timeline_table path=eager")
         return 0
@@ -474,15 +529,21 @@ def main(argv=None) -> int:
     rec = record_block(compile=not args.eager)
     one = {path: run_adapter(rec, 1, iters=args.iters)} if cal else {}
     block = BLOCKS[args.block or block_key]
+    # the adapter's run as --parallel_overlap auto takes it on this GPU class (dpq.parallel_tune: its default)
+    overlap, why = auto_overlap(GPUS[args.gpu or gpu_key], args.world) if args.path == "adapter" else (False, "")
+    extra = {"overlap": overlap} if args.path == "adapter" else {}
     run = run_adapter if args.path == "adapter" else run_api
-    model = run(rec, args.world, pool=args.pool, iters=args.iters, mutations=LEGACY if args.legacy else ())
+    model = run(rec, args.world, pool=args.pool, iters=args.iters, mutations=LEGACY if args.legacy else (), **extra)
     gpu, host, notes = calibrated(cal, args.gpu or gpu_key, host, one, {(path, args.world): model})
     for n in notes:
         print(f"calibrated: {n}")
     tl = simulate(model, Pricing(RECORDED, block, gpu, host,
                                  buckets=plan_buckets(args.block or block_key, args.gpu or gpu_key, args.world)))
     label = (f"{args.path} path, {path}, world {args.world}, pool on {args.pool}"
-             f"{', legacy data path' if args.legacy else ''}; {block.name} on {gpu.name}")
+             f"{', legacy data path' if args.legacy else ''}{', overlap on' if overlap else ''}; {block.name} on "
+             f"{gpu.name}")
+    if why:
+        print(f"--parallel_overlap {why}")
     print(f"timeline model: {label}")
     if model.violations:
         print(f"{len(model.violations)} device-mix violations (CUDA would raise), first: {model.violations[0]}")

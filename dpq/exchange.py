@@ -90,12 +90,16 @@ from dpq.sign_bits import (
 )
 from dpq.streams import Lane
 
-__all__ = ["OVERLAP_BUCKET_CAP", "WHOLE_BLOCK_CAP", "BackwardExchange", "FullSumExchange", "GradBuckets",
-           "SignExchange", "bucket_cap", "bucket_layout"]
+__all__ = ["OVERLAP_BUCKETS", "OVERLAP_BUCKET_CAP", "SHARE_CAP", "WHOLE_BLOCK_CAP", "BackwardExchange",
+           "FullSumExchange", "GradBuckets", "SignExchange", "bucket_cap", "bucket_layout"]
 
-# A bucket's elements when buckets are exchanged as the backward fills them (small enough that the
-# first is ready early; DDP's default 25 MB is 6.5M fp32 elements).
+# A bucket's fewest elements when buckets are exchanged as the backward fills them (small enough that
+# the first is ready early; DDP's default 25 MB is 6.5M fp32 elements).
 OVERLAP_BUCKET_CAP = 2**22
+# An overlapped exchange's cap (``bucket_cap_elems``): the block in about OVERLAP_BUCKETS buckets, none
+# smaller than OVERLAP_BUCKET_CAP (:func:`bucket_cap`; Note [overlap buckets as a share of the block]).
+SHARE_CAP = -1
+OVERLAP_BUCKETS = 8
 WHOLE_BLOCK_CAP = 2**62  # a cap no block reaches: one bucket
 
 
@@ -126,7 +130,7 @@ class GradBuckets:
     ) -> None:
         if len(params_per_lane) == 0:
             raise ValueError("dpq: GradBuckets needs the parameters of at least one lane")
-        if bucket_cap_elems is not None and bucket_cap_elems < 1:
+        if bucket_cap_elems is not None and bucket_cap_elems < 1 and bucket_cap_elems != SHARE_CAP:
             raise ValueError(f"dpq: bucket_cap_elems must be positive, got {bucket_cap_elems}")
         if lanes is not None and len(lanes) != len(params_per_lane):
             raise ValueError(f"dpq: {len(lanes)} lanes for {len(params_per_lane)} parameter lists")
@@ -335,8 +339,17 @@ def _reverse_offsets(sizes: Sequence[int]) -> list[int]:
 
 
 def bucket_cap(sizes: Sequence[int], cap: int | None) -> int:
-    """The cap :func:`bucket_layout` uses: ``cap``, or for None the largest of ``sizes`` (at least
-    :data:`OVERLAP_BUCKET_CAP`).
+    """The cap :func:`bucket_layout` uses: ``cap``; for None the largest of ``sizes``, for
+    :data:`SHARE_CAP` an :data:`OVERLAP_BUCKETS`-th of their sum (each at least :data:`OVERLAP_BUCKET_CAP`).
+
+    Note [overlap buckets as a share of the block]
+    Overlapped, a bucket goes out once its last gradient is written, so the first must be small enough to
+    be ready early; but each bucket costs the one issuing thread its ops and two collectives per lane, and
+    its pack and unpack kernels share each GPU with the backward. A fixed cap made every weight of a
+    70B-class block a bucket of its own (11 with the scales), where an eighth of the block (7 buckets)
+    hides more of the exchange: the timeline model on 4 x RTX 3090, compile on, gave 2.32x with the fixed
+    cap and 2.54x with a 2**26 one, but an 8B-class block 2.62x with its 8 buckets and 2.40x with 4
+    (docs/PERFORMANCE.md). A share of the block keeps the count near eight whatever the block's size.
 
     Note [buckets as large as the largest tensor]
     Without overlap every bucket is exchanged after the backward, so small buckets buy nothing and
@@ -349,6 +362,8 @@ def bucket_cap(sizes: Sequence[int], cap: int | None) -> int:
     from 11 buckets to 5, an 8B-class one from 8 to 5 (the timeline model's layouts). Fewer still,
     one for the whole block (:data:`WHOLE_BLOCK_CAP`), where the plan found the memory for its
     scratch on every lane (Note [one bucket where it fits] in ``dpq.plan``)."""
+    if cap == SHARE_CAP:
+        return max(OVERLAP_BUCKET_CAP, -(-sum(sizes) // OVERLAP_BUCKETS))
     return cap if cap is not None else max([OVERLAP_BUCKET_CAP, *sizes])
 
 
@@ -390,7 +405,7 @@ class _Exchange:
         # Note [buckets as large as the largest tensor]: small buckets only where they overlap; without
         # overlap one bucket for the whole block where the plan found the memory for it (Note [one bucket
         # where it fits] in dpq.plan)
-        self.bucket_cap_elems: int | None = (OVERLAP_BUCKET_CAP if self.overlap
+        self.bucket_cap_elems: int | None = (SHARE_CAP if self.overlap
                                              else WHOLE_BLOCK_CAP if buckets == "block" else None)
         self.last_wire_bytes = 0  # bytes of the last exchange() call
         self.total_wire_bytes = 0  # bytes of every bucket ever exchanged

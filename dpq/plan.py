@@ -19,20 +19,34 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from dpq import refusals
 from dpq.communicators import COMMUNICATORS, choose_communicator
-from dpq.exchange import WHOLE_BLOCK_CAP
+from dpq.exchange import OVERLAP_BUCKET_CAP, OVERLAP_BUCKETS, SHARE_CAP, WHOLE_BLOCK_CAP
 from dpq.sign_bits import SIGN_TABLE_BYTES
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
-__all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest",
-           "device_spec_errors", "lane_device_errors", "parse_device_spec", "price_home", "price_mirror",
-           "price_runtime", "resolve", "validate_world"]
+__all__ = [
+    "ONE_LANE_EXCHANGE",
+    "BlockPrice",
+    "DeviceEntry",
+    "Plan",
+    "PlanRefused",
+    "PlanRequest",
+    "device_spec_errors",
+    "lane_device_errors",
+    "overlap_choice",
+    "parse_device_spec",
+    "price_home",
+    "price_mirror",
+    "price_runtime",
+    "resolve",
+    "validate_world",
+]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -71,7 +85,9 @@ class PlanRequest:
     # is checked with them, home included, and ``mirror_bytes`` is not used.
     price: BlockPrice | None = None
     processes: int = 1  # torchrun: the processes the lanes' exchange spans (home stages their rows)
-    overlap: bool = False  # the exchange on a communication stream per lane (its allocator pool)
+    # the exchange during the backward on GPU lanes: True (--parallel_overlap on), False (off), None (auto:
+    # :func:`overlap_choice`)
+    overlap: bool | None = None
     pool_samples: int | None = None  # the calibration samples there are (None: not known); caps samples_per_iter
     caller: str = "cli"  # how a refusal's fix names settings: "cli" (auto-round-dp's flags) or "api" (parallel_tune)
 
@@ -94,6 +110,8 @@ class Plan:
     # 'auto' stopped at a lane that does not fit); empty when nothing was priced
     buckets: str = "largest"  # the gradient buckets of an exchange after the backward (:func:`_bucket_choice`)
     buckets_reason: str = ""
+    overlap: bool = False  # the exchange during the backward, on a second stream per GPU lane (:func:`overlap_choice`)
+    overlap_reason: str = ""
 
     @property
     def local_lanes(self) -> int:
@@ -125,8 +143,49 @@ def _finish(plan: Plan, request: PlanRequest) -> Plan:
         reason += f"; {kind.order_note}"
     exchange, exchange_reason = _exchange(request.pure_sign)
     buckets, buckets_reason = _bucket_choice(plan.devices, request)
+    overlap, overlap_reason = overlap_choice(request.overlap, plan.devices, request.processes)
     return replace(plan, communicator=communicator, communicator_reason=reason, exchange=exchange,
-                   exchange_reason=exchange_reason, buckets=buckets, buckets_reason=buckets_reason)
+                   exchange_reason=exchange_reason, buckets=buckets, buckets_reason=buckets_reason,
+                   overlap=overlap, overlap_reason=overlap_reason)
+
+
+def overlap_choice(setting: bool | None, devices: Sequence[torch.device], processes: int = 1,
+                   peer: Callable[[torch.device, torch.device], bool] | None = None) -> tuple[bool, str]:
+    """(on, why): whether the exchange runs during the backward on a second stream per GPU lane,
+    with the lanes' block forward uncompiled (Note [overlap needs gradients during the backward] in
+    ``dpq.autoround.block_task``). ``setting``: True (``--parallel_overlap on``), False (``off``) or None
+    (``auto``); ``peer(a, b)``: whether GPU a reaches GPU b directly (default: the backend's answer).
+
+    Note [overlap where the wire is slow]
+    Overlap hides the exchange under the backward, and pays for it in host work: the block's
+    elementwise ops run eager and small buckets each cost the one issuing thread its ops and
+    collectives. The model prices both (docs/PERFORMANCE.md, modeled): where the GPUs reach each
+    other only through host memory (no peer access, e.g. GeForce cards on PCIe: 10 GB/s) the exchange is
+    the iteration's largest part and overlap wins; over NVLink the exchange is short and the host is
+    already the limit, so overlap loses. ``auto`` takes that line: on for distinct CUDA lanes of which some
+    pair has no peer access, off elsewhere. Across processes ``auto`` stays off: every rank must lay
+    its buckets out alike, and the ranks do not compare their links here. CPU lanes exchange during
+    the backward anyway (``dpq.exchange``), so the setting concerns GPU lanes only."""
+    if setting is not None:
+        return bool(setting), ("asked for (--parallel_overlap on)" if setting else "--parallel_overlap off")
+    devices = [torch.device(d) for d in devices]
+    if len({str(d) for d in devices}) < 2 or any(d.type != "cuda" for d in devices):
+        return False, ""
+    if processes > 1:
+        return False, ("auto: off across processes (every rank must lay its gradient buckets out alike); "
+                       "--parallel_overlap on asks for it")
+    peer = peer or (lambda a, b: backend(a).can_access_peer(a, b))
+    unique = list(dict.fromkeys(devices))
+    try:
+        slow = next(((a, b) for a in unique for b in unique if a != b and not peer(a, b)), None)
+    except Exception as err:  # a device query failed (as in _finish): the safe default, said
+        return False, f"auto: off, the GPUs' peer access could not be queried ({err!r})"
+    if slow is None:
+        return False, ("auto: off, every GPU pair has peer access (the exchange is short beside the iteration, "
+                       "and overlap would cost the issuing thread more than it hides)")
+    return True, (f"auto: on, {slow[0]} has no peer access to {slow[1]} (the exchange goes through host memory and "
+                  f"is the iteration's largest part): the exchange runs during the backward, the lanes' block "
+                  f"forward uncompiled")
 
 
 def _bucket_choice(devices: list[torch.device], request: PlanRequest) -> tuple[str, str]:
@@ -180,7 +239,8 @@ def _block_terms(block: torch.nn.Module, inputs: Sequence[torch.Tensor], samples
     n = sum(p.numel() for p in two_d)
     tuned = n + n // 8
     share = -(-max(1, samples_per_iter) // world)
-    bucket = min(tuned, max(bucket_cap_elems, max((p.numel() for p in two_d), default=0)))
+    cap = max(OVERLAP_BUCKET_CAP, -(-tuned // OVERLAP_BUCKETS)) if bucket_cap_elems == SHARE_CAP else bucket_cap_elems
+    bucket = min(tuned, max(cap, max((p.numel() for p in two_d), default=0)))
     parts = {
         "weights": sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers())),
         "tuned_values": tuned * 4,
@@ -225,7 +285,8 @@ def price_mirror(
     * ``exchange``: the exchange temporaries of the largest bucket, held for the whole run (sign
       path: padded send copy, receive chunk, packed and unpacked planes; bounded by 3 fp32 copies
       of a bucket). A bucket exceeds the cap only by holding one parameter larger than it
-      (``dpq.exchange``), so the largest is at most max(cap, the largest weight);
+      (``dpq.exchange``), so the largest is at most max(cap, the largest weight); the cap
+      ``dpq.exchange.SHARE_CAP`` (an overlapped exchange) is an eighth of the tuned values;
     * ``activations``: what one forward + loss + backward of the lane's own share of each
       iteration's samples, ceil(samples_per_iter / world), allocates at its peak beyond the
       weight-sized terms above: per token, :data:`ACTIVATION_BYTES` per element of every linear
@@ -502,12 +563,15 @@ def _lane_prices(devices: list[torch.device], request: PlanRequest, home: torch.
     except Exception:  # (the plan's own choice reports it)
         communicator = ""
     elsewhere = sum(d != home for d in devices[1:])
+    overlap = overlap_choice(request.overlap, devices, request.processes)[0] if n > 1 else False
+    if overlap:  # the overlapped exchange's buckets (dpq.exchange.bucket_cap): scratch for the largest
+        price = replace(price, bucket_cap_elems=SHARE_CAP)
     for k, dev in enumerate(devices):
         is_home = k == 0 and dev == home
         block = (price.home(world, processes=request.processes, lanes_elsewhere=elsewhere) if is_home
                  else price.mirror(world))
         yield block + price_runtime(dev, home=is_home, communicator=communicator, world=n,
-                                    processes=request.processes, overlap=request.overlap)
+                                    processes=request.processes, overlap=overlap)
 
 
 def _memory_refusals(devices: list[torch.device], request: PlanRequest, home: torch.device,

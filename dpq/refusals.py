@@ -469,7 +469,14 @@ DEBUG_WHILE_OFF = ("--parallel_debug has no effect with --parallel_quantization 
 OVERLAP_WHILE_OFF = DEBUG_WHILE_OFF.replace("--parallel_debug", "--parallel_overlap")
 OVERLAP_ON_CPU = ("--parallel_overlap has no effect on CPU lanes: it puts the exchange on a second stream per GPU "
                   "lane, and CPU lanes (which have no streams) exchange during the backward anyway. Fix: drop "
-                  "--parallel_overlap, or GPU lanes (--parallel_devices 0,1)")
+                  "--parallel_overlap (auto), or GPU lanes (--parallel_devices 0,1)")
+
+
+def bad_overlap(value: object) -> str:
+    return (f"--parallel_overlap {value!r} is not a setting. Fix: auto (the default: on where the lane GPUs "
+            f"have no peer access), on, or off (Python: parallel_overlap='auto', 'on' or 'off')")
+
+
 REPORT_PATH_EMPTY = f"--parallel_report is empty. {_REPORT_FIX}"
 
 

@@ -163,7 +163,10 @@ class LaneRun:
         if self.across:
             reason = (f"{self.topology.processes} processes: {self.in_process} inside each, {self.across} across "
                       f"them ({reason})")
-        return reason + OVERLAP_NOTE if self.overlap else reason
+        why = f" ({self.plan.overlap_reason})" if self.plan.overlap_reason else ""
+        if self.overlap:
+            return reason + OVERLAP_NOTE + why
+        return reason + (f"; the exchange after the backward{why}" if why and self.world > 1 else "")
 
     @property
     def said(self) -> list[str]:
@@ -245,7 +248,7 @@ def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
                                extra_reasons=list(task.extra_reasons),
                                mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign, price=task.price,
                                processes=config.processes.size if config.processes is not None else 1,
-                               overlap=config.overlap is True))
+                               overlap=config.overlap))
 
 
 def lanes_for(request: PlanRequest) -> tuple[Plan, list[Lane] | None]:
@@ -354,10 +357,14 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
                watch: CompileWatch) -> tuple[LoopOutcome | None, object, LaneRun]:
     """Everything between the plan and the result, and the lanes as they ran. Its frame and those
     below hold the run (mirrors, wrappers, optimizers): on failure ``run`` clears them from the traceback."""
+    lanes = make_lanes(ran.devices)
+    # the plan's choice (Note [overlap where the wire is slow]) on lanes that have streams, known before
+    # the task starts: the adapter then gives the lanes a block forward whose backward fills the buckets
+    # as it runs (Note [overlap needs gradients during the backward])
+    ran = replace(ran, overlap=ran.plan.overlap and any(lane.stream is not None for lane in lanes))
     spec = task.start(ran)
     if spec is None:
         return None, task.finish(None, ran), ran
-    lanes = make_lanes(ran.devices)
     comm, ran = _exchange_communicator(config, ran, lanes, procs)
     # Across processes the cost model is not run: each rank would choose alone (every agreed lane runs).
     auto = config.auto_world if config.world == "auto" and ran.local_lanes > 1 and procs is None else None
@@ -373,8 +380,8 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
             comm.close()
             comm, ran = _exchange_communicator(config, ran, lanes)
     # overlap None: the exchange's own default (on for CPU lanes, off on accelerators)
-    exchange = (SignExchange if ran.plan.exchange == "sign" else FullSumExchange)(comm, overlap=config.overlap,
-                                                                                   buckets=ran.plan.buckets)
+    exchange = (SignExchange if ran.plan.exchange == "sign" else FullSumExchange)(
+        comm, overlap=True if ran.overlap else config.overlap, buckets=ran.plan.buckets)
     t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
     engine, stuck = None, False
@@ -436,14 +443,13 @@ def _issuer_in_collective(procs: ProcessSet | None) -> Callable[[], bool] | None
 
 def _exchange_communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],
                            procs: ProcessSet | None = None) -> tuple[object, LaneRun]:
-    """The run's communicator, and ``ran`` with it as built; with overlap asked for
-    (``config.overlap``) on lanes that have streams: over a second stream per lane, so the exchange
-    runs beside the backward (dpq.comm_streams), in one process and across processes alike (the
-    process-group communicator over the communication lanes: its legs inside the process and its
-    transfers across)."""
-    overlap = config.overlap is True and any(lane.stream is not None for lane in lanes)
+    """The run's communicator, and ``ran`` with it as built; with ``ran.overlap`` (asked for, on
+    lanes that have streams): over a second stream per lane, so the exchange runs beside the
+    backward (dpq.comm_streams), in one process and across processes alike (the process-group
+    communicator over the communication lanes: its legs inside the process and its transfers across)."""
+    overlap = ran.overlap
     comm, ran = _communicator(config, ran, comm_lanes(lanes) if overlap else lanes, procs)
-    return (CommStreams(comm, lanes) if overlap else comm), replace(ran, overlap=overlap)
+    return (CommStreams(comm, lanes) if overlap else comm), ran
 
 
 def _communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],

@@ -20,8 +20,8 @@ from dpq import refusals
 from dpq.machine import Machine
 from dpq.plan import parse_device_spec, validate_world
 
-__all__ = ["FLAGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "SpecSettings", "machine_problems",
-           "problems"]
+__all__ = ["FLAGS", "OVERLAP_SETTINGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "SpecSettings",
+           "machine_problems", "overlap_setting", "problems"]
 
 TIMEOUT_RANGE_S = (10.0, 604800.0)  # the process group's start waits that long for every rank; a week
 
@@ -34,6 +34,8 @@ class Flag:
     default: object
     help: str
     metavar: str | None = None  # None: a switch (present or not)
+    choices: tuple[str, ...] = ()  # the values it takes (a bare flag means ``const``)
+    const: object = None
 
     @property
     def option(self) -> str:
@@ -54,10 +56,12 @@ FLAGS: tuple[Flag, ...] = (
          "lane devices: 0,1,2,3, cuda:0,cuda:1, cpu,cpu; the first is the block's own device. Default: the devices "
          "of --device_map when it lists several, else every visible device of the home device's type", "LIST"),
     Flag("parallel_debug", False, "after every step, check that all lanes hold bitwise-identical tuned values"),
-    Flag("parallel_overlap", None,
-         "GPU lanes: exchange gradient buckets during the backward, on a second stream per lane (bitwise the plain "
-         "run on one H200's lanes, not yet on several GPUs; CPU lanes overlap anyway, so there it is refused as having "
-         "no effect)"),
+    Flag("parallel_overlap", "auto",
+         "GPU lanes: exchange gradient buckets during the backward, on a second stream per lane, the lanes' block "
+         "forward uncompiled so that gradients appear while the backward runs. auto (default): on where some pair "
+         "of lane GPUs has no peer access (the exchange then goes through host memory and dominates; modeled, "
+         "docs/PERFORMANCE.md), off elsewhere; on (or the bare flag); off. CPU lanes overlap anyway, so 'on' is "
+         "refused there as having no effect", "{auto,on,off}", ("auto", "on", "off"), "on"),
     Flag("parallel_report", None,
          "write the run's report as JSON at every end of the run (success, failure, cancel): the schema, "
          "versions, devices, command line, start and end time, exit status, a structured error, and per block "
@@ -86,14 +90,14 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class ParallelSpec:
     """One run's dpq settings as validated (:meth:`build`): ``world`` 'off', 'auto' or an int >= 1;
-    ``devices`` the lane device list as given (None: the plan's default); ``overlap`` None for the
-    exchange's own default (on for CPU lanes, off for accelerator lanes), True for a second stream per
-    GPU lane; ``timeout`` seconds; ``report`` a path or None."""
+    ``devices`` the lane device list as given (None: the plan's default); ``overlap`` None for ``auto``
+    (the plan's choice, :func:`dpq.plan.overlap_choice`), True for ``on`` (a second stream per GPU
+    lane), False for ``off``; ``timeout`` seconds; ``report`` a path or None."""
 
     world: int | str = DEFAULTS["parallel_quantization"]
     devices: object = DEFAULTS["parallel_devices"]
     debug: bool = DEFAULTS["parallel_debug"]
-    overlap: bool | None = DEFAULTS["parallel_overlap"]
+    overlap: bool | None = None
     timeout: float = DEFAULTS["parallel_timeout"]
     report: str | None = DEFAULTS["parallel_report"]
 
@@ -101,7 +105,7 @@ class ParallelSpec:
     def build(cls, parallel_quantization: object = DEFAULTS["parallel_quantization"],
               parallel_devices: object = DEFAULTS["parallel_devices"], *,
               parallel_debug: bool = DEFAULTS["parallel_debug"],
-              parallel_overlap: bool | None = DEFAULTS["parallel_overlap"],
+              parallel_overlap: bool | str | None = DEFAULTS["parallel_overlap"],
               parallel_timeout: object = DEFAULTS["parallel_timeout"],
               parallel_report: str | None = DEFAULTS["parallel_report"],
               machine: Machine | None = None, home: str | None = None) -> ParallelSpec:
@@ -114,8 +118,8 @@ class ParallelSpec:
                                      overlap=parallel_overlap, home=home)
         if found:
             raise SpecError(found)
-        return cls(validate_world(parallel_quantization), parallel_devices, bool(parallel_debug), parallel_overlap,
-                   float(parallel_timeout), parallel_report)
+        return cls(validate_world(parallel_quantization), parallel_devices, bool(parallel_debug),
+                   overlap_setting(parallel_overlap), float(parallel_timeout), parallel_report)
 
 
 class SpecSettings:
@@ -140,8 +144,8 @@ class SpecSettings:
 
     @property
     def overlap(self) -> bool | None:
-        """Exchange buckets during the backward: None = on for CPU lanes, off for accelerator lanes;
-        True on accelerators puts the exchange on a second stream per lane (dpq.comm_streams)."""
+        """Exchange buckets during the backward on GPU lanes: None = auto (the plan's choice), True = on
+        (a second stream per lane, dpq.comm_streams), False = off. CPU lanes overlap unless off."""
         return self.spec.overlap
 
     @property
@@ -162,7 +166,20 @@ def _timeout_problem(value: object) -> str | None:
     return None
 
 
-def problems(world: object, devices: object = None, *, debug: bool = False, overlap: bool | None = None,
+OVERLAP_SETTINGS = {"auto": None, "on": True, "off": False}
+
+
+def overlap_setting(value: object) -> bool | None:
+    """--parallel_overlap's value as the spec holds it: 'auto'/None -> None, 'on'/True -> True,
+    'off'/False -> False; ValueError for anything else (:func:`problems` says it with the fix)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in OVERLAP_SETTINGS:
+        return OVERLAP_SETTINGS[value.strip().lower()]
+    raise ValueError(f"dpq: {refusals.bad_overlap(value)}")
+
+
+def problems(world: object, devices: object = None, *, debug: bool = False, overlap: object = None,
              timeout: object = DEFAULTS["parallel_timeout"]) -> list[str]:
     """Every problem visible in the settings alone (module docstring), each once."""
     found = []
@@ -181,14 +198,19 @@ def problems(world: object, devices: object = None, *, debug: bool = False, over
             found.append(refusals.too_few_devices(w, named, True))
     if debug and w == "off":
         found.append(refusals.DEBUG_WHILE_OFF)
-    if overlap and w == "off":
+    try:
+        overlap = overlap_setting(overlap)
+    except ValueError as e:
+        found.append(str(e).removeprefix("dpq: "))
+        overlap = None
+    if overlap is True and w == "off":
         found.append(refusals.OVERLAP_WHILE_OFF)
     if (problem := _timeout_problem(timeout)) is not None:
         found.append(problem)
     return list(dict.fromkeys(found))
 
 
-def machine_problems(world: int | str, devices: object, machine: Machine, *, overlap: bool | None = None,
+def machine_problems(world: int | str, devices: object, machine: Machine, *, overlap: object = None,
                      home: str | None = None) -> list[str]:
     """What stops well-formed settings on ``machine``: lanes of a type this torch build lacks, or
     that this machine does not have (each type said once, with lanes that exist here as the fix),
@@ -225,6 +247,10 @@ def machine_problems(world: int | str, devices: object, machine: Machine, *, ove
         else:
             out.append(key)
     all_cpu = all(t == "cpu" for t in types) if types else (home == "cpu" or machine.accelerator is None)
-    if overlap and all_cpu:
+    try:
+        asked = overlap_setting(overlap) is True
+    except ValueError:
+        asked = False  # malformed: problems() says it
+    if asked and all_cpu:
         out.append(refusals.OVERLAP_ON_CPU)
     return out

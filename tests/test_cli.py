@@ -241,7 +241,8 @@ def test_requires_python_is_auto_rounds():
 
 
 def test_parallel_overlap_reaches_enable(capsys, monkeypatch):
-    """--parallel_overlap asks enable() for the overlapped exchange (True); without it, the default (None)."""
+    """--parallel_overlap (bare or 'on') asks enable() for the overlapped exchange (True), 'off' for none
+    (False); without it or with 'auto', the plan's choice (None)."""
     from dpq.autoround import cli, integration
     from dpq.machine import Machine
 
@@ -250,7 +251,8 @@ def test_parallel_overlap_reaches_enable(capsys, monkeypatch):
     monkeypatch.setattr(integration, "enable_spec", lambda spec, **k: seen.append(spec.overlap))
     monkeypatch.setattr(Machine, "detect", classmethod(lambda cls: cls("2.13.0+cu128", frozenset({"cuda"}),
                                                                        {"cuda": 2}, True)))  # two GPUs
-    for flag, want in ((["--parallel_overlap"], True), ([], None)):
+    for flag, want in ((["--parallel_overlap"], True), ([], None), (["--parallel_overlap", "on"], True),
+                       (["--parallel_overlap=off"], False), (["--parallel_overlap", "auto"], None)):
         rc, err = run_main(capsys, "--model", "m", "--parallel_quantization", "2", "--parallel_devices",
                            "cuda:0,cuda:1", *flag)
         assert rc == 0, err

@@ -445,12 +445,13 @@ def test_an_exchange_after_the_first_issues_no_view_op(apart):
 
 def test_buckets_without_overlap_are_as_large_as_the_largest_tensor():
     """Note [buckets as large as the largest tensor]: an exchange that overlaps the backward keeps
-    the 2^22 cap; one that does not (accelerator lanes' default) asks for buckets up to the largest
-    tensor, so the engine's GradBuckets issue fewer buckets, none larger than that tensor."""
-    from dpq.exchange import OVERLAP_BUCKET_CAP, bucket_cap
+    a share of the block (at least the 2^22 cap); one that does not (accelerator lanes' default) asks
+    for buckets up to the largest tensor, so the engine's GradBuckets issue fewer buckets, none larger
+    than that tensor."""
+    from dpq.exchange import OVERLAP_BUCKET_CAP, SHARE_CAP, bucket_cap
 
     comm = comm_for(2)
-    assert SignExchange(comm).bucket_cap_elems == OVERLAP_BUCKET_CAP  # CPU lanes: overlap on
+    assert SignExchange(comm).bucket_cap_elems == SHARE_CAP  # CPU lanes: overlap on
     assert SignExchange(comm, overlap=False).bucket_cap_elems is None
     sizes = [5 * 2**20, 2**20, 2**20, 3 * 2**22, 7]
     assert bucket_cap(sizes, None) == 3 * 2**22 and bucket_cap([7], None) == OVERLAP_BUCKET_CAP
@@ -460,15 +461,39 @@ def test_buckets_without_overlap_are_as_large_as_the_largest_tensor():
     assert [e - s for s, e in large.bucket_ranges] == [7, 3 * 2**22, 7 * 2**20]  # the three smaller together
 
 
+def test_overlapped_buckets_are_a_share_of_the_block():
+    """Note [overlap buckets as a share of the block]: an overlapped exchange lays a large block out in
+    about eight buckets (a parameter larger than the share still gets one of its own), a small one with
+    buckets of the 2^22 floor; the plan prices the scratch of such a bucket."""
+    from dpq.exchange import OVERLAP_BUCKET_CAP, OVERLAP_BUCKETS, SHARE_CAP, bucket_cap, bucket_layout
+
+    even = [2**22] * 32  # 2^27 elements: an eighth is 2^24, four tensors per bucket
+    assert bucket_cap(even, SHARE_CAP) == 2**24 and len(bucket_layout(even, bucket_cap(even, SHARE_CAP))) == 8
+    mlp_heavy = [2**24, 2**21, 2**21, 2**24, 2**26, 2**26, 2**26]  # q, k, v, o, gate, up, down
+    layout = bucket_layout(mlp_heavy, bucket_cap(mlp_heavy, SHARE_CAP))
+    assert layout == [[6], [5], [4], [3, 2, 1], [0]] and OVERLAP_BUCKETS == 8  # o, v, k together
+    assert bucket_cap([7, 2**20], SHARE_CAP) == OVERLAP_BUCKET_CAP
+    with pytest.raises(ValueError, match="must be positive"):
+        GradBuckets(lane_params(1, [(4,)]), bucket_cap_elems=-2)
+    from dpq.plan import price_mirror  # 64 equal weights: the share (9.4M elements) is above 2^22 and every weight
+
+    block = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False, device="meta") for _ in range(64)))
+    inputs = [torch.empty(1, 8, 1024, device="meta")]
+    detail_share, detail_floor = {}, {}
+    price_mirror(block, inputs, 8, 2, bucket_cap_elems=SHARE_CAP, detail=detail_share)
+    price_mirror(block, inputs, 8, 2, bucket_cap_elems=OVERLAP_BUCKET_CAP, detail=detail_floor)
+    assert detail_share["exchange"] - detail_floor["exchange"] == 3 * 4 * (-(-(64 * 2**20 * 9 // 8) // 8) - 2**22)
+
+
 def test_one_bucket_for_the_whole_block_where_the_plan_says_so():
     """Note [one bucket where it fits] (dpq.plan): an exchange after the backward whose plan found the
     memory lays the whole block out as one bucket; one that overlaps keeps its small cap whatever the
     plan said; anything but the plan's two words is refused by name."""
-    from dpq.exchange import OVERLAP_BUCKET_CAP, WHOLE_BLOCK_CAP
+    from dpq.exchange import SHARE_CAP, WHOLE_BLOCK_CAP
 
     comm = comm_for(2)
     assert SignExchange(comm, overlap=False, buckets="block").bucket_cap_elems == WHOLE_BLOCK_CAP
-    assert SignExchange(comm, buckets="block").bucket_cap_elems == OVERLAP_BUCKET_CAP  # CPU lanes: overlap on
+    assert SignExchange(comm, buckets="block").bucket_cap_elems == SHARE_CAP  # CPU lanes: overlap on
     sizes = [5 * 2**20, 2**20, 2**20, 3 * 2**22, 7]
     one = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=WHOLE_BLOCK_CAP)
     assert one.bucket_ranges == [(0, sum(sizes))]

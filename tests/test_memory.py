@@ -99,9 +99,10 @@ def test_nested_tensors_are_mirrored_onto_the_lane():
         rs.close()
 
 
-def _four_fake_gpus(monkeypatch, free_bytes, *, total: int, queried: list | None = None) -> None:
-    """cuda:0..3 on a fake backend for the plan (every pair peer-capable, every device existing):
-    ``mem_get_info`` answers ``(free_bytes(index), total)`` and appends each queried index to ``queried``."""
+def _four_fake_gpus(monkeypatch, free_bytes, *, total: int, queried: list | None = None, peer: bool = True) -> None:
+    """cuda:0..3 on a fake backend for the plan (every pair peer-capable unless ``peer`` is False, every
+    device existing): ``mem_get_info`` answers ``(free_bytes(index), total)`` and appends each queried
+    index to ``queried``."""
     import dpq.plan as plan_mod
     import dpq.streams as dpq_streams
 
@@ -120,7 +121,7 @@ def _four_fake_gpus(monkeypatch, free_bytes, *, total: int, queried: list | None
             return free_bytes(device.index), total
 
         def can_access_peer(self, a, b):
-            return True
+            return peer or a == b
 
     monkeypatch.setitem(dpq_streams._BACKENDS, "cuda", Gpus())
     monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)

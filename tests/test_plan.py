@@ -154,3 +154,50 @@ def test_a_task_without_home_is_planned_where_its_block_is(monkeypatch):
     assert task.home is None and next(task.block.parameters()).device.type == "cpu"
     plan = plan_for(SessionConfig(ParallelSpec(2, ["cpu", "cpu"])), task)
     assert [d.type for d in plan.devices] == ["cpu", "cpu"]
+
+
+def test_overlap_auto_is_on_where_a_gpu_pair_has_no_peer_access():
+    """Note [overlap where the wire is slow]: 'auto' turns overlap on for distinct CUDA lanes of which some
+    pair has no peer access (GeForce cards on PCIe: the exchange goes through host memory), off where every
+    pair has it (NVLink), off across processes and on CPU lanes; 'on' and 'off' are taken as said."""
+    from dpq.plan import overlap_choice
+
+    gpus = ["cuda:0", "cuda:1", "cuda:2"]
+    on, why = overlap_choice(None, gpus, peer=lambda a, b: {a.index, b.index} != {1, 2})
+    assert on and why.startswith("auto: on, cuda:1 has no peer access to cuda:2"), why
+    on, why = overlap_choice(None, gpus, peer=lambda a, b: True)
+    assert not on and "every GPU pair has peer access" in why
+    on, why = overlap_choice(None, gpus, processes=2, peer=lambda a, b: False)
+    assert not on and "across processes" in why
+    assert overlap_choice(None, ["cpu", "cpu"], peer=lambda a, b: False) == (False, "")
+    assert overlap_choice(None, ["cuda:0", "cuda:0"], peer=lambda a, b: False) == (False, "")  # one GPU
+    assert overlap_choice(True, ["cuda:0", "cuda:1"], peer=lambda a, b: True)[0] is True
+    assert overlap_choice(False, ["cuda:0", "cuda:1"], peer=lambda a, b: False)[0] is False
+
+    def broken(a, b):
+        raise RuntimeError("no driver")
+
+    on, why = overlap_choice(None, gpus, peer=broken)
+    assert not on and "could not be queried" in why
+
+
+def test_the_plan_carries_its_overlap_choice(monkeypatch):
+    """resolve() asks the backend about peer access for the lanes it keeps, and the plan says the choice."""
+    from tests.test_memory import _four_fake_gpus
+
+    _four_fake_gpus(monkeypatch, lambda k: 2**40, total=2**40, peer=False)  # GeForce cards: no P2P
+    plan = resolve(PlanRequest(world=2, devices="cuda:0,cuda:1", home="cuda:0"))
+    assert plan.overlap and "no peer access" in plan.overlap_reason
+    plan = resolve(PlanRequest(world=2, devices="cuda:0,cuda:1", home="cuda:0", overlap=False))
+    assert not plan.overlap and plan.overlap_reason == "--parallel_overlap off"
+
+
+@pytest.mark.parametrize("value, held", [("auto", None), (None, None), ("on", True), (True, True), ("OFF", False),
+                                         (False, False)])
+def test_overlap_settings(value, held):
+    assert ParallelSpec.build(2, "cuda:0,cuda:1", parallel_overlap=value).overlap is held
+
+
+def test_an_unknown_overlap_setting_is_refused_with_the_fix():
+    assert has(check_arguments(2, overlap="sometimes"), "--parallel_overlap 'sometimes' is not a setting",
+               "Fix: auto")

@@ -36,6 +36,19 @@ def two_lanes():
     return recorded_run(True, 2, ITERS)
 
 
+@pytest.fixture(scope="module")
+def two_lanes_overlap():
+    """Two lanes with --parallel_overlap on (what auto takes on GPUs without peer access, e.g. RTX 3090s)."""
+    from dpq.testing.timeline.scenarios import record_block, run_adapter
+
+    return run_adapter(record_block(True), 2, iters=ITERS, overlap=True)
+
+
+def table_records(one_lane, two_lanes, two_lanes_overlap) -> dict:
+    """What benchmarks/timeline.py's table reads: each world with overlap off, and on from world 2."""
+    return {("compile", 1): one_lane, ("compile", 2): two_lanes, ("compile+overlap", 2): two_lanes_overlap}
+
+
 def replay(model, block: str, gpu: str, **pricing):
     return simulate(model, Pricing(RECORDED, BLOCKS[block], GPUS[gpu], pricing.pop("host", HOST),
                                    buckets=pricing.pop("buckets", None), graphs=pricing.pop("graphs", None)))
@@ -200,23 +213,24 @@ def test_timeline_compile_off_in_the_default_fails():
         check_compiled(recorded_run(False, 1, ITERS))
 
 
-def test_timeline_compiled_gradients_appear_when_the_region_ends(two_lanes):
-    """A compiled region is one autograd node: no lane's gradient is accumulated before that lane's
-    compiled backward has issued its last kernel (an overlapping run: the copy hooks on autograd's
-    threads, Python, so under the GIL). Without overlap (accelerator lanes' default) no hook runs:
-    each lane's gradients reach the buckets in one copy the issuing thread makes after the backward
-    (Note [one copy per lane])."""
-    from dpq.testing.timeline.scenarios import record_block, run_adapter
+def test_timeline_compiled_gradients_reach_the_buckets_when_the_backward_lets_them(two_lanes, two_lanes_overlap):
+    """Without overlap (where auto leaves it off on GPU lanes) a compiled region is one autograd node and no
+    hook runs: each lane's gradients reach the buckets in one copy the issuing thread makes after the
+    backward (Note [one copy per lane]). With overlap the lanes run the block forward uncompiled (Note
+    [overlap needs gradients during the backward]): a lane's first gradient reaches its bucket (the copy
+    hooks on autograd's threads, Python, so under the GIL) before that lane's backward has issued its last
+    kernel, and no compiled block region runs on the lanes."""
 
-    overlapping = run_adapter(record_block(True), 2, iters=2, overlap=True)
-    ops = [op for op in overlapping.ops if op.iteration == 1 and op.stream is not None]
-    streams = {op.stream.sid for op in ops if op.region and op.phase == "backward"}
+    ops = [op for op in two_lanes_overlap.ops if op.iteration == 1 and op.stream is not None]
+    assert not any(op.region == "block_forward" for op in ops)
+    backward = [op for op in ops if op.kind == "kernel" and op.phase == "backward" and op.thread.startswith("autograd")]
+    streams = {op.stream.sid for op in backward}
     assert len(streams) == 2
     for stream in streams:
-        region_ends = max(op.id for op in ops if op.region and op.phase == "backward" and op.stream.sid == stream)
+        last = max(op.id for op in backward if op.stream.sid == stream)
         grads = [op for op in ops if op.phase == "grads" and op.stream.sid == stream
                  and op.thread.startswith("autograd")]
-        assert grads and min(op.id for op in grads) > region_ends
+        assert grads and min(op.id for op in grads) < last
         assert all(op.gil for op in grads)  # Note [Python on autograd's threads holds the GIL]
     ops = [op for op in two_lanes.ops if op.iteration == 1 and op.stream is not None]
     assert not [op for op in ops if op.phase == "grads" and op.thread.startswith("autograd")]
@@ -348,7 +362,7 @@ def test_timeline_views_cost_the_issuing_thread_only(two_lanes):
     assert bucket_views and all(its == {0} for its in bucket_views)
 
 
-def test_timeline_calibration_moves_the_table(tmp_path, one_lane, two_lanes):
+def test_timeline_calibration_moves_the_table(tmp_path, one_lane, two_lanes, two_lanes_overlap):
     """A calibration file read by benchmarks/timeline.py changes the figures it measures."""
     from benchmarks import timeline as bench
 
@@ -357,7 +371,7 @@ def test_timeline_calibration_moves_the_table(tmp_path, one_lane, two_lanes):
                                 "date": "2026-12-04", "block": {"hidden": 4096, "intermediate": 14336, "heads": 32,
                                                                 "kv_heads": 8, "head_dim": 128},
                                 "paths": {"compile": {"8": {"phases_ms": {"matmul": 80.0}}}}}))
-    records = {("compile", 1): one_lane, ("compile", 2): two_lanes}
+    records = table_records(one_lane, two_lanes, two_lanes_overlap)
     plain, _ = bench.table(records, None, HOST, ("compile",))
     cal, notes = bench.table(records, bench.load_calibration(str(path)), HOST, ("compile",))
     by = {(r.gpu, r.block): r for r in plain}
@@ -429,12 +443,12 @@ def test_timeline_unknown_graphs_pricing_is_refused():
         Pricing(RECORDED, BLOCKS["8b"], GPUS["h100"], HOST, graphs="all")
 
 
-def test_timeline_table_prints_the_graphed_speedups(one_lane, two_lanes):
+def test_timeline_table_prints_the_graphed_speedups(one_lane, two_lanes, two_lanes_overlap):
     """``--table`` prints per compile-on row the speedup as built, with graph trees and with one graph per
     lane-iteration, at the most lanes recorded; one graph per lane-iteration is never slower."""
     from benchmarks import timeline as bench
 
-    rows, _ = bench.table({("compile", 1): one_lane, ("compile", 2): two_lanes}, None, HOST, ("compile",))
+    rows, _ = bench.table(table_records(one_lane, two_lanes, two_lanes_overlap), None, HOST, ("compile",))
     lines = [ln for ln in bench.graphs_lines(rows) if ln.startswith("| ") and "x |" in ln]
     assert len(lines) == len(rows)
     for r in rows:
@@ -442,3 +456,21 @@ def test_timeline_table_prints_the_graphed_speedups(one_lane, two_lanes):
                              for tl in (r.timelines[2], r.graphed["regions"], r.graphed["iteration"]))
         assert one >= built - 1e-9 and trees > 0
         assert any(f"{built:.2f}x | " in ln and f"{one:.2f}x | " in ln for ln in lines)
+
+
+def test_timeline_table_runs_what_auto_takes(one_lane, two_lanes, two_lanes_overlap):
+    """Each row's worlds >= 2 are the run --parallel_overlap auto takes on the machine (Note [overlap where the
+    wire is slow]): with overlap on RTX 3090s (no peer access), off on H100s (NVLink), the other setting
+    beside it in ``Row.other`` and in the overlap table."""
+    from benchmarks import timeline as bench
+
+    rows, _ = bench.table(table_records(one_lane, two_lanes, two_lanes_overlap), None, HOST, ("compile",))
+    for r in rows:
+        on = r.gpu == "3090"
+        assert r.overlap[0] is on and ("no peer access" if on else "every GPU pair has peer access") in r.overlap[1]
+        taken, other = (two_lanes_overlap, two_lanes) if on else (two_lanes, two_lanes_overlap)
+        assert r.per_iter[2] == bench._priced(taken, r.block, r.gpu, GPUS[r.gpu], HOST, 2).seconds_per_iteration()
+        assert r.other.seconds_per_iteration() == bench._priced(other, r.block, r.gpu, GPUS[r.gpu], HOST,
+                                                                2).seconds_per_iteration()
+    lines = [ln for ln in bench.overlap_lines(rows) if ln.startswith("| compile |")]
+    assert len(lines) == len(rows) and all(ln.endswith("| on |") == ("3090" in ln) for ln in lines)

@@ -20,7 +20,7 @@ from dpq import refusals, session
 from dpq.cost_model import AutoWorld
 from dpq.mirror import tensors_in
 from dpq.plan import PlanRefused, validate_world
-from dpq.spec import ParallelSpec
+from dpq.spec import ParallelSpec, overlap_setting
 
 from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
 
@@ -299,7 +299,7 @@ def parallel_tune(
     debug_identical: bool = False,
     progress: bool = False,
     auto_world: AutoWorld | None = None,
-    overlap: bool | None = None,
+    overlap: bool | str | None = None,
     timeout: float = session.DEFAULT_TIMEOUT_S,
 ) -> ParallelTuneResult:
     """SignRound-tune ``block`` data-parallel and apply the best rounding/scales to it.
@@ -324,9 +324,11 @@ def parallel_tune(
 
     ``auto_world``: under ``world='auto'``, the cost model that picks the world by predicted
     time (``dpq.cost_model.AutoWorld``; None: a fresh one for this call). ``overlap``: exchange
-    gradient buckets during the backward (None: on for CPU lanes, off for accelerator lanes; True
-    on accelerators puts the exchange on a second stream per lane, ``dpq.comm_streams``: checked
-    for stream order on CPU; on one H200's lanes bitwise the plain run, not yet on several GPUs).
+    gradient buckets during the backward: None or 'auto' (CPU lanes on; GPU lanes as
+    :func:`dpq.plan.overlap_choice` decides: on where some lane GPU pair has no peer access), True
+    or 'on' (on accelerators the exchange on a second stream per lane, ``dpq.comm_streams``: checked
+    for stream order on CPU; on one H200's lanes bitwise the plain run, not yet on several GPUs),
+    False or 'off'.
     ``timeout``: seconds the host waits for an iteration's work on the lanes before the run stops as
     hung (``dpq.tune_loop``: the watchdog).
 
@@ -361,7 +363,8 @@ def parallel_tune(
         try:  # the plan needs the samples per iteration
             if auto_world is None and world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
-            spec = ParallelSpec(validate_world(world, "api"), devices, bool(debug_identical), overlap, float(timeout))
+            spec = ParallelSpec(validate_world(world, "api"), devices, bool(debug_identical), overlap_setting(overlap),
+                                float(timeout))
             config = session.SessionConfig(spec, auto_world=auto_world, caller="api")
             plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:

@@ -30,7 +30,10 @@ def program(recipe: str | None = None) -> str:
 def add_flags(target, flags: tuple[Flag, ...] = FLAGS) -> None:
     """dpq's flags on ``target`` (a parser or an argument group), as :data:`dpq.spec.FLAGS` says."""
     for flag in flags:
-        if flag.metavar is None:
+        if flag.choices:
+            target.add_argument(flag.option, nargs="?", const=flag.const, default=flag.default, choices=flag.choices,
+                                metavar=flag.metavar, help=flag.help)
+        elif flag.metavar is None:
             target.add_argument(flag.option, action="store_true", default=flag.default, help=flag.help)
         else:
             target.add_argument(flag.option, default=flag.default, metavar=flag.metavar, help=flag.help)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
+from auto_round.compressors.utils import block_forward as uncompiled_block_forward
 from auto_round.logger import logger
 from auto_round.utils import set_amax_for_all_moe_layers
 from auto_round.utils.device_manager import device_manager
@@ -98,6 +99,25 @@ def lane_error(block: str, world: int, err: BaseException, where: str = "while t
     return ParallelLaneError(refusals.lane_failed(where, block, world, repr(err), done), block=block, completed=done)
 
 
+def lane_block_forward(ran: session.LaneRun, torch_compile: bool):
+    """What the lanes call for the block's forward: auto-round's own (None) unless the exchange
+    overlaps the backward with torch.compile on, where it is the block forward uncompiled.
+
+    Note [overlap needs gradients during the backward]
+    auto-round compiles the block forward as one region, so its backward is one autograd node: every
+    gradient is written when that node ends, and an exchange "during the backward" starts only
+    after it (what the timeline model shows: nothing hidden). With overlap on, the lanes call the
+    block forward uncompiled; the quantize-dequantize functions inside each wrapped layer stay
+    compiled (auto-round's ``wrapper_block`` compiled them), so a layer's gradients are written when
+    its own backward ends and the buckets go out while the earlier layers' backward runs. The price
+    is the block's elementwise work eager (norms, activations, residuals: more kernels and more host
+    ops per lane-iteration), which is why overlap is not the default on GPU lanes (docs/USAGE.md).
+    Overlap happens only on lanes with streams (accelerators; ``ran.overlap``), so CPU lanes and
+    world 1 (auto-round's serial path) keep the compiled block forward. The values differ from the
+    compiled forward's by rounding only, as between any two worlds (contract 1: statistical parity)."""
+    return uncompiled_block_forward if ran.overlap and torch_compile else None
+
+
 class AutoRoundBlock:
     """One auto-round block as the session's task: auto-round's wrapper in ``start``, its unwrap
     (and logging) in ``finish``; the quantizer's own lr per layer, loss, runner, optimizer class,
@@ -159,6 +179,7 @@ class AutoRoundBlock:
             q.block_forward, lr_of,
             loss_fn=lambda pred, ref, idx, mse, dev, masks: q._get_loss(pred, ref, idx, mse, dev, masks),
             progress=self.progress.update,
+            lane_block_forward=lane_block_forward(ran, q.compress_context.enable_torch_compile),
         )
         self.snapshot = spec.best_params  # finish() waits for its copies (it holds nothing of the run)
         return spec

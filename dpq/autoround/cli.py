@@ -127,7 +127,7 @@ def spec_of(ours: argparse.Namespace):
 
     return ParallelSpec.build(_screen_world(ours) if ours.parallel_plan else ours.parallel_quantization,
                               ours.parallel_devices, parallel_debug=ours.parallel_debug,
-                              parallel_overlap=True if ours.parallel_overlap else None,
+                              parallel_overlap=ours.parallel_overlap,
                               parallel_timeout=ours.parallel_timeout, parallel_report=ours.parallel_report)
 
 

@@ -53,7 +53,7 @@ def _ORIGINAL_DISPATCH(self, *args, **kwargs):
 
 def enable(parallel_quantization: int | str, parallel_devices=None, *,
            parallel_debug: bool = DEFAULTS["parallel_debug"],
-           parallel_overlap: bool | None = DEFAULTS["parallel_overlap"],
+           parallel_overlap: bool | str | None = DEFAULTS["parallel_overlap"],
            parallel_timeout: float = DEFAULTS["parallel_timeout"],
            auto_world: AutoWorld | None = None, processes: ProcessSet | None = None, **former) -> Run:
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
@@ -65,8 +65,8 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
     ``parallel_devices``: lane devices (``'0,1,2,3'``, ``'cpu,cpu'``); default: auto-round's device
     list when it has several, else every visible device of the home device's type.
     ``parallel_debug``: check after every step that the lanes hold bitwise-identical tuned values.
-    ``parallel_overlap``: as :func:`dpq.parallel_tune`'s ``overlap`` (None: on for CPU lanes, off for
-    accelerator lanes). ``parallel_timeout`` (seconds, 10 to 604800): how long the host waits for an
+    ``parallel_overlap``: 'auto' (the default), 'on' or 'off', as :func:`dpq.parallel_tune`'s
+    ``overlap``. ``parallel_timeout`` (seconds, 10 to 604800): how long the host waits for an
     iteration's work on the lanes before the run is stopped as hung (``dpq.tune_loop``: the watchdog),
     and across processes how long a collective waits for the other ranks. Malformed arguments raise
     ``ValueError`` naming every problem, before anything is patched.
@@ -256,7 +256,7 @@ def _auto_world_for(run: Run, plan: Plan) -> tuple[AutoWorld | None, Plan]:
 
 
 def _tuner_request(run: Run, q, block, fp_inputs) -> PlanRequest:
-    return PlanRequest(world=run.world, devices=run.lane_devices(), overlap=run.overlap is True,
+    return PlanRequest(world=run.world, devices=run.lane_devices(), overlap=run.overlap,
                        **task_plan_fields(q, block, fp_inputs, run.processes))
 
 

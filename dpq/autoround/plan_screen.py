@@ -47,6 +47,7 @@ class WorldRow:
     per_block_s: float
     refused: list[str] = field(default_factory=list)  # why this world cannot run (empty: it can)
     buckets: str = ""  # the gradient buckets the plan takes at this world, and why (dpq.plan.Plan.buckets_reason)
+    overlap: str = ""  # whether the exchange runs during the backward, and why (dpq.plan.Plan.overlap_reason)
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,8 @@ class PlanScreen:
             out.append(f"{r.world:>5}  {','.join(r.lanes):<24} {memory:<44} {r.per_iter_s:>8.3g} {r.per_block_s:>9.3g}"
                        f" {r.per_block_s * self.blocks:>11.3g}  {'yes' if not r.refused else 'no'}")
             out += [f"{'':>7}- {reason}" for reason in r.refused]
-            if r.buckets and not r.refused:
-                out.append(f"{'':>7}- {r.buckets}")
+            if not r.refused:
+                out += [f"{'':>7}- {line}" for line in (r.buckets, r.overlap) if line]
         out += ["", f"auto would choose world {self.choice}: {self.why}", f"timeline model: {self.calibration}"]
         return out
 
@@ -171,14 +172,14 @@ def _calibration() -> str:
 
 def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devices=None, home: str | None = None,
              iters: int = 200, batch_size: int = 8, gradient_accumulate_steps: int = 1, nsamples: int = 128,
-             seqlen: int = 2048, model_dtype: str | None = None) -> PlanScreen:
+             seqlen: int = 2048, model_dtype: str | None = None, parallel_overlap: object = "auto") -> PlanScreen:
     """The plan screen (module docstring) for ``model``: a model folder or hub id (its config alone
     is read), or a model object. The settings are auto-round's and auto-round-dp's, with their
     defaults; ``home``: the block's device (default: the first lane's, else the CPU). An explicit
     ``parallel_quantization`` N marks the rows above N as not asked for."""
     from dpq.spec import ParallelSpec
 
-    spec = ParallelSpec.build(parallel_quantization, parallel_devices)
+    spec = ParallelSpec.build(parallel_quantization, parallel_devices, parallel_overlap=parallel_overlap)
     source = "model" if isinstance(model, torch.nn.Module) else "config"
     built = model if source == "model" else _meta_model(str(model), model_dtype)
     name, block, blocks = _first_block(built)
@@ -200,16 +201,16 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
     rows = []
     for w in range(1, len(lanes) + 1):
         refused: list[str] = []
-        buckets = ""
+        buckets = overlap = ""
         try:
             plan = resolve(PlanRequest(world=w, devices=[str(d) for d in lanes[:w]], samples_per_iter=samples,
-                                       home=home_dev, price=price, pool_samples=nsamples))
-            buckets = plan.buckets_reason
+                                       home=home_dev, price=price, pool_samples=nsamples, overlap=spec.overlap))
+            buckets, overlap = plan.buckets_reason, plan.overlap_reason
         except PlanRefused as err:
             refused = err.reasons
         p = predict(w, iters, costs)
         rows.append(WorldRow(w, [str(d) for d in lanes[:w]], _prices(price, lanes[:w], home_dev), p.per_iter_s,
-                             p.seconds, refused, buckets))
+                             p.seconds, refused, buckets, overlap))
     choice, why = _auto_choice(rows, lanes, iters, costs, spec.world)
     from dpq.machine import device_names
 
@@ -252,6 +253,6 @@ def show_for_command(parsed, spec) -> int:
                       batch_size=parsed.batch_size or recipe["batch_size"],
                       gradient_accumulate_steps=getattr(parsed, "gradient_accumulate_steps", None) or 1,
                       nsamples=parsed.nsamples or recipe["nsamples"], seqlen=parsed.seqlen or recipe["seqlen"],
-                      model_dtype=parsed.model_dtype)
+                      model_dtype=parsed.model_dtype, parallel_overlap=spec.overlap)
     print(screen, flush=True)
     return 0

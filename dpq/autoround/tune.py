@@ -158,7 +158,8 @@ def lane_forward(runner, module: torch.nn.Module, inputs: list, input_others: di
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=runner.batch_dim)
 
 
-def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reduction: str, loss_fn=None):
+def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reduction: str, loss_fn=None,
+                   block_forward: Callable | None = None):
     """A LaneLoss closing over the pool: one BlockForwardRunner per lane device.
 
     Everything a lane computes (forward output, reference slice, loss and so its backward)
@@ -166,6 +167,8 @@ def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reducti
     input, reference output and loss mask reaches the lane through one :class:`LaneData` (R7).
     ``loss_fn(pred, ref, indices, mse, device, masks)`` overrides the loss (the integration passes
     the quantizer's own ``_get_loss``, given the lane's masks); the default reproduces it.
+    ``block_forward``: the function every lane's runner calls for the block (None: the runner's own,
+    auto-round's compiled one when torch.compile is on).
     """
     runners: dict[torch.device, object] = {}
     staged = LaneData()
@@ -175,6 +178,8 @@ def make_lane_loss(data: BlockData, runner, settings: SignRoundSettings, reducti
             r = copy.copy(runner)
             r.device = device
             r.cache_device = device  # anything that still asks the runner keeps lane data on the lane
+            if block_forward is not None:
+                r.block_forward = block_forward
             runners[device] = r
         return runners[device]
 
@@ -273,9 +278,11 @@ def signround_spec(
     *,
     loss_fn=None,
     progress: Callable[[int, float], None] | None = None,
+    lane_block_forward: Callable | None = None,
 ) -> TuneSpec:
     """The tune of an already wrapped block (auto-round's ``wrapper_block`` done). The caller
-    unwraps with the outcome's ``best_params`` afterwards, as serial does."""
+    unwraps with the outcome's ``best_params`` afterwards, as serial does. ``lane_block_forward``:
+    what the lanes call for the block instead of ``runner``'s own (:func:`make_lane_loss`)."""
     round_groups, minmax_groups, names = tuned_parameter_groups(block, lr_of)
     groups = list(round_groups.items()) + (list(minmax_groups.items()) if settings.enable_minmax_tuning else [])
     mse_reduction = "sum" if settings.gradient_accumulate_steps != 1 else "mean"
@@ -304,7 +311,7 @@ def signround_spec(
     return TuneSpec(
         tuned=[names[id(p)] for _, ps in groups for p in ps],
         make_optimizer=make_optimizer,
-        lane_loss=make_lane_loss(data, runner, settings, mse_reduction, loss_fn),
+        lane_loss=make_lane_loss(data, runner, settings, mse_reduction, loss_fn, lane_block_forward),
         sampler=IndexSampler,
         best_params=BestSnapshot(settings.cache_device),
         nsamples=len(data.inputs),

@@ -67,6 +67,7 @@ CALLED: tuple[str, ...] = (
     f"{_SR}:SignRoundQuantizer._get_scaler",
     f"{_SR}:SignRoundQuantizer._get_loss",
     "auto_round.algorithms.block_runner:BlockForwardRunner._normalize_output",  # dpq.autoround.tune
+    "auto_round.compressors.utils:block_forward",  # dpq.autoround.block_task.lane_block_forward (overlap)
     f"{_RTN}:OptimizedRTNQuantizer._expert_search_active",  # dpq.autoround.seams_rtn
     f"{_RTN}:OptimizedRTNQuantizer._split_expert_batches",
     f"{_AWQ}._iter_parent_calls",  # dpq.autoround.seams_awq

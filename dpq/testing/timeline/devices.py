@@ -33,6 +33,7 @@ class GpuClass:
     link: float  # NCCL bus bandwidth per lane for reduce-scatter / all-gather, B/s
     link_latency_s: float  # per collective
     copy_latency_s: float = 10e-6
+    peer_access: bool = True  # the GPUs reach each other directly (what dpq.plan.overlap_choice asks)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     calibrated: str = ""  # the calibration that re-based it ("<card>-<date>"), "" = stated figures
 
@@ -72,6 +73,7 @@ GPUS = {
     "3090": GpuClass(
         "RTX 3090 (PCIe 4.0 x16, no P2P)", matmul_flops=60e12, matmul_peak=71e12, attention_flops=39e12,
         mem_bw=800e9, mem_peak=936e9, kernel_floor_s=3e-6, h2d=24e9, d2d=10e9, link=10e9, link_latency_s=50e-6,
+        peer_access=False,
         sources={
             "matmul_peak": "NVIDIA Ampere GA102 whitepaper: 71 TFLOP/s dense BF16 with FP32 accumulate (RTX 3090)",
             "matmul_flops": "assumed 85% of the peak (cuBLAS on large GEMMs); no 3090 measurement at hand",
@@ -83,6 +85,7 @@ GPUS = {
                     "(~10 GB/s each way); GeForce cards have no P2P, so NCCL stages through host memory",
             "h2d": "PCIe 4.0 x16: 31.5 GB/s per direction on paper, ~24 GB/s pinned in practice (assumed)",
             "d2d": "without P2P a copy between two GPUs is staged through the host: the link's ~10 GB/s",
+            "peer_access": "GeForce cards have no P2P (the link's source): torch.cuda.can_device_access_peer is False",
             "link_latency_s": "assumed: NCCL over shared host memory, tens of microseconds per collective",
             "kernel_floor_s": "assumed: an empty kernel's device time is a few microseconds",
         }),
