@@ -844,7 +844,11 @@ class TimelineModel:
         on another stream, and ``last`` becomes the producer of ``outs``."""
         if self._window is None:
             return
-        for t in ins:
+        # An exchange bucket's ops (dpq.exchange, issued by the issuer node inside the backward) read the
+        # gradient buffers through explicit waits on the bucket's marks (recorded as wait ops), not through
+        # autograd's input buffers: the producer rule would tie them to the buffer's last write anywhere
+        # (the storage is the key), i.e. the backward's end.
+        for t in ins if self._bucket is None else ():
             producer = self._window_writes.get(self._key(t))
             if producer is not None and producer.stream is not first.stream:
                 first.deps.append(producer.id)  # autograd's InputBuffer: the consumer waits for the producer
