@@ -12,8 +12,8 @@ For a block tuned ``iters`` iterations on W lanes::
   computes 1/W of it, all lanes at once.
 * ``exposed(W)``: the exchange time the backward does not hide. The exchange of one
   iteration takes ``E = collectives * latency + wire_bytes(W) / bandwidth`` with
-  ``wire_bytes(W) = (W-1)/W * bytes_per_elem * tuned_elems`` (sign path 4.25, full path 8 bytes
-  per element: ``dpq.exchange``) and ``bandwidth`` the per-lane bus bandwidth. With overlap,
+  ``wire_bytes(W) = (W-1)/W * bytes_per_elem * tuned_elems`` (sign path 2.25: bf16 sums and 2-bit
+  signs; full path 8 bytes per element: ``dpq.exchange``) and ``bandwidth`` the per-lane bus bandwidth. With overlap,
   bucket i is exchanged while the backward fills the later buckets, so up to
   ``overlap * backward(W)`` of it is hidden (``backward(W) = backward_share * compute / W``,
   ``overlap`` the hidden fraction measured by ``benchmarks/overlap.py``), but never the last
@@ -39,7 +39,7 @@ __all__ = ["AutoWorld", "Choice", "CostInputs", "Prediction", "block_flops", "ch
 
 log = logging.getLogger("dpq.cost_model")
 
-BYTES_PER_ELEM = {"sign": 4.25, "full": 8.0}
+BYTES_PER_ELEM = {"sign": 2.25, "full": 8.0}  # Note [the summed gradient in bf16 on the wire] (dpq.exchange)
 COLLECTIVES_PER_BUCKET = {"sign": 2, "full": 1}  # reduce-scatter + all-gather, or one all-reduce
 
 
@@ -75,7 +75,7 @@ class Choice:
 
 
 def wire_bytes(world: int, tuned_elems: int, policy: str = "sign") -> float:
-    """Bytes one lane puts on the wire per iteration: (W-1)/W x 4.25 (sign) or 8 (full) per element."""
+    """Bytes one lane puts on the wire per iteration: (W-1)/W x 2.25 (sign) or 8 (full) per element."""
     return (world - 1) / world * BYTES_PER_ELEM[policy] * tuned_elems
 
 

@@ -635,7 +635,8 @@ class FullSumExchange(_Exchange):
 class _GroupPlan:
     """One group's views for one bucket (:meth:`SignExchange._plan`)."""
 
-    pad_copies: list[tuple[Tensor, Tensor]]  # (padded row's first n, the lane's grads) when the bucket pads
+    # (send row's first n, the lane's grads) when the bucket pads or its sums travel in another dtype
+    pad_copies: list[tuple[Tensor, Tensor]]
     pad_tail: Tensor | None  # the padding, zeroed before each reduce-scatter (the buffer serves every bucket)
     pack: PackViews
     unpack: UnpackViews
@@ -656,11 +657,23 @@ class _BucketPlan:
 
 
 class SignExchange(_Exchange):
-    """Pure SignSGD: every lane's grads become exactly ``sign(sum of lane grads)`` in {-1.0, 0.0, +1.0}.
+    """Pure SignSGD: every lane's grads become exactly ``sign(sum of lane grads)`` in {-1.0, 0.0, +1.0},
+    the sum taken in ``wire`` (default bf16: Note [the summed gradient in bf16 on the wire]).
 
-    Per bucket of n elements: pad with zeros to m = :func:`sign_padded_length` (n, W); fp32
-    reduce-scatter, so lane k holds the sum of chunk k (m/W elements); the lane packs the
+    Per bucket of n elements: pad with zeros to m = :func:`sign_padded_length` (n, W), cast to
+    ``wire``; reduce-scatter, so lane k holds the sum of chunk k (m/W elements); the lane packs the
     sign of its chunk; an all-gather of the packed bytes; every lane unpacks all chunks.
+
+    Note [the summed gradient in bf16 on the wire]
+    SignSGD needs only the sign of the summed gradient, and on a slow link the reduce-scatter's bytes
+    are most of an iteration (4 of the 4.25 bytes per element; the timeline model's RTX 3090 rows). So
+    each lane's gradient is cast to bf16 (fp32's exponent range: nothing overflows that did not, a
+    NaN stays NaN) and the sums are taken in bf16, in the communicator's order (dpq's own in global
+    lane order, so one process and several agree bitwise; NCCL's its own): 2 + 0.25 bytes per element.
+    A sign can differ from fp32's only where the lanes' gradients nearly cancel (the sum within a few
+    bf16 roundings, 2^-8 relative, of zero), where the fp32 sign is rounding noise too: world >= 2 is
+    held to statistical parity (contract 1), and world 1 exchanges nothing (bitwise auto-round).
+    ``wire=torch.float32`` keeps the fp32 sums (4.25 bytes).
 
     Why two bit planes: sign is three-valued, and exact zeros are common (auto-round clamps
     rounded values, which gives exactly-zero gradients on every lane). A single sign bit
@@ -668,9 +681,9 @@ class SignExchange(_Exchange):
     gets a "negative" bit and a "nonzero" bit, each plane packed 8 elements to a byte; a
     lane's packed chunk holds, per octet of elements, its negative byte then its nonzero byte
     (one uint16 per octet, which the unpack looks up whole). The gather moves 2 bits per
-    element, so wire bytes per element per lane are (W-1)/W x (4 + 0.25) = (W-1)/W x 4.25,
-    counted on the padded length m (exactly ``17*(W-1)*m // (4*W)`` per bucket; docs/DESIGN.md,
-    contract 3).
+    element, so wire bytes per element per lane are (W-1)/W x (2 + 0.25) = (W-1)/W x 2.25 in bf16,
+    counted on the padded length m (exactly ``9*(W-1)*m // (4*W)`` per bucket; fp32: 4.25 and
+    ``17*(W-1)*m // (4*W)``; docs/DESIGN.md, contract 3).
 
     The planes reproduce ``torch.sign`` exactly, NaN included: torch.sign(NaN) is 0, so serial
     SignSGD leaves an element with a NaN gradient alone, and so does this path (a NaN sum gets
@@ -682,6 +695,13 @@ class SignExchange(_Exchange):
     name = "sign"
     exact_signs = True
     _apart = False  # keep_signs_apart() was asked: the signs stay int8 beside the grads
+
+    def __init__(self, comm: Communicator, *, overlap: bool | None = None, buckets: str = "largest",
+                 wire: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(comm, overlap=overlap, buckets=buckets)
+        if wire not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dpq: the sign exchange's sums travel in bfloat16 or float32, not {wire}")
+        self.wire = wire
 
     def keep_signs_apart(self) -> bool:
         """The signs stay int8 in a buffer of their own per lane group (one byte per element, written by
@@ -719,9 +739,10 @@ class SignExchange(_Exchange):
         for group, lane in zip(plan.groups, plan.lanes, strict=True):
             if group.pad_copies:
                 with lane.issue():
-                    for dst, src in group.pad_copies:  # zero-padded copies; reduce_scatter only reads send
+                    for dst, src in group.pad_copies:  # zero-padded (cast) copies; reduce_scatter only reads send
                         dst.copy_(src)
-                    group.pad_tail.zero_()
+                    if group.pad_tail is not None:
+                        group.pad_tail.zero_()
         comm.reduce_scatter(plan.send, plan.recv)
         for group, lane in zip(plan.groups, plan.lanes, strict=True):
             with lane.issue():
@@ -765,10 +786,10 @@ class SignExchange(_Exchange):
         for ks, buf, lane in groups:  # one group per lane, or one for all lanes (SignBuffers)
             rows = len(ks)
             with lane.issue():
-                if m != n:
+                if m != n or self.wire != grads[0].dtype:
                     pad = take(buf.pad, rows, m)
                     pad_copies = [(pad[row, :n], grads[k]) for row, k in enumerate(ks)]
-                    pad_tail = pad[:, n:]
+                    pad_tail = pad[:, n:] if m != n else None
                     plan.send += list(pad)
                 else:
                     pad_copies, pad_tail = [], None
@@ -792,5 +813,6 @@ class SignExchange(_Exchange):
         cached = buckets.scratch.get(self.name)
         if cached is None or [id(a) for a in cached[0]] != [id(b) for b in lanes]:
             lengths = [e - s for s, e in buckets.bucket_ranges]
-            cached = buckets.scratch[self.name] = (list(lanes), sign_groups(lanes, self.comm.world, lengths), {})
+            cached = buckets.scratch[self.name] = (list(lanes), sign_groups(lanes, self.comm.world, lengths,
+                                                                            self.wire), {})
         return cached  # keyed by the lanes held in the entry (identity)

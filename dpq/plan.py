@@ -126,7 +126,8 @@ class Plan:
 
 def _exchange(pure_sign: bool) -> tuple[str, str]:
     if pure_sign:
-        return "sign", "pure SignSGD (no momentum, no weight decay): only the sign of the summed gradient is exchanged"
+        return "sign", ("pure SignSGD (no momentum, no weight decay): only the sign of the summed gradient is "
+                        "exchanged (the sums in bf16 on the wire)")
     return "full", "the update needs the summed gradient itself (momentum, weight decay or another optimizer)"
 
 

@@ -193,12 +193,14 @@ class SignBuffers:
     stream (CPU: one op then covers all lanes' rows, a view instead of a per-lane loop).
     """
 
-    def __init__(self, lane: Lane, rows: int, world: int, m_max: int, pad_max: int) -> None:
+    def __init__(self, lane: Lane, rows: int, world: int, m_max: int, pad_max: int,
+                 wire: torch.dtype = torch.float32) -> None:
         c = m_max // world
         dev = lane.device
         with lane.issue():
-            self.pad = torch.empty(rows * pad_max, dtype=torch.float32, device=dev)
-            self.recv = torch.empty(rows * c, dtype=torch.float32, device=dev)
+            # the reduce-scatter's send and receive buffers, in the dtype the sums travel in (``wire``)
+            self.pad = torch.empty(rows * pad_max, dtype=wire, device=dev)
+            self.recv = torch.empty(rows * c, dtype=wire, device=dev)
             self.planes = torch.empty(rows * 2 * c, dtype=torch.bool, device=dev)
             self.weighted = torch.empty(rows * 2 * c, dtype=torch.uint8, device=dev)
             self.weights = bit_weights(dev)  # a constant, like the table below
@@ -216,9 +218,11 @@ def lanes_share_buffers(lanes: list[Lane]) -> bool:
     return all(lane.stream is None for lane in lanes) and len({lane.device for lane in lanes}) == 1
 
 
-def sign_groups(lanes: list[Lane], world: int, lengths: list[int]) -> list[tuple[list[int], SignBuffers, Lane]]:
+def sign_groups(lanes: list[Lane], world: int, lengths: list[int],
+                wire: torch.dtype = torch.float32) -> list[tuple[list[int], SignBuffers, Lane]]:
     """(lane indices, their :class:`SignBuffers`, the lane to issue under) per group, for buckets
-    of ``lengths`` elements exchanged over ``world`` ranks.
+    of ``lengths`` elements exchanged over ``world`` ranks, their sums in ``wire`` (other than fp32:
+    every bucket is copied into the send buffer, cast).
 
     Lanes without streams on one device (CPU lanes) form one group: their ops then run once
     over all lanes' rows, on the one issuing thread, with nothing to order. Otherwise (streams:
@@ -226,6 +230,6 @@ def sign_groups(lanes: list[Lane], world: int, lengths: list[int]) -> list[tuple
     """
     padded = [(sign_padded_length(n, world), n) for n in lengths]
     m_max = max(m for m, _ in padded)
-    pad_max = max((m for m, n in padded if m != n), default=0)
+    pad_max = m_max if wire != torch.float32 else max((m for m, n in padded if m != n), default=0)
     parts = [list(range(len(lanes)))] if lanes_share_buffers(lanes) else [[k] for k in range(len(lanes))]
-    return [(ks, SignBuffers(lanes[ks[0]], len(ks), world, m_max, pad_max), lanes[ks[0]]) for ks in parts]
+    return [(ks, SignBuffers(lanes[ks[0]], len(ks), world, m_max, pad_max, wire), lanes[ks[0]]) for ks in parts]

@@ -24,8 +24,8 @@ from dpq.testing.simulated_link import SimulatedLink
 def test_predict_by_hand():
     c = CostInputs(compute_s=1.0, issue_s=0.01, tuned_elems=10**8, bandwidth_Bps=1e10, latency_s=1e-4,
                    policy="sign", buckets=10, setup_per_mirror_s=0.5)
-    assert wire_bytes(4, 10**8) == pytest.approx(0.75 * 4.25e8)
-    e = 20 * 1e-4 + 0.75 * 4.25e8 / 1e10
+    assert wire_bytes(4, 10**8) == pytest.approx(0.75 * 2.25e8)
+    e = 20 * 1e-4 + 0.75 * 2.25e8 / 1e10
     assert exchange_seconds(4, c) == pytest.approx(e)
     p = predict(4, 50, c)
     assert p.per_iter_s == pytest.approx(0.25 + e)  # no overlap: all exposed

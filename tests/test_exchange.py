@@ -51,6 +51,12 @@ def lane_order_sum(xs):
     return acc
 
 
+def wire_sign(xs, wire=torch.bfloat16):
+    """What the sign exchange leaves: the sign of the lane-order sum of the gradients cast to ``wire``,
+    each add rounded to ``wire`` (Note [the summed gradient in bf16 on the wire]), as fp32."""
+    return torch.sign(lane_order_sum([x.to(wire) for x in xs])).float()
+
+
 def assert_same_bits_everywhere(buckets: GradBuckets) -> None:
     for buf in buckets.buffers[1:]:
         assert torch.equal(buf.view(torch.int32), buckets.buffers[0].view(torch.int32))
@@ -153,11 +159,12 @@ def test_full_sum(world, comm_name):
             assert torch.equal(ps[0].grad, total[b.offsets[0] : b.offsets[0] + n])
 
 
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("comm_name", ["local", "p2p", "host"])
-def test_sign(world, comm_name):
+def test_sign(world, comm_name, wire):
     comm = comm_for(world, comm_name)
-    ex = SignExchange(comm)
+    ex = SignExchange(comm, wire=wire)
     total_before = 0
     for n in LENGTHS:
         b = GradBuckets(lane_params(world, [(n,), (5,)]), bucket_cap_elems=n)
@@ -165,25 +172,27 @@ def test_sign(world, comm_name):
         grads = fill_grads(b, seed=n + 10 * world)
         ex.exchange(b)
         assert_same_bits_everywhere(b)
-        expected_sign = torch.sign(lane_order_sum(grads))  # sign of the fp32 sum in lane order
+        expected_sign = wire_sign(grads, wire)  # sign of the sum in lane order, in the wire's dtype
         assert torch.equal(b.buffers[0], expected_sign)
         assert set(b.buffers[0].unique().tolist()) <= {-1.0, 0.0, 1.0}
         everywhere_zero = torch.stack([g == 0 for g in grads]).all(0)
         assert bool((b.buffers[0][everywhere_zero] == 0).all()), "a zero sum must stay 0, not become +-1"
         if world >= 2 and n >= 3:
             assert b.buffers[0][2] == 0  # lanes cancel exactly: 0, although no lane was 0
-        # Counted on the padded length m of each bucket: (W-1)/W * (4 + 0.25) bytes per element, exact.
+        # Counted on the padded length m of each bucket: (W-1)/W * (2 or 4 + 0.25) bytes per element, exact.
         padded = [sign_padded_length(e - s, world) for s, e in b.bucket_ranges]
-        assert ex.last_wire_bytes == sum(round((world - 1) / world * 4.25 * m) for m in padded)
-        assert ex.last_wire_bytes == sum(17 * (world - 1) * m // (4 * world) for m in padded)
+        per, quarters = (2.25, 9) if wire == torch.bfloat16 else (4.25, 17)
+        assert ex.last_wire_bytes == sum(round((world - 1) / world * per * m) for m in padded)
+        assert ex.last_wire_bytes == sum(quarters * (world - 1) * m // (4 * world) for m in padded)
         assert ex.total_wire_bytes == total_before + ex.last_wire_bytes
         total_before = ex.total_wire_bytes
         if world == 1:
             assert ex.last_wire_bytes == 0
 
 
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("world", WORLDS)
-def test_sign_matches_torch_sign_on_nan_and_inf(world):
+def test_sign_matches_torch_sign_on_nan_and_inf(world, wire):
     """Serial SignSGD applies torch.sign(grad), which maps NaN to 0 and +-inf to +-1: so must the
     sign path. Overflowing min/max-scale gradients under sum-reduced losses make this real."""
     assert torch.sign(torch.tensor(float("nan"))) == 0  # the semantics this path reproduces
@@ -198,8 +207,8 @@ def test_sign_matches_torch_sign_on_nan_and_inf(world):
         grads[0][13], grads[1][13] = float("inf"), float("-inf")  # inf + -inf = NaN
     for buf, g in zip(b.buffers, grads, strict=True):
         buf.copy_(g)
-    SignExchange(comm_for(world)).exchange(b)
-    expected = torch.sign(lane_order_sum(grads))
+    SignExchange(comm_for(world), wire=wire).exchange(b)
+    expected = wire_sign(grads, wire)
     assert expected[5] == 0 and expected[9] == 1 and expected[11] == -1
     assert_same_bits_everywhere(b)
     assert torch.equal(b.buffers[0], expected)
@@ -212,13 +221,35 @@ def test_sign_padding():
     assert sign_padded_length(4099, 3) == 4104
 
 
-def test_sign_handles_bucket_already_aligned():
-    world, n = 2, 32  # m == n: the grads themselves are the reduce-scatter send buffers
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float32])
+def test_sign_handles_bucket_already_aligned(wire):
+    world, n = 2, 32  # m == n: fp32 sums send the grads themselves, bf16 ones a cast copy
     b = GradBuckets(lane_params(world, [(n,)]))
     b.attach()
     grads = fill_grads(b, seed=3)
+    ex = SignExchange(comm_for(world), wire=wire)
+    ex.exchange(b)
+    assert torch.equal(b.buffers[1], wire_sign(grads, wire))
+    (copies,) = [g.pad_copies for g in ex._plan(b, 0).groups]
+    assert (copies == []) == (wire == torch.float32)
+
+
+def test_bf16_sums_differ_from_fp32_only_where_the_lanes_nearly_cancel():
+    """Note [the summed gradient in bf16 on the wire]: a sign the bf16 sums change is one whose fp32 sum
+    is within a few bf16 roundings of zero (2^-7 of the largest lane gradient there)."""
+    world, n = 4, 4096
+    b = GradBuckets(lane_params(world, [(n,)]))
+    b.attach()
+    grads = fill_grads(b, seed=11)
+    grads[1][:512] = -grads[0][:512] * (1 + 2.0 ** -torch.randint(6, 12, (512,)))  # near-cancelling pairs
+    for buf, g in zip(b.buffers, grads, strict=True):
+        buf.copy_(g)
     SignExchange(comm_for(world)).exchange(b)
-    assert torch.equal(b.buffers[1], torch.sign(grads[0] + grads[1]))
+    exact = lane_order_sum(grads)
+    changed = b.buffers[0] != torch.sign(exact)
+    assert changed.any()  # the near-cancelling pairs do move some signs
+    scale = torch.stack([g.abs() for g in grads]).amax(0)
+    assert bool((exact[changed].abs() <= 2.0 ** -7 * scale[changed]).all())
 
 
 def test_exchange_after_real_backward():
@@ -279,7 +310,7 @@ def test_sign_buffers_reused_across_iterations_and_bucket_sizes(world):
         grads = fill_grads(b, seed=100 * world + it)
         ex.exchange(b)
         assert_same_bits_everywhere(b)
-        assert torch.equal(b.buffers[0], torch.sign(lane_order_sum(grads)))
+        assert torch.equal(b.buffers[0], wire_sign(grads))
         groups = b.scratch["sign"][1]
         assert len(groups) == 1 and groups[0][0] == list(range(world))  # CPU lanes: one shared group
         now = [t.data_ptr() for t in vars(groups[0][1]).values() if isinstance(t, torch.Tensor)]
@@ -322,7 +353,7 @@ def test_sign_buffers_follow_the_lanes():
     grads = fill_grads(b, seed=2)
     SignExchange(comm_for(2)).exchange(b)  # new lanes
     assert b.scratch["sign"] is not first
-    assert torch.equal(b.buffers[1], torch.sign(grads[0] + grads[1]))
+    assert torch.equal(b.buffers[1], wire_sign(grads))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

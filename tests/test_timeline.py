@@ -178,12 +178,12 @@ def test_timeline_overlap_on_the_compile_path_runs_under_the_backward(monkeypatc
     parts = timeline(model).breakdown()  # the steady iteration, 70B-class block on RTX 3090s
     hidden = 1 - parts["exchange_exposed"] / parts["exchange_wire"]
     lanes_call_the_region = any(op.region == "block_forward" for op in model.ops)
-    # measured when written: 0.53 uncompiled, 0.16 compiled (what the compiled one hides is the other
-    # lane's collective waiting while a lane still computes)
+    # measured when written (the sums in bf16): 0.87 uncompiled, 0.25 compiled (what the compiled one
+    # hides is the other lane's collective waiting while a lane still computes)
     if mutant:
-        assert hidden < 0.3 and lanes_call_the_region, hidden
+        assert hidden < 0.45 and lanes_call_the_region, hidden
     else:
-        assert hidden > 0.4 and not lanes_call_the_region, hidden
+        assert hidden > 0.6 and not lanes_call_the_region, hidden
 
 
 def _rank(rank: int, store: str, out: str) -> None:

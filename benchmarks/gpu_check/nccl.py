@@ -118,8 +118,11 @@ def _exchanges(comm, label: str, results: dict) -> None:
                 lane.current_waits_for_me()
             torch.cuda.synchronize()
             for i in range(len(sizes)):
-                total = grads[0][i] + grads[1][i] if comm.world == 2 else grads[0][i]
-                want = torch.sign(total) if cls is SignExchange else total
+                if cls is SignExchange:  # the sums in bf16 (Note [the summed gradient in bf16 on the wire])
+                    parts = [g[i].bfloat16() for g in grads]
+                    want = torch.sign(parts[0] + parts[1] if comm.world == 2 else parts[0]).float()
+                else:
+                    want = grads[0][i] + grads[1][i] if comm.world == 2 else grads[0][i]
                 for k in range(comm.world):
                     check(bitwise(params[k][i].grad, want), f"param {i} rank {k} differs")
             results[key] = "ok"
