@@ -11,7 +11,7 @@ built by the session, which has the process group.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,7 +21,8 @@ from dpq.fallback_p2p import HostStagedCommunicator, LocalCommunicator, PeerCopy
 from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator
 from dpq.streams import Lane, backend, device_key
 
-__all__ = ["COMMUNICATORS", "build_planned", "choose_communicator", "make_communicator", "select_communicator"]
+__all__ = ["COMMUNICATORS", "build_planned", "choose_communicator", "make_communicator", "pair_without_peer",
+           "select_communicator"]
 
 COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
     "local": LocalCommunicator,
@@ -33,9 +34,14 @@ COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
 }
 
 
-def _all_pairs_peer(devices: Sequence[torch.device]) -> bool:
+def pair_without_peer(devices: Sequence[torch.device],
+                      peer: Callable[[torch.device, torch.device], bool] | None = None
+                      ) -> tuple[torch.device, torch.device] | None:
+    """The first pair of distinct devices in ``devices`` of which the first cannot reach the second
+    directly (``peer(a, b)``; default: the backend's answer), or None when every pair can."""
     devices = list({device_key(d): d for d in devices}.values())
-    return all(backend(a).can_access_peer(a, b) for a in devices for b in devices if a != b)
+    peer = peer or (lambda a, b: backend(a).can_access_peer(a, b))
+    return next(((a, b) for a in devices for b in devices if a != b and not peer(a, b)), None)
 
 
 def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
@@ -72,7 +78,7 @@ def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
                 why = f"{world} distinct GPUs but no NCCL ({', '.join(c.name for c in kinds)}: none available here)"
         else:
             why = f"{world} lanes on {len(keys)} GPUs, some shared (NCCL takes one GPU per rank)"
-        if _all_pairs_peer(devices):
+        if pair_without_peer(devices) is None:
             return "p2p", f"{why}; every GPU pair has peer access: device-to-device copies"
         return "host", f"{why}; not every GPU pair has peer access: sums go through pinned host memory"
     return "host", f"lanes on {len(keys)} distinct {types.pop()} devices: sums go through host memory"

@@ -347,9 +347,10 @@ def bucket_cap(sizes: Sequence[int], cap: int | None) -> int:
     be ready early; but each bucket costs the one issuing thread its ops and two collectives per lane, and
     its pack and unpack kernels share each GPU with the backward. A fixed cap made every weight of a
     70B-class block a bucket of its own (11 with the scales), where an eighth of the block (7 buckets)
-    hides more of the exchange: the timeline model on 4 x RTX 3090, compile on, gave 2.32x with the fixed
-    cap and 2.54x with a 2**26 one, but an 8B-class block 2.62x with its 8 buckets and 2.40x with 4
-    (docs/PERFORMANCE.md). A share of the block keeps the count near eight whatever the block's size.
+    hides more of the exchange: ``python -m benchmarks.timeline --table`` on 4 x RTX 3090, compile on,
+    70B-class, gave 2.32x with the fixed cap and 2.55x with the share, the 8B-class block 2.62x with
+    either (its 8 buckets; docs/PERFORMANCE.md). A share of the block keeps the count near eight
+    whatever the block's size.
 
     Note [buckets as large as the largest tensor]
     Without overlap every bucket is exchanged after the backward, so small buckets buy nothing and

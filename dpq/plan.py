@@ -25,28 +25,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dpq import refusals
-from dpq.communicators import COMMUNICATORS, choose_communicator
-from dpq.exchange import OVERLAP_BUCKET_CAP, OVERLAP_BUCKETS, SHARE_CAP, WHOLE_BLOCK_CAP
+from dpq.communicators import COMMUNICATORS, choose_communicator, pair_without_peer
+from dpq.exchange import SHARE_CAP, WHOLE_BLOCK_CAP, bucket_cap
 from dpq.sign_bits import SIGN_TABLE_BYTES
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
-__all__ = [
-    "ONE_LANE_EXCHANGE",
-    "BlockPrice",
-    "DeviceEntry",
-    "Plan",
-    "PlanRefused",
-    "PlanRequest",
-    "device_spec_errors",
-    "lane_device_errors",
-    "overlap_choice",
-    "parse_device_spec",
-    "price_home",
-    "price_mirror",
-    "price_runtime",
-    "resolve",
-    "validate_world",
-]
+__all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest",
+           "device_spec_errors", "lane_device_errors", "overlap_choice", "parse_device_spec", "price_home",
+           "price_mirror", "price_runtime", "resolve", "validate_world"]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -175,10 +161,8 @@ def overlap_choice(setting: bool | None, devices: Sequence[torch.device], proces
     if processes > 1:
         return False, ("auto: off across processes (every rank must lay its gradient buckets out alike); "
                        "--parallel_overlap on asks for it")
-    peer = peer or (lambda a, b: backend(a).can_access_peer(a, b))
-    unique = list(dict.fromkeys(devices))
     try:
-        slow = next(((a, b) for a in unique for b in unique if a != b and not peer(a, b)), None)
+        slow = pair_without_peer(devices, peer)
     except Exception as err:  # a device query failed (as in _finish): the safe default, said
         return False, f"auto: off, the GPUs' peer access could not be queried ({err!r})"
     if slow is None:
@@ -240,7 +224,7 @@ def _block_terms(block: torch.nn.Module, inputs: Sequence[torch.Tensor], samples
     n = sum(p.numel() for p in two_d)
     tuned = n + n // 8
     share = -(-max(1, samples_per_iter) // world)
-    cap = max(OVERLAP_BUCKET_CAP, -(-tuned // OVERLAP_BUCKETS)) if bucket_cap_elems == SHARE_CAP else bucket_cap_elems
+    cap = bucket_cap([tuned], bucket_cap_elems)  # SHARE_CAP: an eighth of the tuned values (dpq.exchange)
     bucket = min(tuned, max(cap, max((p.numel() for p in two_d), default=0)))
     parts = {
         "weights": sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers())),

@@ -447,9 +447,8 @@ def _exchange_communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane
     lanes that have streams): over a second stream per lane, so the exchange runs beside the
     backward (dpq.comm_streams), in one process and across processes alike (the process-group
     communicator over the communication lanes: its legs inside the process and its transfers across)."""
-    overlap = ran.overlap
-    comm, ran = _communicator(config, ran, comm_lanes(lanes) if overlap else lanes, procs)
-    return (CommStreams(comm, lanes) if overlap else comm), ran
+    comm, ran = _communicator(config, ran, comm_lanes(lanes) if ran.overlap else lanes, procs)
+    return (CommStreams(comm, lanes) if ran.overlap else comm), ran
 
 
 def _communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],

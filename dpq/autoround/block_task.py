@@ -111,7 +111,8 @@ def lane_block_forward(ran: session.LaneRun, torch_compile: bool):
     compiled (auto-round's ``wrapper_block`` compiled them), so a layer's gradients are written when
     its own backward ends and the buckets go out while the earlier layers' backward runs. The price
     is the block's elementwise work eager (norms, activations, residuals: more kernels and more host
-    ops per lane-iteration), which is why overlap is not the default on GPU lanes (docs/USAGE.md).
+    ops per lane-iteration), which is why ``auto`` turns overlap on only where the link is slow (Note
+    [overlap where the wire is slow] in ``dpq.plan``).
     Overlap happens only on lanes with streams (accelerators; ``ran.overlap``), so CPU lanes and
     world 1 (auto-round's serial path) keep the compiled block forward. The values differ from the
     compiled forward's by rounding only, as between any two worlds (contract 1: statistical parity)."""
