@@ -342,7 +342,7 @@ def measure_world(case: Case, world: int, args) -> dict:
     for link in links:
         link.close()
     t = {m: statistics.median(v) for m, v in times.items()}
-    exposed_after, exposed_overlap = t["after"] - t["none"], t["overlap"] - t["none"]
+    fraction, failed = hidden_fraction(t["none"], t["after"], t["overlap"])
     return {
         "world": world,
         "bucket_cap": cap,
@@ -357,8 +357,35 @@ def measure_world(case: Case, world: int, args) -> dict:
         "T_none": t["none"],
         "T_after": t["after"],
         "T_overlap": t["overlap"],
-        "hidden_fraction": 1.0 - exposed_overlap / exposed_after if exposed_after > 0 else float("nan"),
+        "hidden_fraction": fraction,
+        "hidden_failed": failed,
     }
+
+
+def _shown(row: dict) -> str:
+    """A row's hidden fraction as the table says it: the number, or 'failed' where the timings contradict."""
+    return "failed" if row["hidden_failed"].startswith("failed") else f"{row['hidden_fraction']:.2f}"
+
+
+def hidden_fraction(t_none: float, t_after: float, t_overlap: float) -> tuple[float, str]:
+    """(1 - (T_overlap - T_none) / (T_after - T_none), "") where that is a measurement; else (nan, why).
+    A fraction of the exchange hidden lies in [0, 1]: outside it the timings contradict each other
+    (an overlapped iteration faster than one with no exchange at all, or slower than the exchange
+    after the backward), which on a CPU means other work moved them more than the exchange did."""
+    exposed_after, exposed_overlap = t_after - t_none, t_overlap - t_none
+    if exposed_after <= 0:
+        return float("nan"), (f"undefined: the exchange added nothing measurable after the backward (T_after "
+                              f"{t_after * 1e3:.1f} ms <= T_none {t_none * 1e3:.1f} ms)")
+    fraction = 1.0 - exposed_overlap / exposed_after
+    if exposed_overlap < 0:
+        return float("nan"), (f"failed: T_overlap {t_overlap * 1e3:.1f} ms < T_none {t_none * 1e3:.1f} ms, faster "
+                              "than no exchange at all (timing noise larger than the exchange: a loaded machine; "
+                              "rerun quiet, or with more --rounds)")
+    if fraction < 0:
+        return float("nan"), (f"failed: T_overlap {t_overlap * 1e3:.1f} ms > T_after {t_after * 1e3:.1f} ms, slower "
+                              "than the exchange after the backward (timing noise, or overlap costing more than it "
+                              "hides at this size; rerun quiet, or with more --rounds)")
+    return fraction, ""
 
 
 class Breakdown:
@@ -547,7 +574,7 @@ def main(argv=None) -> int:
         print(f"| {r['world']} | {r['buckets']} | {r['wire_bytes_per_iter'] / 1e6:.3f} | {r['collectives_per_iter']} "
               f"| {r['backward_lane_s'] * 1e3:.1f} | {r['link_s_per_iter'] * 1e3:.1f} | {r['link_GBps']:.4f} "
               f"| {r['T_none'] * 1e3:.1f} | {r['T_after'] * 1e3:.1f} | {r['T_overlap'] * 1e3:.1f} "
-              f"| {r['hidden_fraction']:.2f} |")
+              f"| {_shown(r)} |")
     if args.breakdown:
         print("\nms per iteration (mean); lane backward: from the previous lane's last gradient hook to its own, "
               "last lane first (lane 0's includes the exchange host work its hooks issue); exchange host: every "
@@ -568,8 +595,11 @@ def main(argv=None) -> int:
                   f"1 - overlapped / after = {1 - over / after if after > 0 else float('nan'):.2f}")
     if others is not None:
         print(f"\nother processes used {others:.0%} of the machine's CPU during this run")
-    # nan where the exchange added nothing measurable after the backward (a toy shape on a loaded
-    # machine): undefined, said as nan, never the worst of the defined ones
+    # nan where no fraction was measured (hidden_fraction: undefined, or timings that contradict each
+    # other): said why, never the worst of the measured ones
+    for r in rows:
+        if r["hidden_failed"]:
+            print(f"world {r['world']}: hidden fraction {r['hidden_failed']}")
     defined = [r for r in rows if r["hidden_fraction"] == r["hidden_fraction"]]
     worst = min(defined or rows, key=lambda r: r["hidden_fraction"])
     print(f"hidden_fraction={worst['hidden_fraction']:.2f} world={worst['world']} link_GBps={worst['link_GBps']:.4f}")

@@ -86,10 +86,12 @@ def exchange_seconds(world: int, c: CostInputs) -> float:
                                                                                    c.policy) / c.bandwidth_Bps
 
 
-def predict(world: int, iters: int, c: CostInputs) -> Prediction:
-    """T(world) for a block of ``iters`` iterations (module docstring)."""
+def predict(world: int, iters: int, c: CostInputs, devices: int | None = None) -> Prediction:
+    """T(world) for a block of ``iters`` iterations (module docstring). ``devices``: the distinct
+    devices the ``world`` lanes are on (None: one each). Lanes sharing a device take turns on it, so
+    compute divides by the devices, not the lanes (CPU lanes sharing one CPU: no speedup at all)."""
     issue = world * c.issue_s
-    compute = c.compute_s / world
+    compute = c.compute_s / max(1, min(world, devices if devices is not None else world))
     e = exchange_seconds(world, c)
     backward = c.backward_share * compute
     exposed = e - min(e - e / max(1, c.buckets), max(0.0, c.overlap) * backward) if e > 0 else 0.0

@@ -385,16 +385,30 @@ class RankPlan:
     devices: list[str] = field(default_factory=list)  # its accelerator lanes' devices (one process each)
 
 
-def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Topology, list[str]]:
+def _reasons_by_rank(procs: ProcessSet, plans: Sequence[RankPlan]) -> list[str]:
+    """The refusing ranks' reasons, each once: as given where every rank gave it, else after the ranks
+    that gave it ("rank 0, 2: ...")."""
+    ranks: dict[str, list[int]] = {}
+    for r, plan in enumerate(plans):
+        for reason in plan.reasons if plan.refused else ():
+            ranks.setdefault(reason, []).append(procs.name(r))
+    return [reason if len(who) == len(plans) else f"rank {', '.join(map(str, who))}: {reason}"
+            for reason, who in ranks.items()]
+
+
+def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int,
+          pool_samples: int = 0) -> tuple[Topology, list[str]]:
     """Every rank's plan, exchanged; the same answer on every rank.
 
     Returns (topology, notes): the agreed topology (``procs.size`` processes x the same local lane
     count), or, when the block runs serially on every rank, each rank alone on one lane, its home
     (:meth:`Topology.alone`: one process, ``several`` False), whatever lanes its own plan had. Raises
-    :class:`dpq.plan.PlanRefused` on every rank, listing every rank's reasons (each prefixed
-    with its rank), when any rank refused, the ranks asked for different worlds, or the
-    processes outnumber the samples of an iteration. Every rank runs the same local lane count:
-    under 'auto' the fewest any rank has (noted); an explicit world refuses wherever it is short.
+    :class:`dpq.plan.PlanRefused` (``every_rank``) on every rank, listing every rank's reasons (a
+    reason every rank gave once, as one process says it; others prefixed with their ranks), when any
+    rank refused, the ranks asked for different worlds, or the lanes outnumber the samples of an
+    iteration (``pool_samples``: the calibration samples there are, 0 unknown: the fix names what
+    limits it, as in one process). Every rank runs the same local lane count: under 'auto' the
+    fewest any rank has (noted); an explicit world refuses wherever it is short.
     """
     from dpq import refusals
     from dpq.plan import PlanRefused
@@ -403,7 +417,7 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Top
         mine.job = uuid.uuid4().hex
     plans: Sequence[RankPlan] = procs.all_gather_object(mine)
     procs.job = procs.job or plans[0].job
-    problems = [f"rank {procs.name(r)}: {reason}" for r, p in enumerate(plans) if p.refused for reason in p.reasons]
+    problems = _reasons_by_rank(procs, plans)
     asked = {repr(p.requested) for p in plans}
     if len(asked) > 1:
         each = ", ".join(f"rank {procs.name(r)}: {q.requested!r}" for r, q in enumerate(plans))
@@ -418,9 +432,10 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int) -> tuple[Top
     p, explicit = procs.size, isinstance(mine.requested, int)
     lanes = min((q.lanes for q in plans if not q.refused), default=0)
     if p > samples_per_iter or (explicit and p * lanes > samples_per_iter):
-        problems.append(refusals.processes_outnumber_samples(p, lanes if explicit else 1, samples_per_iter))
+        problems.append(refusals.too_few_samples(p * (lanes if explicit else 1), samples_per_iter, pool_samples,
+                                                 processes=p))
     if problems:
-        raise PlanRefused(problems)
+        raise PlanRefused(problems, every_rank=True)
     if any(q.serial for q in plans):
         serial = [r for r, q in enumerate(plans) if q.serial]
         why = plans[serial[0]].reasons[0] if plans[serial[0]].reasons else "its plan is serial"

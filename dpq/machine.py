@@ -23,6 +23,7 @@ from dpq.streams import backend
 
 __all__ = ["ACCELERATORS", "Machine", "device_name", "device_names"]
 
+EXAMPLE_LANES = 8  # the most lanes an example lane list in a message names
 ACCELERATORS = ("cuda", "xpu", "hpu")  # in the order a bare index picks them (dpq.streams.default_accelerator_type)
 
 
@@ -66,9 +67,10 @@ class Machine:
         return next((t for t in ACCELERATORS if self.count(t) > 0), None)
 
     def example_lanes(self, lanes: int) -> str:
-        """A lane device list of up to ``lanes`` devices (at least 2) that exist here: the visible
-        accelerators, else CPU lanes."""
-        lanes = max(2, lanes)
+        """A lane device list of up to ``lanes`` devices (at least 2, at most :data:`EXAMPLE_LANES`:
+        an example is never sized by the request) that exist here: the visible accelerators, else
+        CPU lanes."""
+        lanes = max(2, min(lanes, EXAMPLE_LANES))
         kind = self.accelerator
         if kind is None:
             return ",".join(["cpu"] * lanes)

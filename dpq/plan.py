@@ -50,10 +50,12 @@ ONE_LANE_EXCHANGE = "one lane: nothing to exchange"  # the communicator reason o
 
 
 class PlanRefused(ValueError):
-    """An explicitly requested world cannot be served. ``reasons`` holds every reason."""
+    """An explicitly requested world cannot be served. ``reasons`` holds every reason; ``every_rank``:
+    several processes agreed on it (:func:`dpq.distributed.agree`), so every rank raises this same
+    refusal at the same point and none needs telling (it is a refusal, not a rank's failure)."""
 
-    def __init__(self, reasons: Sequence[str]) -> None:
-        self.reasons = list(reasons)
+    def __init__(self, reasons: Sequence[str], every_rank: bool = False) -> None:
+        self.reasons, self.every_rank = list(reasons), every_rank
         body = "\n".join(f"  - {r}" for r in self.reasons)
         super().__init__(f"dpq: the requested parallel quantization cannot run:\n{body}")
 
@@ -496,9 +498,12 @@ def _home(request: PlanRequest) -> torch.device:
     return home
 
 
-def _default_devices(world: int | str, home: torch.device) -> list[torch.device]:
+def _default_devices(world: int | str, home: torch.device, samples_per_iter: int) -> list[torch.device]:
+    """The lanes when none were given: every visible device of home's type (home first); on the CPU,
+    as many lanes sharing it as asked, but never more than get a sample (an absurd world is refused
+    for its samples, not by building its list)."""
     if home.type == "cpu" or home.type not in SUPPORTED_HOME_TYPES:
-        return [home] * (1 if world == "auto" else int(world))
+        return [home] * (1 if world == "auto" else min(int(world), max(1, samples_per_iter)))
     be = backend(home)
     devices = [torch.device(home.type, i) for i in range(be.device_count())] or [home]
     devices.sort(key=lambda d: d != home)  # lane 0 is home: the block itself
@@ -596,7 +601,7 @@ def resolve(request: PlanRequest) -> Plan:
         reasons.append(refusals.unsupported_home(home.type))
     given = request.devices is not None
     entries = parse_device_spec(request.devices, request.caller) if given else \
-        [DeviceEntry(str(d), d) for d in _default_devices(world, home)]
+        [DeviceEntry(str(d), d) for d in _default_devices(world, home, request.samples_per_iter)]
     if world != "auto" and len(entries) > world and given:
         unused = ", ".join(e.raw for e in entries[world:])
         notes.append(refusals.unused_devices(world, len(entries), unused, request.caller))
@@ -609,7 +614,8 @@ def resolve(request: PlanRequest) -> Plan:
     bad = {k for k, _ in lane_problems}
     devices = [e.device for k, e in enumerate(listed) if k not in bad]
     named = [e.raw.strip() for e in entries if e.raw.strip()]
-    if world != "auto" and len(named) < world:
+    cpu_default = not given and (home.type == "cpu" or home.type not in SUPPORTED_HOME_TYPES)
+    if world != "auto" and len(named) < world and not cpu_default:  # (default CPU lanes: as many as get a sample)
         reasons.append(refusals.too_few_devices(world, named, given, request.caller))
     n = world if world != "auto" else len(devices)
     if n > request.samples_per_iter:

@@ -15,29 +15,29 @@ from collections.abc import Sequence
 __all__ = [
     "AWQ_BALANCE_ON_META", "AWQ_BALANCE_OUTSIDE", "AWQ_CALLS_NOT_PAIRS", "AWQ_NO_WEIGHTS", "BLOCK_NO_PARAMS",
     "BLOCK_ON_META", "DEBUG_WHILE_OFF", "DEMO_NEEDS_MATPLOTLIB", "DEVICES_WHILE_OFF", "DICT_POOL", "DIST_ACTIVE",
-    "EMPTY_DEVICE_LIST",
-    "GRAD_SCALER", "HPU_MULTI_LANE", "INPUTS_NOT_TENSORS", "LFQ_LOSS", "LINES", "OFF_UNDER_TORCHRUN", "ONE_LANE",
-    "OUTPUTS_NOT_TENSORS", "OVERLAP_ON_CPU", "OVERLAP_WHILE_OFF", "PARALLEL_OFF", "PASS_DICT_POOL",
-    "PASS_DIST_ACTIVE", "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME", "RTN_ON_META", "RUN_STOPPED",
-    "SIGN_STEP_UPSTREAM_CHANGED", "TASKS_UNDER_TORCHRUN", "UNSTAGED_FOR_RESUME", "accelerator_shared",
-    "auto_fewest_lanes", "auto_lanes_for_samples", "auto_round_missing", "auto_round_unsupported", "auto_shared_device",
-    "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized",
-    "block_already_wrapped", "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled",
-    "cancelled_after_move", "collection_lane_failed", "custom_backward", "device_index_too_large", "device_missing",
-    "dispatch_hooks", "empty_device_list", "forward_replaced", "group_start_failed", "hidden_size_mismatch",
-    "home_alone", "hung_process_ends", "inference_tensors", "issuing_thread_hung", "jobs_differ", "lane0_not_home",
+    "EMPTY_DEVICE_LIST", "GRAD_SCALER", "HPU_MULTI_LANE", "INPUTS_NOT_TENSORS", "LFQ_LOSS", "LINES",
+    "OFF_UNDER_TORCHRUN", "ONE_LANE", "OUTPUTS_NOT_TENSORS", "OVERLAP_ON_CPU", "OVERLAP_WHILE_OFF", "PARALLEL_OFF",
+    "PASS_DICT_POOL", "PASS_DIST_ACTIVE", "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME",
+    "RTN_ON_META", "RUN_STOPPED", "SIGN_STEP_UPSTREAM_CHANGED", "TASKS_UNDER_TORCHRUN", "TIMEOUT_WHILE_OFF",
+    "UNSTAGED_FOR_RESUME", "accelerator_shared", "auto_fewest_lanes", "auto_lanes_for_samples", "auto_round_missing",
+    "auto_round_unsupported", "auto_shared_device", "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks",
+    "bad_count", "bad_world", "block_already_quantized", "block_already_wrapped", "block_forward_fails",
+    "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled", "cancelled_after_move",
+    "collection_lane_failed", "custom_backward", "device_index_too_large", "device_missing", "dispatch_hooks",
+    "empty_device_list", "forward_replaced", "group_start_failed", "hidden_size_mismatch", "home_alone",
+    "hung_process_ends", "inference_tensors", "issuing_thread_hung", "jobs_differ", "lane0_not_home",
     "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung", "malformed_device_entry",
     "no_accelerator_for_index", "no_quantized_layer", "no_such_device_here", "not_a_cpu_index", "not_a_folder",
     "on_meta", "others_count", "others_device", "others_empty", "others_not_pairs", "others_on_meta", "output_is_file",
     "outputs_count", "outputs_shape", "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable", "pool_device",
     "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over",
-    "processes_outnumber_samples", "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first",
-    "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_in_output", "report_is_dir",
-    "report_not_written", "rotary_length_mismatch", "rtn_override", "samples_mismatched", "serial_every_rank",
-    "setting_differs", "setting_type", "staging_leftovers", "symbol_differs", "symbol_missing", "timeout_not_a_number",
-    "timeout_out_of_range", "too_few_devices", "too_few_samples", "torch_lacks_type", "unknown_scheme",
-    "unmergeable_hooks", "unrecognized_arguments", "unsupported_home", "unused_devices", "weights_span",
-    "world_size_without_launcher", "worlds_differ",
+    "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable",
+    "ranks_drew_other_indices", "ranks_silent", "report_in_output", "report_is_dir", "report_is_input",
+    "report_not_written", "rotary_length_mismatch", "rtn_override", "samples_mismatched", "save_failed",
+    "serial_every_rank", "setting_differs", "setting_type", "shared_lanes", "staging_leftovers", "symbol_differs",
+    "symbol_missing", "timeout_not_a_number", "timeout_out_of_range", "too_few_devices", "too_few_samples",
+    "torch_lacks_type", "unknown_scheme", "unmergeable_hooks", "unrecognized_arguments", "unsupported_home",
+    "unused_devices", "weights_span", "world_size_without_launcher", "worlds_differ",
 ]
 
 
@@ -176,13 +176,14 @@ def unused_devices(world: int, given: int, unused: str, caller: str = "cli") -> 
 def too_few_devices(world: int, named: Sequence[str], given: bool, caller: str = "cli") -> str:
     n, arg = len(named), _named(caller)
     return (f"world {world} needs {world} lane devices but {n} {'was' if n == 1 else 'were'} "
-            f"{'given' if given else 'found'}{' (' + ', '.join(named) + ')' if named else ''}. Fix: "
+            f"{'given' if given else 'found'}{' (' + _list(named, 8) + ')' if named else ''}. Fix: "
             f"{arg['devices']} with one device per lane (e.g. cpu,cpu or 0,1), or a smaller {arg['world']}")
 
 
-def too_few_samples(lanes: int, samples: int, pool: int = 0, caller: str = "cli") -> str:
+def too_few_samples(lanes: int, samples: int, pool: int = 0, caller: str = "cli", processes: int = 1) -> str:
     """``samples`` per iteration: the smaller of ``pool`` (the calibration samples there are; 0: not
-    known) and batch_size x gradient_accumulate_steps; the fix raises the one that limits it."""
+    known) and batch_size x gradient_accumulate_steps; the fix raises the one that limits it.
+    ``processes`` > 1: the lanes are that many processes' (torchrun), each running lanes / processes."""
     arg = _named(caller)
     if pool and pool <= samples:  # the calibration data is the limit, whatever the batch size
         limit = (f"the calibration data has {pool} sample{'s' if pool != 1 else ''}" if caller != "api" else
@@ -190,6 +191,13 @@ def too_few_samples(lanes: int, samples: int, pool: int = 0, caller: str = "cli"
         more = f"--nsamples {lanes} or more" if caller != "api" else f"at least {lanes} inputs (one tensor each)"
     else:
         limit, more = "batch_size x gradient_accumulate_steps", f"{arg['batch']} {lanes} or more"
+    if processes > 1:
+        what = f"{lanes} lanes ({processes} processes x {lanes // processes})"
+        per_process = samples // processes
+        fewer = (f"--parallel_quantization {per_process} per process" if per_process >= 1 else
+                 f"at most {samples} processes (torchrun --nproc-per-node)")
+        return (f"{what} but only {samples} sample{'s' if samples != 1 else ''} per iteration ({limit}): every lane "
+                f"needs at least one sample. Fix: {more}, or fewer lanes: {fewer}")
     return (f"{lanes} lanes but only {samples} sample{'s' if samples != 1 else ''} per iteration ({limit}): every "
             f"lane needs at least one sample. Fix: {more}, or a smaller {arg['world']} (at most {samples})")
 
@@ -295,10 +303,16 @@ def auto_world_needs_auto(world: object) -> str:  # enable(world, auto_world=...
 
 
 def auto_shared_device(lanes: int, devices: Sequence[str]) -> str:
-    """A plan note (not a refusal): 'auto''s default cost model did not choose for these lanes."""
-    return (f"auto: the {lanes} lanes share {', '.join(devices)}; the cost model divides compute over devices, so it "
-            "has no basis here and every fitting lane runs. Fix: none needed; to let it choose anyway, "
-            "enable(..., auto_world=dpq.cost_model.AutoWorld(compute_s=...))")
+    """A plan note (not a refusal): 'auto' runs every fitting lane on a shared device, which buys no speed."""
+    return f"auto: every fitting lane runs ({lanes}), {shared_lanes(devices)}"
+
+
+def shared_lanes(devices: Sequence[str]) -> str:
+    """Lanes that share ``devices`` (fewer devices than lanes): the plan screen's row and auto's line."""
+    where = "one CPU" if list(devices) == ["cpu"] else ", ".join(devices)
+    return (f"no speedup: these lanes share {where} and take turns on it, so the block takes at least as long as on "
+            "one lane (they run in parity: useful for testing). Fix: for speed, one lane per accelerator "
+            "(--parallel_devices 0,1,...), or --parallel_quantization off")
 
 
 # -- dpq.parallel_tune's arguments (dpq.autoround.api) ------------------------------------------
@@ -349,6 +363,18 @@ def hidden_size_mismatch(size: int, widths: Sequence[str]) -> str:
             f"{size} features (they take {', '.join(widths)}): these are not this block's inputs. Fix: pass the "
             "hidden states that enter this block, e.g. captured with dpq.demo.model.capture_block_inputs or from "
             "auto-round's cache")
+
+
+def block_forward_fails(block: str, err: str, given: Sequence[str], missing: Sequence[str]) -> str:
+    """``dpq.parallel_tune``: the block's forward failed on inputs[0] with input_others as given;
+    ``missing``: the keywords its forward takes that input_others does not give."""
+    gave = f"input_others gives {', '.join(given)}" if given else "no input_others"
+    lacks = (f" {block}.forward also takes {', '.join(missing)}, which input_others does not give"
+             + (" (position_embeddings: the rotary (cos, sin) pair the model computes for these positions)"
+                if "position_embeddings" in missing else "") + "." if missing else "")
+    return (f"the block's forward fails on inputs[0] with {gave}: {err}.{lacks} Fix: pass input_others as the "
+            "model hands them to this block (as auto-round caches them), e.g. captured with "
+            "dpq.demo.model.capture_block_inputs")
 
 
 def rotary_length_mismatch(length: int, seq: int) -> str:
@@ -467,6 +493,7 @@ _REPORT_FIX = "Fix: --parallel_report with a file path in a writable folder, e.g
 DEBUG_WHILE_OFF = ("--parallel_debug has no effect with --parallel_quantization off (the default). "
                   "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
 OVERLAP_WHILE_OFF = DEBUG_WHILE_OFF.replace("--parallel_debug", "--parallel_overlap")
+TIMEOUT_WHILE_OFF = DEBUG_WHILE_OFF.replace("--parallel_debug", "--parallel_timeout")
 OVERLAP_ON_CPU = ("--parallel_overlap has no effect on CPU lanes: it puts the exchange on a second stream per GPU "
                   "lane, and CPU lanes (which have no streams) exchange during the backward anyway. Fix: drop "
                   "--parallel_overlap (auto), or GPU lanes (--parallel_devices 0,1)")
@@ -510,6 +537,14 @@ def report_in_output(path: str, output_dir: str) -> str:
             f"{output_dir.rstrip('/') or '.'}/dpq_report.json")
 
 
+def report_is_input(path: str, flag: str, value: str, output_dir: str) -> str:
+    """The report path is (or is inside) what the run reads: ``flag`` ``value`` as given."""
+    return (f"--parallel_report {path} is where this run reads {flag} {value}: the report would overwrite the "
+            f"user's input (or be written into it), and the next run on the same model or data would read a JSON "
+            f"report instead. Fix: a path outside the run's inputs, e.g. --parallel_report "
+            f"{output_dir.rstrip('/') or '.'}/dpq_report.json")
+
+
 def output_is_file(path: str) -> str:
     return (f"--output_dir {path} is an existing file, not a folder: auto-round saves the model into a folder there. "
             "Fix: another --output_dir, or move that file away")
@@ -544,6 +579,13 @@ def staging_leftovers(folders: Sequence[str]) -> str:
 
 DEMO_NEEDS_MATPLOTLIB = ("python -m dpq.demo draws its figure with matplotlib, which is not installed. Fix: pip "
                          "install 'auto-round-dp[demo]' (or pip install matplotlib)")
+def save_failed(output_dir: str, err: str) -> str:
+    """Writing the model failed (a full disk, a quota, a read-only mount); the staging was removed."""
+    return (f"saving the model into --output_dir {output_dir} failed: {err}. --output_dir is left as it was (what "
+            "this run wrote was removed; a model saved there before is untouched). Fix: free space (or quota) where "
+            "--output_dir is, or another --output_dir, then rerun the command")
+
+
 RUN_STOPPED = ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process, "
                "and --output_dir is left as it was (what the run wrote was removed; a model saved there before is "
                "untouched). Fix: rerun the command with --parallel_quantization auto or off")
@@ -747,11 +789,6 @@ def accelerator_shared(ranks: Sequence[int], device: str, host: str) -> str:
     return (f"ranks {', '.join(map(str, ranks))} all plan lanes on {device} of {host}: an accelerator belongs to one "
             "process. Fix: give each process its own devices (under torchrun: --parallel_devices cuda:$LOCAL_RANK, "
             "or one device list per process)")
-
-
-def processes_outnumber_samples(processes: int, lanes: int, samples: int) -> str:
-    return (f"{processes} processes x {lanes} lane(s) but only {samples} samples per iteration: every lane needs at "
-            "least one sample. Fix: fewer processes or lanes, or a larger --batch_size")
 
 
 def serial_every_rank(ranks: Sequence[int], why: str) -> str:

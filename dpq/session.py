@@ -321,11 +321,11 @@ def _stop_every_rank(procs: ProcessSet, err: BaseException, lost: bool) -> None:
 def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet, plan: Plan | None) -> LaneRun:
     """The task's plan (``plan``, or planned here) agreed with every other rank's (:func:`agree_plan`)."""
     return agree_plan(config, procs, task.samples_per_iter, bool(task.extra_reasons),
-                      lambda: plan if plan is not None else plan_for(config, task))
+                      lambda: plan if plan is not None else plan_for(config, task), task.pool_samples or 0)
 
 
 def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, cannot_split: bool,
-               make_plan: Callable[[], Plan]) -> LaneRun:
+               make_plan: Callable[[], Plan], pool_samples: int = 0) -> LaneRun:
     """This rank's plan (``make_plan()``; :class:`dpq.plan.PlanRefused` counts as this rank's
     refusal) agreed with every other rank's (dpq.distributed.agree): the same local lane count
     everywhere, or the same refusal everywhere (raised on every rank), or serial everywhere
@@ -345,7 +345,7 @@ def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, 
             mine = RankPlan(config.world, 0, err.reasons, refused=True)
         except Exception as err:  # a rank that cannot plan refuses, so every rank hears why
             mine = RankPlan(config.world, 0, [f"planning failed: {err!r}"], refused=True)
-        topology, notes = agree(procs, mine, samples_per_iter)
+        topology, notes = agree(procs, mine, samples_per_iter, pool_samples)
     except PlanRefused:
         raise
     except BaseException as err:  # a rank lost while agreeing

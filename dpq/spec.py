@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from dpq import refusals
 from dpq.machine import Machine
 from dpq.plan import parse_device_spec, validate_world
+from dpq.streams import backend
 
 __all__ = ["FLAGS", "OVERLAP_SETTINGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "SpecSettings",
            "machine_problems", "overlap_setting", "problems"]
@@ -180,8 +181,9 @@ def overlap_setting(value: object) -> bool | None:
 
 
 def problems(world: object, devices: object = None, *, debug: bool = False, overlap: object = None,
-             timeout: object = DEFAULTS["parallel_timeout"]) -> list[str]:
-    """Every problem visible in the settings alone (module docstring), each once."""
+             timeout: object = DEFAULTS["parallel_timeout"], timeout_given: bool = False) -> list[str]:
+    """Every problem visible in the settings alone (module docstring), each once. ``timeout_given``:
+    the timeout was asked for (a command line's flag), not left at its default."""
     found = []
     try:
         w = validate_world(world)
@@ -205,9 +207,25 @@ def problems(world: object, devices: object = None, *, debug: bool = False, over
         overlap = None
     if overlap is True and w == "off":
         found.append(refusals.OVERLAP_WHILE_OFF)
+    if overlap is True and w != "off" and devices is not None and _no_accelerator_lane(devices):
+        found.append(refusals.OVERLAP_ON_CPU)
     if (problem := _timeout_problem(timeout)) is not None:
         found.append(problem)
+    elif timeout_given and w == "off":
+        found.append(refusals.TIMEOUT_WHILE_OFF)
     return list(dict.fromkeys(found))
+
+
+def _no_accelerator_lane(devices: object) -> bool:
+    """Every lane of a well-formed device list is on a device without streams of its own (the CPU, by
+    its backend: the timeline model's logical devices are accelerators)."""
+    entries = parse_device_spec(devices)
+    if not entries or any(e.device is None for e in entries):
+        return False  # malformed: said elsewhere
+    try:
+        return not any(backend(e.device).accelerator for e in entries)
+    except ValueError:
+        return False  # a device type dpq does not support: said elsewhere
 
 
 def machine_problems(world: int | str, devices: object, machine: Machine, *, overlap: object = None,

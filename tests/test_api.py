@@ -296,7 +296,11 @@ def _inject(monkeypatch, where: str, world: int) -> type[BaseException]:
     from auto_round.wrapper import WrapperLinear
 
     if where == "reference outputs":
-        def forward(self, *a, **k):
+        real_forward = BlockForwardRunner.forward
+
+        def forward(self, block, inputs, others, indices=None, **k):
+            if indices is not None:  # parallel_tune's check of the first sample, before the run (issue 42)
+                return real_forward(self, block, inputs, others, indices, **k)
             raise RuntimeError("injected reference-output failure")
 
         monkeypatch.setattr(BlockForwardRunner, "forward", forward)
@@ -563,3 +567,18 @@ def test_world_and_device_errors_name_parallel_tunes_arguments(tiny_block):
     assert "Fix: devices= with entries like" in msg and "--" not in msg, msg
     msg = _refused(tiny_block, r"'gpu' is not a device", world=2, devices="cpu,gpu")
     assert "--" not in msg, msg
+
+
+def test_a_block_that_needs_input_others_says_so_before_work(tiny_block):
+    """Issue 42, item 5: ``input_others`` is optional, but a Llama layer called without its rotary
+    ``position_embeddings`` raised transformers' "TypeError: cannot unpack non-iterable NoneType object"
+    from inside the run instead of the ValueError naming what the block needs. The block's forward now
+    runs on the first sample before any work, and its failure is said with what input_others lacks."""
+    msg = _refused(tiny_block, r"the block's forward fails on inputs\[0\] with no input_others: TypeError",
+                   input_others=None)
+    assert "LlamaDecoderLayer.forward also takes " in msg and "(position_embeddings: the rotary (cos, sin) pair" in msg
+    assert "Fix: pass input_others as the model hands them to this block" in msg, msg
+    _, _, others = tiny_block
+    msg = _refused(tiny_block, r"with input_others gives attention_mask", input_others={
+        k: v for k, v in others.items() if k != "position_embeddings"})
+    assert "also takes " in msg and "position_embeddings" in msg.split("also takes ")[1], msg

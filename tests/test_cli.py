@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,8 @@ def test_every_bad_flag_is_named_at_once_before_the_model_loads(capsys, tmp_path
     (["--parallel_devices", "cpu,cpu"], "parallel quantization is off"),
     (["--parallel_debug"], "--parallel_debug has no effect"),
     (["--parallel_overlap"], "--parallel_overlap has no effect"),
+    # issue 42: --parallel_timeout alone was silently ignored (devices, debug and overlap were refused)
+    (["--parallel_timeout", "30"], "--parallel_timeout has no effect"),
 ])
 def test_flag_problems_exit_2(capsys, monkeypatch, argv, needle):
     monkeypatch.setitem(sys.modules, "auto_round.__main__", None)
@@ -120,6 +123,85 @@ def test_a_report_inside_the_output_is_refused(capsys, tmp_path, monkeypatch):
     assert not (tmp_path / "new").exists() and not (tmp_path / "r.json").exists()  # the check creates nothing
 
 
+def test_a_report_on_the_runs_inputs_is_refused(capsys, tmp_path, monkeypatch):
+    """Issue 42, item 1 (HIGH): ``--parallel_report`` equal to the ``--dataset`` file, a file inside the local
+    ``--model`` folder (its config.json), or a symlink to either, was replaced by the JSON report, exit 0: the
+    next run on the same model or data crashed. Refused before the model loads, nothing touched; symlinks
+    resolved both ways (a model folder whose files link elsewhere, as the Hugging Face cache's do)."""
+    model, blobs = tmp_path / "model", tmp_path / "blobs"
+    model.mkdir(), blobs.mkdir()
+    (blobs / "abc").write_text('{"model_type": "llama"}')
+    (model / "config.json").symlink_to(blobs / "abc")  # as a hub snapshot holds its files
+    (model / "tokenizer.json").write_text("{}")
+    data = tmp_path / "calib.jsonl"
+    data.write_text('{"text": "x"}\n')
+    (tmp_path / "data_link.json").symlink_to(data)
+    out = tmp_path / "out"
+    cases = {data: "--dataset", tmp_path / "data_link.json": "--dataset", model / "config.json": "--model",
+             blobs / "abc": "--model", model / "tokenizer.json": "--model", model / "new_report.json": "--model",
+             model: None}
+    for report, flag in cases.items():
+        err = _refused_paths(capsys, monkeypatch, tmp_path, "--model", str(model), "--dataset", f"{data}:num=8",
+                             "--parallel_quantization", "1", "--parallel_report", str(report), "--output_dir",
+                             str(out))
+        if flag is None:  # the folder itself: a directory, said so before
+            assert "is a directory" in err, err
+            continue
+        value = str(model) if flag == "--model" else str(data)
+        assert f"--parallel_report {report} is where this run reads {flag} {value}" in err, (report, err)
+        assert f"Fix: a path outside the run's inputs, e.g. --parallel_report {out}/dpq_report.json" in err
+    from dpq.autoround.args import autoround_args
+    from dpq.autoround.outputs import path_errors, run_inputs
+
+    inputs = run_inputs(autoround_args(["--model", str(model), "--dataset", f"{data},NeelNanda/pile-10k"]))
+    assert [(i.flag, i.value) for i in inputs] == [("--model", str(model)), ("--dataset", str(data))]
+    assert path_errors(str(tmp_path / "r.json"), str(out), inputs) == []  # beside the inputs: fine
+
+
+def test_a_report_where_nothing_can_be_created_is_refused(capsys, tmp_path, monkeypatch):
+    """Issue 42 (low): a report path under /proc passed the write check (as root ``access()`` says yes) and the
+    run ended with no report, exit 0. The check now creates a file in the nearest existing folder, and removes it."""
+    if not Path("/proc/self").exists():
+        pytest.skip("needs /proc")
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "1", "--parallel_report",
+                         "/proc/dpq_report.json", "--output_dir", str(tmp_path / "out"))
+    assert "--parallel_report /proc/dpq_report.json cannot be written: this user may not write /proc" in err, err
+
+
+def test_the_plan_screen_checks_the_paths_the_run_would_write(capsys, tmp_path, monkeypatch):
+    """Issue 42 (low): ``--parallel_plan`` skipped the report and output path checks, so a plan looked fine for a
+    command that would stop at once."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_plan", "--parallel_report", str(tmp_path),
+                         "--output_dir", str(afile))
+    assert "is a directory" in err and f"--output_dir {afile} is an existing file" in err, err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--parallel_quantization", "99999999999999999999", "--parallel_devices", "cpu"], "world 99999999999999999999 "
+     "needs 99999999999999999999 lane devices but 1 was given (cpu)"),
+    (["--parallel_quantization", "1000000000", "--parallel_devices", "cpu"], "1000000000 lanes but only 8 samples"),
+    (["--parallel_quantization", "1000000000", "--device_map", "cpu"], "1000000000 lanes but only 8 samples per "
+     "iteration (batch_size x gradient_accumulate_steps): every lane needs at least one sample. Fix: --batch_size "
+     "1000000000 or more, or a smaller --parallel_quantization (at most 8)"),
+    (["--parallel_quantization", "4", "--device_map", "cpu", "--nsamples", "2"], "4 lanes but only 2 samples per "
+     "iteration (the calibration data has 2 samples): every lane needs at least one sample. Fix: --nsamples 4 or "
+     "more"),
+])
+def test_absurd_worlds_stop_at_once(capsys, monkeypatch, argv, needle):
+    """Issue 42, item 2: ``--parallel_quantization 99999999999999999999 --parallel_devices cpu`` ended in an
+    OverflowError traceback (an example lane list sized by the request); ``1000000000`` with devices was refused
+    after ~40 s (that list: gigabytes); without devices the model loaded and block 0 sat for minutes. The world
+    is checked against the samples of an iteration (auto-round's defaults: batch 8) at flag time, exit 2 in
+    seconds, and no message is sized by the request."""
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)  # the model is never loaded
+    t0 = time.perf_counter()
+    rc, err = run_main(capsys, *argv)
+    assert rc == 2 and needle in err and "Traceback" not in err, err
+    assert len(err) < 2000 and time.perf_counter() - t0 < 10, (len(err), time.perf_counter() - t0)
+
+
 def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
     """Issue 31, item 12: ``--output_dir`` an existing file failed only after the whole quantization,
     with a NotADirectoryError traceback from the staging's commit."""
@@ -158,15 +240,19 @@ def _cli(tmp: Path, *extra: str, prelude: str = "") -> subprocess.CompletedProce
 
 
 def test_cli_refusal_lists_every_reason_as_a_message(tmp_path):
-    """What needs the model (samples per iteration, LFQ) is refused before the first block's work, every
-    reason at once, printed, rc 1 (what the flags alone reveal stops earlier: test_cli_refusals)."""
-    report = tmp_path / "report.json"
-    proc = _cli(tmp_path, "--iters", "2", "--batch_size", "1", "--enable_lfq", "--parallel_quantization", "4",
-                "--parallel_devices", "cpu,cpu,cpu,cpu", "--parallel_report", str(report))
+    """What needs the model and its data (the samples the dataset holds, LFQ) is refused before the first
+    block's work, every reason at once, printed, rc 1 (what the flags alone reveal, --batch_size 1 for 4
+    lanes among them, stops earlier, exit 2: test_absurd_worlds_stop_at_once)."""
+    from dpq.demo.embedded import calibration_jsonl
+
+    report, two = tmp_path / "report.json", tmp_path / "two.jsonl"
+    calibration_jsonl(two, 2, 64)
+    proc = _cli(tmp_path, "--iters", "2", "--batch_size", "4", "--enable_lfq", "--parallel_quantization", "4",
+                "--parallel_devices", "cpu,cpu,cpu,cpu", "--parallel_report", str(report), "--dataset", str(two))
     assert proc.returncode == 1, proc.stderr[-3000:]
     err = proc.stderr
     assert "Traceback" not in err, err[-3000:]
-    for needle in ("4 lanes but only 1 sample per", "LFQ loss"):
+    for needle in ("4 lanes but only 2 samples per iteration (the calibration data has 2 samples)", "LFQ loss"):
         assert needle in err, (needle, err[-3000:])
     error = json.loads(report.read_text())["error"]
     assert error["kind"] == "refused" and "the requested parallel quantization cannot run" in error["message"]
@@ -358,10 +444,30 @@ def test_a_failed_save_is_reported_as_a_failure(tmp_path):
     before = earlier_model(tmp_path / "out")
     proc = _cli(tmp_path, "--iters", "1", "--batch_size", "4", "--parallel_quantization", "1", "--parallel_report",
                 str(report), prelude=prelude)
-    assert proc.returncode != 0 and "No space left on device" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 1 and "No space left on device" in proc.stderr, proc.stderr[-3000:]
     assert tree_bytes(tmp_path / "out") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl", "out", "report.json"]
+    # issue 42, item 4: a raw traceback, no line saying the output folder is as it was, and "where": null (the
+    # shards are written by auto-round's immediate saving after the last block, before its save); said now
+    said = refusals.save_failed(str(tmp_path / "out"), "OSError: [Errno 28] No space left on device")
+    assert f"auto-round-dp: dpq: {said}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     error = json.loads(report.read_text())["error"]
-    # where: None (auto-round's immediate saving writes the shards after the last block, before its save)
-    assert error == {"kind": "error", "where": None, "block": None, "lane": None,
-                     "message": "OSError: [Errno 28] No space left on device"}
+    assert error == {"kind": "save_failed", "where": "save", "block": None, "lane": None, "message": f"dpq: {said}"}
+
+
+def test_a_write_failure_is_told_from_other_errors():
+    """What is said as a failed save (issue 42, item 4): a write refused for room or permission, as Python's
+    OSError or safetensors' own error says it; not a read that fails, nor any other error."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from dpq.autoround.ranks import is_write_failure
+
+    assert is_write_failure(OSError(errno.ENOSPC, "No space left on device"))
+    assert is_write_failure(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    full = "Error while serializing: I/O error: No space left on device (os error 28)"  # its Rust writer's words
+    assert is_write_failure(SafetensorError(full))
+    assert not is_write_failure(FileNotFoundError(errno.ENOENT, "No such file or directory"))
+    assert not is_write_failure(SafetensorError("Error while deserializing header: HeaderTooLarge"))
+    assert not is_write_failure(RuntimeError("No space left on device"))

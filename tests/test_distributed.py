@@ -332,10 +332,10 @@ def test_job_token_from_rank_0():
     assert first.job != "another"  # drawn once per job
 
 
-def _agree(plans, rank=1, samples=8):
+def _agree(plans, rank=1, samples=8, pool=0):
     from dpq.distributed import agree
 
-    return agree(Gathered(rank, plans), plans[rank], samples)
+    return agree(Gathered(rank, plans), plans[rank], samples, pool)
 
 
 def test_agreement():
@@ -359,10 +359,17 @@ def test_agreement():
     assert refused.value.reasons == ["rank 10: a", "rank 10: b", "rank 12: c"]
     with pytest.raises(PlanRefused, match=r"different worlds \(rank 10: 2, rank 11: 'auto'\)"):
         _agree([RankPlan(2, 2, []), RankPlan("auto", 2, [])])
-    with pytest.raises(PlanRefused, match="3 processes x 2 lane"):
+    with pytest.raises(PlanRefused, match=r"6 lanes \(3 processes x 2\) but only 5 samples") as refused:
         _agree([RankPlan(2, 2, [])] * 3, samples=5)
-    with pytest.raises(PlanRefused, match="3 processes x 1 lane"):
-        _agree([RankPlan("auto", 2, [])] * 3, samples=2)
+    assert refused.value.every_rank and "Fix: --batch_size 6 or more, or fewer lanes: --parallel_quantization 1 per " \
+        "process" in refused.value.reasons[0]
+    with pytest.raises(PlanRefused, match=r"3 lanes \(3 processes x 1\) but only 2 samples per iteration \(the "
+                                          r"calibration data has 2 samples\).*Fix: --nsamples 3 or more"):
+        _agree([RankPlan("auto", 2, [])] * 3, samples=2, pool=2)
+    # issue 42, item 3: a reason every rank gave is said once, as one process says it; the others name their ranks
+    with pytest.raises(PlanRefused) as refused:
+        _agree([RankPlan(2, 0, ["x", "y"], refused=True), RankPlan(2, 0, ["x"], refused=True)])
+    assert refused.value.reasons == ["x", "rank 10: y"]
     gpus = [RankPlan("auto", 2, [], host="a", devices=["cuda:0", "cuda:1"]),
             RankPlan("auto", 1, [], host="a", devices=["cuda:1"]),
             RankPlan("auto", 1, [], host="b", devices=["cuda:0"])]  # another host's cuda:0: fine
@@ -398,13 +405,13 @@ def test_agreement_counts_only_physical_accelerators(monkeypatch, device, shared
 
     told = []
 
-    def agree(procs, mine, samples):
+    def agree(procs, mine, samples, pool):
         told.append(mine)
         return Topology.alone(1), []
 
     monkeypatch.setattr(session, "agree", agree)
     monkeypatch.setattr(session, "plan_for", lambda config, task: Plan([torch.device(device)]))
-    task = SimpleNamespace(extra_reasons=[], samples_per_iter=8)
+    task = SimpleNamespace(extra_reasons=[], samples_per_iter=8, pool_samples=None)
     session._agreed_plan(SessionConfig(ParallelSpec(1, [device])), task, procs=None, plan=None)
     assert told[0].devices == ([device] if shared else [])
 

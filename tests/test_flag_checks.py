@@ -179,3 +179,15 @@ def test_the_api_takes_the_flags_names_and_defaults():
         default = params[flag.name].default
         assert default is inspect.Parameter.empty if flag.name == "parallel_quantization" else \
             default == flag.default, (flag.name, default)
+
+
+def test_enable_refuses_overlap_on_cpu_lanes_as_the_command_does():
+    """Issue 42 (low): ``enable(2, "cpu,cpu", parallel_overlap="on")`` was accepted where the command refuses
+    ``--parallel_overlap`` on CPU lanes; nothing is enabled."""
+    from dpq.autoround import integration
+
+    with pytest.raises(SpecError) as info:
+        integration.enable(2, "cpu,cpu", parallel_overlap="on")
+    assert info.value.problems == [refusals.OVERLAP_ON_CPU]
+    assert integration.disable() is None  # nothing was enabled
+    assert ParallelSpec.build(2, "cpu,cpu", parallel_overlap="auto").overlap is None  # auto stays a setting

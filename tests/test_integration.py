@@ -589,7 +589,7 @@ def test_auto_records_every_reason_a_lane_was_dropped():
     assert [r.world for r in records] == [2, 2]
     assert all(any("cuda:99 does not exist" in x for x in r.reasons) for r in records), [r.reasons for r in records]
     # the default cost model does not choose for lanes sharing one device: every fitting lane ran, and it says so
-    assert all(any("share cpu" in x and "Fix:" in x for x in r.reasons) for r in records)
+    assert all(any("no speedup: these lanes share one CPU" in x and "Fix:" in x for x in r.reasons) for r in records)
     assert all(r.predicted_s == {} and r.measured_s is None for r in records)
 
 

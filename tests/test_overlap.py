@@ -269,7 +269,23 @@ def test_overlap_benchmark_smoke(capsys):
         torch.set_num_threads(threads)
     lines = capsys.readouterr().out.strip().splitlines()
     # nan: the exchange added nothing measurable after the backward (this toy shape, on a loaded machine)
-    assert re.fullmatch(r"hidden_fraction=(-?\d+\.\d\d|nan) world=3 link_GBps=\d+\.\d{4}", lines[-1]), lines[-1]
+    assert re.fullmatch(r"hidden_fraction=(\d\.\d\d|nan) world=3 link_GBps=\d+\.\d{4}", lines[-1]), lines[-1]
+    if lines[-1].startswith("hidden_fraction=nan"):  # said why, on the line before
+        assert lines[-2].startswith("world 3: hidden fraction "), lines[-2]
     rows = [line.split(" | ") for line in lines if line.startswith(("| 3 | after", "| 3 | overlap"))]
     assert len(rows) == 2 and len(rows[1][4].split(" / ")) == 3  # one backward span per lane
     assert any(line.startswith("world 3: after") for line in lines)
+
+
+def test_a_hidden_fraction_outside_0_1_is_a_failed_measurement():
+    """Issue 42 (low): a loaded machine printed ``hidden_fraction=8.58``: an overlapped iteration faster than
+    one with no exchange at all. A fraction outside [0, 1] is a measurement that failed: nan, and why."""
+    from benchmarks.overlap import hidden_fraction
+
+    assert hidden_fraction(1.0, 2.0, 1.5) == (0.5, "")
+    assert hidden_fraction(1.0, 2.0, 1.0) == (1.0, "") and hidden_fraction(1.0, 2.0, 2.0) == (0.0, "")
+    for t_overlap, why in ((0.9, "faster than no exchange at all"), (2.5, "slower than the exchange after")):
+        fraction, said = hidden_fraction(1.0, 2.0, t_overlap)
+        assert fraction != fraction and said.startswith("failed: ") and why in said, said
+    fraction, said = hidden_fraction(1.0, 0.99, 1.2)
+    assert fraction != fraction and said.startswith("undefined: the exchange added nothing measurable"), said

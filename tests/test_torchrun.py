@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -49,6 +50,15 @@ def _args(tmp: Path, out: str, *extra: str) -> list[str]:
     return ["--model", str(DATA_DIR), "--dataset", str(calib), "--iters", ITERS, "--nsamples", NSAMPLES,
             "--seqlen", SEQLEN, "--batch_size", BATCH, "--device_map", "cpu", "--disable_torch_compile",
             "--lr", "0.02", "--output_dir", out, *extra]
+
+
+def _one_sample(tmp: Path) -> Path:
+    from dpq.demo.embedded import calibration_jsonl
+
+    calib = tmp / "calib1.jsonl"
+    if not calib.exists():
+        calibration_jsonl(calib, 1, int(SEQLEN))
+    return calib
 
 
 def _torchrun(nproc: int) -> list[str]:
@@ -103,6 +113,9 @@ def runs(tmp_path_factory) -> dict[str, dict]:
                 _env()),
         "2x2": (_cmd(tmp, "2x2", 2, "--parallel_quantization", "2", "--parallel_devices", "cpu,cpu",
                      "--parallel_timeout", TIMEOUT_S), _env()),
+        # issue 42, item 3: a refusal only the processes together see (2 x 1 lanes, a 1-sample dataset)
+        "refused": (_cmd(tmp, "refused", 2, "--parallel_quantization", "1", "--parallel_timeout", TIMEOUT_S,
+                         *report("refused"), "--dataset", str(_one_sample(tmp))), _env()),
         # rank 1 exits (as if killed) in block 1's second lane-loss call
         "killed": (_cmd(tmp, "killed", 2, "--parallel_quantization", "1", "--parallel_timeout", TIMEOUT_S,
                         *report("killed"), per_rank_dir=True), _env(DPQ_TEST_FAULT="exit:1:1:1")),
@@ -187,6 +200,25 @@ def _as_torchrun_rank(monkeypatch, world_size: int = 2) -> None:
     for name, value in (("WORLD_SIZE", str(world_size)), ("RANK", "0"), ("LOCAL_RANK", "0"),
                         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(name, value)
+
+
+def test_a_refusal_under_torchrun_reads_as_one_refusal(runs):
+    """Issue 42, item 3: with a 1-sample dataset under ``torchrun --nproc-per-node 2 ... --parallel_quantization 1``
+    each rank printed a PlanRefused traceback, the report said ``kind: "rank_failed"`` with ``where`` null, and the
+    fix said "a larger --batch_size" where one process rightly says "--nsamples 2 or more". Now every rank stops
+    at the same refusal: rank 0 prints it once (as one process would), the other says it stops, no traceback of
+    dpq's (torchrun's own agent prints one for any non-zero exit: USAGE says so), the report says "refused"."""
+    r = runs["refused"]
+    assert r["rc"] != 0, r["err"][-4000:]
+    err = r["err"]
+    assert err.count("the requested parallel quantization cannot run") == 1, err[-4000:]
+    assert "2 lanes (2 processes x 1) but only 1 sample per iteration (the calibration data has 1 sample)" in err
+    assert "Fix: --nsamples 2 or more, or fewer lanes: at most 1 processes (torchrun --nproc-per-node)" in err, err
+    assert "rank 1 stops: the refusal rank 0 prints" in err, err[-4000:]
+    assert not re.search(r'File "[^"]*/dpq/', err), err[-4000:]  # no traceback through dpq's code
+    error = r["report"]["error"]
+    assert error["kind"] == "refused" and error["where"] == "model.layers.0", error
+    assert "--nsamples 2 or more" in error["message"] and "rank" not in error["message"], error
 
 
 def test_off_under_torchrun_is_refused_before_loading(capsys, monkeypatch):
@@ -318,7 +350,8 @@ def test_more_lanes_over_the_processes_than_samples_is_refused_before_the_blocks
     rec = recorded_blocks[0]
     assert rec.quantizer.calibration_context.batch_size == 8
     with integration.parallel_quantization(2, "cpu,cpu", processes=EveryRankAlike(0, 5, store=None)):
-        with pytest.raises(PlanRefused, match=r"5 processes x 2 lane\(s\) but only 8 samples per iteration"):
+        with pytest.raises(PlanRefused, match=r"10 lanes \(5 processes x 2\) but only 8 samples per iteration") as no:
             rec.quantizer.dispatch_block(rec.fresh_block(), list(rec.fp_inputs), dict(rec.input_others))
+    assert no.value.every_rank  # every rank raises it: a refusal, not one rank's failure
     with integration.parallel_quantization(2, "cpu,cpu", processes=EveryRankAlike(0, 4, store=None)):
         rec.quantizer.dispatch_block(rec.fresh_block(), list(rec.fp_inputs), dict(rec.input_others))  # 8 lanes: fits

@@ -154,6 +154,32 @@ def _check_fits_block(block: torch.nn.Module, inputs, input_others) -> list[str]
     return problems
 
 
+def _check_forward(block: torch.nn.Module, inputs, input_others, home: torch.device | None, amp: bool,
+                   amp_dtype: torch.dtype, shared_cache_keys: Sequence[str]) -> list[str]:
+    """The block's forward on the first sample, with ``input_others`` as given, as auto-round's runner
+    calls it (no gradients, the caller's random generators as they were): a block that needs what
+    ``input_others`` lacks (a Llama layer's rotary ``position_embeddings``) fails here, named, before
+    the block is touched, instead of deep in the tune. Costs one sample's forward."""
+    runner = BlockForwardRunner(batch_size=1, device=home, cache_device="cpu", amp=amp, amp_dtype=amp_dtype,
+                                enable_torch_compile=False, shared_cache_keys=tuple(shared_cache_keys))
+    devices = [home] if home is not None and home.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            runner.forward(block, _detached(list(inputs)), _detached(dict(input_others or {})), indices=[0])
+    except Exception as err:
+        import inspect
+
+        given = set(input_others or {})
+        try:
+            takes = list(inspect.signature(block.forward).parameters)[1:]
+        except (TypeError, ValueError):
+            takes = []
+        missing = [name for name in takes if name not in given and name not in ("args", "kwargs")]
+        return [refusals.block_forward_fails(type(block).__name__, f"{type(err).__name__}: {err}", sorted(given),
+                                             missing)]
+    return []
+
+
 def _pairs(val) -> bool:
     """``position_embeddings`` as auto-round caches them: one (cos, sin) pair, or a list of them (one per sample)."""
     def pair(v) -> bool:
@@ -347,6 +373,8 @@ def parallel_tune(
                                 lr, minmax_lr, momentum)
     if isinstance(inputs, (list, tuple)) and (held := _inference_tensors(block, inputs, outputs, input_others)):
         problems.append(refusals.inference_tensors(held))
+    if not problems:  # the pool and the block agree on paper: one sample through the forward
+        problems += _check_forward(block, inputs, input_others, home, amp, amp_dtype, shared_cache_keys)
     settings = SignRoundSettings(
         iters=iters, batch_size=batch_size, gradient_accumulate_steps=gradient_accumulate_steps,
         enable_minmax_tuning=enable_minmax_tuning, not_use_best_mse=not_use_best_mse,

@@ -73,29 +73,34 @@ def launcher_missing() -> list[str]:
     return [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
 
 
-def argument_errors(ours: argparse.Namespace, rest: list[str] = ()) -> list[str]:
+def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str | None = None) -> list[str]:
     """Every problem the flags and this machine reveal without the model (dpq's flags ``ours``; under
-    torchrun also auto-round's that dpq cannot serve there, in ``rest``), each once."""
+    torchrun also auto-round's that dpq cannot serve there, in ``rest``; ``recipe`` the command's, for
+    auto-round's defaults), each once."""
     from dpq import refusals
     from dpq.machine import Machine
     from dpq.spec import machine_problems, problems
 
     from .args import autoround_args
-    from .outputs import DEFAULT_OUTPUT_DIR, path_errors
+    from .outputs import DEFAULT_OUTPUT_DIR, path_errors, run_inputs
 
     theirs = autoround_args(list(rest))  # None: auto-round refuses them itself, with its usage
     world = _screen_world(ours) if ours.parallel_plan else ours.parallel_quantization
     found = problems(world, ours.parallel_devices, debug=ours.parallel_debug, overlap=ours.parallel_overlap,
-                     timeout=ours.parallel_timeout)
+                     timeout=ours.parallel_timeout, timeout_given=isinstance(ours.parallel_timeout, str))
     try:
         from dpq.plan import validate_world
 
+        machine, valid = Machine.detect(), validate_world(world)
         home = "cpu" if theirs is not None and str(theirs.device_map).strip().lower() == "cpu" else None
-        found += machine_problems(validate_world(world), ours.parallel_devices, Machine.detect(),
-                                  overlap=ours.parallel_overlap, home=home)
+        found += machine_problems(valid, ours.parallel_devices, machine, overlap=ours.parallel_overlap, home=home)
+        found += _lane_count_problems(valid, ours.parallel_devices, theirs, recipe, machine)
     except ValueError:
         pass  # a malformed world: said above
-    if ours.parallel_plan:  # the screen runs nothing and writes nothing
+    if _rank() == 0:  # only rank 0 writes the output and the report (the others create nothing)
+        output_dir = theirs.output_dir if theirs is not None else DEFAULT_OUTPUT_DIR
+        found += path_errors(ours.parallel_report, output_dir, run_inputs(theirs))
+    if ours.parallel_plan:  # the screen runs nothing: what the run itself would refuse is said above
         return list(dict.fromkeys(found))
     off = str(world).strip().lower() == "off"
     if off and torchrun_processes() > 1:
@@ -104,9 +109,47 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = ()) -> list[str]
         found.append(refusals.TASKS_UNDER_TORCHRUN)  # every rank would evaluate the same model
     if torchrun_processes() > 1 and (missing := launcher_missing()):
         found.append(refusals.world_size_without_launcher(os.environ["WORLD_SIZE"], missing))
-    if _rank() == 0:  # only rank 0 writes the output and the report (the others create nothing)
-        found += path_errors(ours.parallel_report, theirs.output_dir if theirs is not None else DEFAULT_OUTPUT_DIR)
     return list(dict.fromkeys(found))
+
+
+def _recipe_defaults(recipe: str | None) -> dict:
+    """auto-round's values for what the command line leaves unset, for ``recipe`` (its RECIPES)."""
+    from auto_round.cli.main import RECIPES
+
+    return RECIPES.get((recipe or "default").replace("-", "_"), RECIPES["default"])
+
+
+def _lane_count_problems(world: int | str, devices: object, theirs: argparse.Namespace | None,
+                         recipe: str | None, machine) -> list[str]:
+    """An explicit world against what the command line already fixes: every lane (P processes x the
+    world, under torchrun) needs a sample of each iteration (the smaller of --nsamples and
+    --batch_size, auto-round's defaults filled in; a tune only: with 0 iterations nothing is split by
+    samples), and, with no --parallel_devices on one process, the world needs as many devices of
+    the home accelerator as it names (on the CPU, default lanes share it: no count). Nothing here
+    is sized by the request."""
+    if not isinstance(world, int) or theirs is None:
+        return []
+    from dpq import refusals
+
+    found = []
+    defaults = _recipe_defaults(recipe)
+    given = getattr(theirs, "iters", None)  # an algorithm's option: absent from the namespace unless given
+    iters = 0 if getattr(theirs, "model_free", False) else given if given is not None else defaults["iters"]
+    processes = max(1, torchrun_processes())
+    if iters and iters > 0:
+        pool = getattr(theirs, "nsamples", None) or defaults["nsamples"]
+        per_iter = ((getattr(theirs, "batch_size", None) or defaults["batch_size"])
+                    * (getattr(theirs, "gradient_accumulate_steps", None) or 1))
+        samples = max(1, min(pool, per_iter))
+        if world * processes > samples:
+            found.append(refusals.too_few_samples(world * processes, samples, pool, processes=processes))
+    if devices is None and processes == 1:
+        listed = [d.strip() for d in str(theirs.device_map).split(",") if d.strip()]
+        kind = None if str(theirs.device_map).strip().lower() == "cpu" else machine.accelerator
+        named = listed if len(listed) > 1 else [f"{kind}:{i}" for i in range(machine.count(kind))] if kind else []
+        if kind is not None and world > len(named):
+            found.append(refusals.too_few_devices(world, named, False))
+    return found
 
 
 def _screen_world(ours: argparse.Namespace) -> object:
@@ -165,7 +208,7 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     try:
         parsed = parse(parser, command)  # --help prints the one help and exits 0
         ours, rest = split_argv(command)
-        problems = argument_errors(ours, rest)
+        problems = argument_errors(ours, rest, recipe)
         if problems:
             parser.error(_listed(problems))
     except SystemExit as stop:
@@ -304,6 +347,7 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
 
     from .args import program
     from .outputs import error_of, exit_status_of
+    from .ranks import SaveFailed
     from .summary import log_summary
 
     quantize, rank = runner_for(recipe), _rank()  # auto-round's command for the recipe
@@ -322,7 +366,7 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
     try:
         with tqdm_safe_logging():
             quantize()
-    except (PlanRefused, ParallelLaneError, RankFailure) as e:
+    except (PlanRefused, ParallelLaneError, RankFailure, SaveFailed) as e:
         failure = e
     except Exception as e:  # outside a block's run: under several processes the others learn which rank
         if run is None or run.processes is None:
@@ -350,7 +394,11 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
         if isinstance(failure, RankFailure) and failure.raised_here is not None:  # the cause, where it happened
             print(f"auto-round-dp: dpq: rank {rank} raised:\n" + "".join(traceback.format_exception(
                 failure.raised_here)).rstrip(), file=sys.stderr)
-        print(f"auto-round-dp: {failure}", file=sys.stderr)
+        if isinstance(failure, PlanRefused) and failure.every_rank and rank != 0:  # rank 0 says it, once
+            print(f"auto-round-dp: dpq: rank {rank} stops: the refusal rank 0 prints (every rank agreed on it)",
+                  file=sys.stderr)
+        else:
+            print(f"auto-round-dp: {failure}", file=sys.stderr)
         if isinstance(failure, ParallelLaneError):
             print(f"auto-round-dp: {refusals.RUN_STOPPED}", file=sys.stderr)
         return failure.exit_status if isinstance(failure, RankFailure) else 1

@@ -173,8 +173,18 @@ def _whole_block_dispatch(run: Run | None, self, block, input_ids, input_others)
         return _ORIGINAL_DISPATCH(self, block, input_ids, input_others)
     block = _dispatch(self, block, input_ids, input_others)
     if isinstance(run.world, int):
+        run.at = _block_name(self, block) or run.at  # a refusal here stopped in this block (the report's "where")
         _preflight(run, self, block, input_ids)
     return block
+
+
+def _block_name(q, block: torch.nn.Module) -> str:
+    """``block``'s name in the quantizer's model ("" where the model is not at hand): dispatch is handed
+    the module alone, before ``quantize_block`` gets its name."""
+    model = getattr(getattr(q, "model_context", None), "model", None)
+    if isinstance(model, torch.nn.Module):
+        return next((name for name, m in model.named_modules() if m is block), "")
+    return ""
 
 
 def _dispatch(self, block, input_ids, input_others):
@@ -233,7 +243,7 @@ def _preflight(run: Run, q, block, inputs) -> None:
         resolve(request)
     else:
         session.agree_plan(_session_config(run, None), run.processes, request.samples_per_iter,
-                           bool(request.extra_reasons), lambda: resolve(request))
+                           bool(request.extra_reasons), lambda: resolve(request), request.pool_samples or 0)
 
 
 def _session_config(run: Run, auto_world: AutoWorld | None) -> session.SessionConfig:

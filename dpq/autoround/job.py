@@ -20,7 +20,7 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["PER_RANK", "content_digest", "settings"]
+__all__ = ["PER_RANK", "content_digest", "dataset_entries", "settings"]
 
 # auto-round's options that may differ between ranks (their argparse dests)
 PER_RANK = frozenset({
@@ -71,15 +71,27 @@ def _by_content(value: str) -> tuple[str, str]:
     return value, value
 
 
+def _dataset_entry(entry: str) -> tuple[str, str, str]:
+    """(name or path, ":" or "", options) of one ``--dataset`` entry."""
+    name, sep, options = entry.partition(":")
+    if not os.path.exists(name) and os.path.exists(entry):  # a path with a colon in it
+        return entry, "", ""
+    return name, sep, options
+
+
+def dataset_entries(value: str | None) -> list[str]:
+    """The names or paths of auto-round's ``--dataset`` (comma-separated entries, each a name or path
+    with ``:options``), options left off."""
+    return [_dataset_entry(entry)[0] for entry in value.split(",")] if value else []
+
+
 def _dataset(value: str | None) -> tuple[str, str]:
-    """auto-round's ``--dataset``: comma-separated entries, each a name or path with ``:options``."""
+    """auto-round's ``--dataset`` by content (:func:`_by_content` of each entry's name or path)."""
     if not value:
         return repr(value), repr(value)
     parts = []
     for entry in value.split(","):
-        name, sep, options = entry.partition(":")
-        if not os.path.exists(name) and os.path.exists(entry):  # a path with a colon in it
-            name, sep, options = entry, "", ""
+        name, sep, options = _dataset_entry(entry)
         parts.append(tuple(text + sep + options for text in _by_content(name)))
     return ",".join(p[0] for p in parts), ",".join(p[1] for p in parts)
 

@@ -23,13 +23,16 @@ a pipe) is written in place.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -37,8 +40,8 @@ from pathlib import Path
 from dpq import cancel, refusals
 from dpq.staging import WEIGHT_SUFFIXES
 
-__all__ = ["DEFAULT_OUTPUT_DIR", "SCHEMA", "RunReport", "error_of", "exit_status_of", "path_errors", "report_header",
-           "run_records", "versions", "write_whole"]
+__all__ = ["DEFAULT_OUTPUT_DIR", "SCHEMA", "RunInput", "RunReport", "error_of", "exit_status_of", "path_errors",
+           "report_header", "run_inputs", "run_records", "versions", "write_whole"]
 
 DEFAULT_OUTPUT_DIR = "./tmp_autoround"  # auto-round's --output_dir default (tests/test_cli.py checks it)
 SCHEMA = "dpq-report/1"  # the report's keys (RunReport.write); bumped when a key changes meaning or goes
@@ -59,20 +62,34 @@ def _where_the_model_goes(report: Path, output: Path) -> bool:
     return report.parent == output and (report.name in _MODEL_FILES or report.name.endswith(WEIGHT_SUFFIXES))
 
 
+def _can_create_in(folder: Path) -> bool:
+    """Whether this process can create a file in ``folder``, by creating one and removing it at once.
+    ``os.access`` is not enough: as root it says yes for places where creating fails (``/proc``, a
+    read-only mount)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dpq-probe-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 def _place_error(flag: str, path: str) -> str | None:
     """Why nothing can be made at ``path`` (its folder need not exist): a file on its way where a
-    folder must be, or the nearest existing folder not writable by this user. None: it can."""
+    folder must be, or the nearest existing folder where this process cannot create a file. None:
+    it can."""
     parent = Path(os.path.realpath(path)).parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         return refusals.not_a_folder(flag, path, str(parent))
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not _can_create_in(parent):
         return refusals.place_unwritable(flag, path, str(parent))
     return None
 
 
-def _report_errors(path: str, output_dir: str) -> list[str]:
+def _report_errors(path: str, output_dir: str, inputs: Sequence[RunInput]) -> list[str]:
     if not path.strip():
         return [refusals.REPORT_PATH_EMPTY]
     real = Path(os.path.realpath(path))
@@ -80,9 +97,11 @@ def _report_errors(path: str, output_dir: str) -> list[str]:
         return [refusals.report_is_dir(path, str(Path(path) / "dpq_report.json"))]
     if _where_the_model_goes(real, Path(os.path.realpath(output_dir))):
         return [refusals.report_in_output(path, output_dir)]
-    if real.exists():
+    if (read := _input_at(real, inputs)) is not None:
+        return [refusals.report_is_input(path, read.flag, read.value, output_dir)]
+    if real.exists() and not real.is_file():  # a device, a pipe: written in place (write_whole)
         return [] if os.access(real, os.W_OK) else [refusals.place_unwritable("--parallel_report", path, str(real))]
-    problem = _place_error("--parallel_report", path)
+    problem = _place_error("--parallel_report", path)  # a regular file is replaced by one made beside it
     return [problem] if problem else []
 
 
@@ -90,26 +109,99 @@ def _output_errors(output_dir: str) -> list[str]:
     real = Path(os.path.realpath(output_dir))
     if real.exists() and not real.is_dir():
         return [refusals.output_is_file(output_dir)]
-    if real.is_dir():
-        ok = os.access(real, os.W_OK | os.X_OK)
-        return [] if ok else [refusals.place_unwritable("--output_dir", output_dir, str(real))]
+    if real.is_dir():  # the save's commit moves what it wrote into this folder
+        return [] if _can_create_in(real) else [refusals.place_unwritable("--output_dir", output_dir, str(real))]
     problem = _place_error("--output_dir", output_dir)
     return [problem] if problem else []
 
 
-def path_errors(report: str | None, output_dir: str) -> list[str]:
-    """Every problem with the paths the run will write (module docstring); nothing is touched."""
-    return _output_errors(output_dir) + (_report_errors(report, output_dir) if report is not None else [])
+def path_errors(report: str | None, output_dir: str, inputs: Sequence[RunInput] = ()) -> list[str]:
+    """Every problem with the paths the run will write (module docstring), ``inputs`` the local paths
+    it reads (:func:`run_inputs`); nothing is left changed (a place is probed by creating a file in it
+    and removing it at once)."""
+    return _output_errors(output_dir) + (_report_errors(report, output_dir, inputs) if report is not None else [])
+
+
+@dataclass(frozen=True)
+class RunInput:
+    """A local path the run reads: ``flag`` and ``value`` as given (what a refusal names), ``real``
+    its real path (symlinks resolved), ``files`` the real path of every file under it when it is a
+    folder (a model folder's files may be symlinks elsewhere: the Hugging Face cache's blobs)."""
+
+    flag: str
+    value: str
+    real: Path
+    files: frozenset[Path] = frozenset()
+
+
+# auto-round's options whose value is a path the run reads, besides --model and --dataset (their dests)
+_INPUT_DESTS = ("extra_data_dir", "prompt_file", "template")
+_OUTPUT_DESTS = frozenset({"output_dir", "image_save_dir"})
+
+
+def run_inputs(args: argparse.Namespace | None) -> list[RunInput]:
+    """The local paths a run of auto-round's arguments ``args`` reads: the model (a local folder, or a
+    hub id's folder in the Hugging Face cache), every local ``--dataset`` entry (auto-round's
+    ``name:options,name2`` form), the options that name files (:data:`_INPUT_DESTS`) and any other
+    option whose value is an existing path with a folder in it."""
+    if args is None:
+        return []
+    from .job import dataset_entries
+
+    found: list[tuple[str, str]] = []
+    model = getattr(args, "model", None) or getattr(args, "model_name", None)
+    if model:
+        found.append(("--model", model))
+        found += [("--model", str(cached)) for cached in _hub_cache_folders(model, "models")]
+    for entry in dataset_entries(getattr(args, "dataset", None)):
+        found.append(("--dataset", entry))
+        found += [("--dataset", str(cached)) for cached in _hub_cache_folders(entry, "datasets")]
+    for dest, value in sorted(vars(args).items()):
+        if dest in ("model", "model_name", "dataset") or dest in _OUTPUT_DESTS or not isinstance(value, str):
+            continue
+        if dest in _INPUT_DESTS or os.sep in value:
+            found.append((f"--{dest}", value))
+    return [_input(flag, value) for flag, value in dict.fromkeys(found) if value and os.path.exists(value)]
+
+
+def _hub_cache_folders(name: str, kind: str) -> list[Path]:
+    """The Hugging Face cache's folder of a hub id (``org/name``), where one exists: the files a
+    hub model or dataset is read from (``snapshots/`` links into ``blobs/``). Read off the cache's
+    layout, no network."""
+    if os.path.exists(name) or name.count("/") != 1:
+        return []
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return []
+    folder = Path(constants.HF_HUB_CACHE) / f"{kind}--{name.replace('/', '--')}"
+    return [folder] if folder.is_dir() else []
+
+
+def _input(flag: str, value: str) -> RunInput:
+    real = Path(os.path.realpath(value))
+    files = frozenset(Path(os.path.realpath(p)) for p in real.rglob("*") if p.is_file()) if real.is_dir() else \
+        frozenset()
+    return RunInput(flag, value, real, files)
+
+
+def _input_at(real: Path, inputs: Sequence[RunInput]) -> RunInput | None:
+    """The input that a file written at ``real`` (a real path) would replace or land inside, if any."""
+    for read in inputs:
+        if real == read.real or read.real in real.parents or real in read.files:
+            return read
+    return None
 
 
 def error_of(failure: BaseException | None, at: str = "") -> dict | None:
     """The report's ``error`` for what ended the run (None: it finished): ``kind`` (refused,
-    lane_failed, rank_failed, rank_lost, cancelled, error), ``where`` (the block, "save", or None
-    when not known), ``block`` (the block it stopped in, None outside one), ``lane`` (the lane that
-    failed when one is known, else None) and ``message``."""
+    lane_failed, save_failed, rank_failed, rank_lost, cancelled, error), ``where`` (the block, "save",
+    or None when not known), ``block`` (the block it stopped in, None outside one), ``lane`` (the lane
+    that failed when one is known, else None) and ``message``."""
     from dpq.distributed import RankFailure
     from dpq.plan import PlanRefused
 
+    from .ranks import SaveFailed
     from .seams_common import ParallelLaneError
 
     if failure is None:
@@ -122,6 +214,8 @@ def error_of(failure: BaseException | None, at: str = "") -> dict | None:
         kind, message = "refused", str(failure)
     elif isinstance(failure, ParallelLaneError):
         kind, message, where = "lane_failed", str(failure), failure.block or where
+    elif isinstance(failure, SaveFailed):
+        kind, message, where = "save_failed", str(failure), "save"
     elif isinstance(failure, RankFailure):
         kind = {"raised": "rank_failed", "cancelled": "cancelled"}.get(failure.kind, "rank_lost")
         message = str(failure)

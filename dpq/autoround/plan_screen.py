@@ -7,9 +7,10 @@ it says per world W = 1 .. the lanes: the lanes, each lane's memory price agains
 free memory (the plan's own prices, :class:`dpq.plan.BlockPrice` and :func:`dpq.plan.price_runtime`,
 and its verdict, :func:`dpq.plan.resolve`), and the predicted seconds per iteration and per block
 by ``auto``'s cost model (:mod:`dpq.cost_model`: compute from the block's FLOPs at its stated
-throughput, the link probed on the lanes as ``auto`` probes it, the issuing thread's cost unknown
-before a run), then the world ``auto`` would choose and why (the run's rule: lanes sharing a
-device keep every fitting lane; otherwise the fastest prediction). The CUDA timeline model's
+throughput, divided over the distinct devices (lanes sharing one take turns on it: such a row says
+"no speedup" and why), the link probed on the lanes as ``auto`` probes it, the issuing thread's cost
+unknown before a run), then the world ``auto`` would choose and why (the run's rule: lanes sharing a
+device keep every fitting lane, said to buy no speed; otherwise the fastest prediction). The CUDA timeline model's
 calibrated figures are named where a calibration exists (``benchmarks/calibration/``); where none
 does, the screen says so.
 """
@@ -48,6 +49,7 @@ class WorldRow:
     refused: list[str] = field(default_factory=list)  # why this world cannot run (empty: it can)
     buckets: str = ""  # the gradient buckets the plan takes at this world, and why (dpq.plan.Plan.buckets_reason)
     overlap: str = ""  # whether the exchange runs during the backward, and why (dpq.plan.Plan.overlap_reason)
+    shared: str = ""  # the lanes share a device: no speedup, and why (refusals.shared_lanes); "" one device each
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,12 @@ class PlanScreen:
                f" {'all blocks':>11}  runs"]
         for r in self.rows:
             memory = ", ".join(f"{p.need / gib:.2f}/{p.free / gib:.1f}" for p in r.prices)
+            runs = "no" if r.refused else "yes, no speedup" if r.shared else "yes"
             out.append(f"{r.world:>5}  {','.join(r.lanes):<24} {memory:<44} {r.per_iter_s:>8.3g} {r.per_block_s:>9.3g}"
-                       f" {r.per_block_s * self.blocks:>11.3g}  {'yes' if not r.refused else 'no'}")
+                       f" {r.per_block_s * self.blocks:>11.3g}  {runs}")
             out += [f"{'':>7}- {reason}" for reason in r.refused]
             if not r.refused:
-                out += [f"{'':>7}- {line}" for line in (r.buckets, r.overlap) if line]
+                out += [f"{'':>7}- {line}" for line in (r.shared, r.buckets, r.overlap) if line]
         out += ["", f"auto would choose world {self.choice}: {self.why}", f"timeline model: {self.calibration}"]
         return out
 
@@ -208,9 +211,11 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
             buckets, overlap = plan.buckets_reason, plan.overlap_reason
         except PlanRefused as err:
             refused = err.reasons
-        p = predict(w, iters, costs)
+        devices = sorted({str(d) for d in lanes[:w]})
+        p = predict(w, iters, costs, devices=len(devices))  # lanes sharing a device: compute not divided
+        shared = refusals.shared_lanes(devices) if len(devices) < w else ""
         rows.append(WorldRow(w, [str(d) for d in lanes[:w]], _prices(price, lanes[:w], home_dev), p.per_iter_s,
-                             p.seconds, refused, buckets, overlap))
+                             p.seconds, refused, buckets, overlap, shared))
     choice, why = _auto_choice(rows, lanes, iters, costs, spec.world)
     from dpq.machine import device_names
 

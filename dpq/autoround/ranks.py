@@ -36,6 +36,7 @@ no process set (:attr:`dpq.autoround.run.Run.processes`), but the first, which n
 
 from __future__ import annotations
 
+import errno
 import os
 
 from dpq.staging import Staging
@@ -43,8 +44,38 @@ from dpq.staging import Staging
 from . import patches
 from .run import Run
 
-__all__ = ["adjust_immediate_packing_and_saving", "diffusion_save_quantized", "mllm_save_quantized",
+__all__ = ["SaveFailed", "adjust_immediate_packing_and_saving", "diffusion_save_quantized", "mllm_save_quantized",
            "quantize_and_save", "save_quantized", "setup_ddp_if_needed_"]
+
+
+class SaveFailed(RuntimeError):
+    """Writing the model failed (:func:`is_write_failure`); the staging folder is gone, so
+    ``--output_dir`` is as it was. The message says so, with the fix; the report's ``where`` is
+    "save"."""
+
+    def __init__(self, output_dir: str, err: BaseException) -> None:
+        from dpq import refusals
+
+        super().__init__(f"dpq: {refusals.save_failed(str(output_dir), _said(err))}")
+
+
+# errno values only a write produces: no space, over quota, a file too large, a read-only file system
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+_WRITE_WORDS = tuple(os.strerror(e) for e in sorted(_WRITE_ERRNOS))  # as Rust's io::Error says them too
+
+
+def is_write_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a write that failed for want of room or permission to write: an ``OSError``
+    of :data:`_WRITE_ERRNOS`, or safetensors' own error (raised by its Rust writer, which auto-round's
+    immediate saving calls while blocks are still quantized) saying the same. A read that fails (a
+    missing dataset file) is not one."""
+    if isinstance(err, OSError):
+        return err.errno in _WRITE_ERRNOS
+    return type(err).__name__ == "SafetensorError" and any(words in str(err) for words in _WRITE_WORDS)
+
+
+def _said(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
 
 
 def _original(owner: str, name: str):
@@ -90,6 +121,7 @@ def quantize_and_save(run: Run | None, self, output_dir="tmp_autoround", format=
 
     from dpq import refusals
     from dpq.distributed import RankFailure, peer_lost
+    from dpq.plan import PlanRefused
 
     original = _original(_BASE, "quantize_and_save")
     procs = run.processes if run is not None else None
@@ -108,10 +140,18 @@ def quantize_and_save(run: Run | None, self, output_dir="tmp_autoround", format=
         staging.commit()
     except BaseException as err:
         staging.discard()
-        if procs is not None and not isinstance(err, RankFailure):  # the others wait for this rank's move
+        if is_write_failure(err):  # said as what it is, once the staging is gone
+            run.at = "save"
+            failed = SaveFailed(output_dir, err)
+            failed.__cause__ = err
+            err = failed
+        agreed = isinstance(err, RankFailure) or (isinstance(err, PlanRefused) and err.every_rank)  # every rank knows
+        if procs is not None and not agreed:  # the others wait for this rank's move
             failure = procs.stop(err, peer_lost(err))
             if isinstance(err, Exception):
                 raise failure from err
+        if isinstance(err, SaveFailed):
+            raise err from err.__cause__
         raise
     finally:
         run.staging = None
