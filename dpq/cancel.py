@@ -95,6 +95,7 @@ class _State:
     protected: threading.Lock = field(default_factory=threading.Lock)
     in_protected: bool = False
     moved: bool = False  # a protected step finished after the cancel arrived (the output is in place)
+    in_place: bool = False  # a protected step (the output moved into place) completed, cancel or not
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     said: bool = False  # the cancel was told to the user (by the main thread, or the watcher)
     ending: tuple[str, str] | None = None  # end_process: why a thread ends the process (kind, what was said)
@@ -204,6 +205,7 @@ def uninterrupted() -> Iterator[None]:
         _state.in_protected = True
         try:
             yield
+            _state.in_place = True  # the step completed: what it moved is in place, whatever comes later
         finally:
             _state.in_protected = False
             _state.moved = _state.signum is not None
@@ -307,4 +309,6 @@ def said() -> str:
     cause = what(_state.signum) if _state.signum is not None else "an interrupt"
     from dpq import refusals
 
-    return refusals.cancelled_after_move(cause) if _state.moved else refusals.cancelled(cause)
+    if _state.moved:
+        return refusals.cancelled_after_move(cause)
+    return refusals.cancelled_after_save(cause) if _state.in_place else refusals.cancelled(cause)

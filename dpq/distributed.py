@@ -396,8 +396,8 @@ def _reasons_by_rank(procs: ProcessSet, plans: Sequence[RankPlan]) -> list[str]:
             for reason, who in ranks.items()]
 
 
-def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int,
-          pool_samples: int = 0) -> tuple[Topology, list[str]]:
+def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int, pool_samples: int = 0,
+          asked_samples: int = 0) -> tuple[Topology, list[str]]:
     """Every rank's plan, exchanged; the same answer on every rank.
 
     Returns (topology, notes): the agreed topology (``procs.size`` processes x the same local lane
@@ -406,9 +406,9 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int,
     :class:`dpq.plan.PlanRefused` (``every_rank``) on every rank, listing every rank's reasons (a
     reason every rank gave once, as one process says it; others prefixed with their ranks), when any
     rank refused, the ranks asked for different worlds, or the lanes outnumber the samples of an
-    iteration (``pool_samples``: the calibration samples there are, 0 unknown: the fix names what
-    limits it, as in one process). Every rank runs the same local lane count: under 'auto' the
-    fewest any rank has (noted); an explicit world refuses wherever it is short.
+    iteration (``pool_samples``: the calibration samples there are, ``asked_samples`` those asked for, 0
+    unknown: the fix names what limits it, as in one process). Every rank runs the same local lane count:
+    under 'auto' the fewest any rank has (noted); an explicit world refuses wherever it is short.
     """
     from dpq import refusals
     from dpq.plan import PlanRefused
@@ -433,7 +433,7 @@ def agree(procs: ProcessSet, mine: RankPlan, samples_per_iter: int,
     lanes = min((q.lanes for q in plans if not q.refused), default=0)
     if p > samples_per_iter or (explicit and p * lanes > samples_per_iter):
         problems.append(refusals.too_few_samples(p * (lanes if explicit else 1), samples_per_iter, pool_samples,
-                                                 processes=p))
+                                                 processes=p, asked=asked_samples))
     if problems:
         raise PlanRefused(problems, every_rank=True)
     if any(q.serial for q in plans):

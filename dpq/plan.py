@@ -31,8 +31,8 @@ from dpq.sign_bits import SIGN_TABLE_BYTES
 from dpq.streams import backend, check_device_exists, default_accelerator_type
 
 __all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest",
-           "device_spec_errors", "lane_device_errors", "overlap_choice", "parse_device_spec", "price_home",
-           "price_mirror", "price_runtime", "resolve", "validate_world"]
+           "default_devices", "device_spec_errors", "lane_device_errors", "overlap_choice", "parse_device_spec",
+           "price_home", "price_mirror", "price_runtime", "resolve", "validate_world"]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -77,6 +77,7 @@ class PlanRequest:
     # :func:`overlap_choice`)
     overlap: bool | None = None
     pool_samples: int | None = None  # the calibration samples there are (None: not known); caps samples_per_iter
+    asked_samples: int | None = None  # the calibration samples asked for (--nsamples; the data may give fewer)
     caller: str = "cli"  # how a refusal's fix names settings: "cli" (auto-round-dp's flags) or "api" (parallel_tune)
 
 
@@ -498,7 +499,7 @@ def _home(request: PlanRequest) -> torch.device:
     return home
 
 
-def _default_devices(world: int | str, home: torch.device, samples_per_iter: int) -> list[torch.device]:
+def default_devices(world: int | str, home: torch.device, samples_per_iter: int) -> list[torch.device]:
     """The lanes when none were given: every visible device of home's type (home first); on the CPU,
     as many lanes sharing it as asked, but never more than get a sample (an absurd world is refused
     for its samples, not by building its list)."""
@@ -601,9 +602,9 @@ def resolve(request: PlanRequest) -> Plan:
         reasons.append(refusals.unsupported_home(home.type))
     given = request.devices is not None
     entries = parse_device_spec(request.devices, request.caller) if given else \
-        [DeviceEntry(str(d), d) for d in _default_devices(world, home, request.samples_per_iter)]
+        [DeviceEntry(str(d), d) for d in default_devices(world, home, request.samples_per_iter)]
     if world != "auto" and len(entries) > world and given:
-        unused = ", ".join(e.raw for e in entries[world:])
+        unused = [e.raw for e in entries[world:]]
         notes.append(refusals.unused_devices(world, len(entries), unused, request.caller))
     listed = entries if world == "auto" else entries[:world]
     problems: dict = {}
@@ -620,7 +621,7 @@ def resolve(request: PlanRequest) -> Plan:
     n = world if world != "auto" else len(devices)
     if n > request.samples_per_iter:
         reasons.append(refusals.too_few_samples(n, request.samples_per_iter, request.pool_samples or 0,
-                                                request.caller))
+                                                request.caller, asked=request.asked_samples or 0))
     n = min(n, len(devices), max(1, request.samples_per_iter))
     if home.type == "hpu" and n > 1:
         reasons.append(refusals.HPU_MULTI_LANE)

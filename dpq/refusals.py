@@ -16,28 +16,29 @@ __all__ = [
     "AWQ_BALANCE_ON_META", "AWQ_BALANCE_OUTSIDE", "AWQ_CALLS_NOT_PAIRS", "AWQ_NO_WEIGHTS", "BLOCK_NO_PARAMS",
     "BLOCK_ON_META", "DEBUG_WHILE_OFF", "DEMO_NEEDS_MATPLOTLIB", "DEVICES_WHILE_OFF", "DICT_POOL", "DIST_ACTIVE",
     "EMPTY_DEVICE_LIST", "GRAD_SCALER", "HPU_MULTI_LANE", "INPUTS_NOT_TENSORS", "LFQ_LOSS", "LINES",
-    "OFF_UNDER_TORCHRUN", "ONE_LANE", "OUTPUTS_NOT_TENSORS", "OVERLAP_ON_CPU", "OVERLAP_WHILE_OFF", "PARALLEL_OFF",
-    "PASS_DICT_POOL", "PASS_DIST_ACTIVE", "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY", "RTN_NO_GLOBAL_NAME",
-    "RTN_ON_META", "RUN_STOPPED", "SIGN_STEP_UPSTREAM_CHANGED", "TASKS_UNDER_TORCHRUN", "TIMEOUT_WHILE_OFF",
-    "UNSTAGED_FOR_RESUME", "accelerator_shared", "auto_fewest_lanes", "auto_lanes_for_samples", "auto_round_missing",
-    "auto_round_unsupported", "auto_shared_device", "auto_world_needs_auto", "awq_lane_failed", "awq_parent_hooks",
-    "bad_count", "bad_world", "block_already_quantized", "block_already_wrapped", "block_forward_fails",
-    "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled", "cancelled_after_move",
-    "collection_lane_failed", "custom_backward", "device_index_too_large", "device_missing", "dispatch_hooks",
-    "empty_device_list", "forward_replaced", "group_start_failed", "hidden_size_mismatch", "home_alone",
-    "hung_process_ends", "inference_tensors", "issuing_thread_hung", "jobs_differ", "lane0_not_home",
-    "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung", "malformed_device_entry",
-    "no_accelerator_for_index", "no_quantized_layer", "no_such_device_here", "not_a_cpu_index", "not_a_folder",
-    "on_meta", "others_count", "others_device", "others_empty", "others_not_pairs", "others_on_meta", "output_is_file",
-    "outputs_count", "outputs_shape", "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable", "pool_device",
-    "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over",
-    "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first", "rank_store_unreachable",
-    "ranks_drew_other_indices", "ranks_silent", "report_in_output", "report_is_dir", "report_is_input",
-    "report_not_written", "rotary_length_mismatch", "rtn_override", "samples_mismatched", "save_failed",
-    "serial_every_rank", "setting_differs", "setting_type", "shared_lanes", "staging_leftovers", "symbol_differs",
-    "symbol_missing", "timeout_not_a_number", "timeout_out_of_range", "too_few_devices", "too_few_samples",
-    "torch_lacks_type", "unknown_scheme", "unmergeable_hooks", "unrecognized_arguments", "unsupported_home",
-    "unused_devices", "weights_span", "world_size_without_launcher", "worlds_differ",
+    "OFF_UNDER_TORCHRUN", "ONE_LANE", "OUTPUTS_NOT_TENSORS", "OUTPUT_DIR_EMPTY", "OVERLAP_ON_CPU", "OVERLAP_WHILE_OFF",
+    "PARALLEL_OFF", "PASS_DICT_POOL", "PASS_DIST_ACTIVE", "PASS_HOOKS_PROCESSES", "REPORT_PATH_EMPTY",
+    "RTN_NO_GLOBAL_NAME", "RTN_ON_META", "RUN_STOPPED", "SIGN_STEP_UPSTREAM_CHANGED", "TASKS_UNDER_TORCHRUN",
+    "TIMEOUT_WHILE_OFF", "UNSTAGED_FOR_RESUME", "accelerator_shared", "auto_fewest_lanes", "auto_lanes_for_samples",
+    "auto_round_missing", "auto_round_unsupported", "auto_shared_device", "auto_world_needs_auto", "awq_lane_failed",
+    "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized", "block_already_wrapped",
+    "block_forward_fails", "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled",
+    "cancelled_after_move", "cancelled_after_save", "collection_lane_failed", "custom_backward",
+    "device_index_too_large", "device_missing", "dispatch_hooks", "empty_device_list", "forward_replaced",
+    "group_start_failed", "hidden_size_mismatch", "home_alone", "hung_process_ends", "inference_tensors",
+    "issuing_thread_hung", "jobs_differ", "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun",
+    "lane_failure", "lanes_hung", "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer",
+    "no_such_device_here", "not_a_cpu_index", "not_a_folder", "on_meta", "others_count", "others_device",
+    "others_empty", "others_not_pairs", "others_on_meta", "output_is_file", "outputs_count", "outputs_shape",
+    "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable", "pool_device", "pool_dtype", "pool_nonfinite",
+    "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over", "rank_cancelled", "rank_failure",
+    "rank_raised", "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent",
+    "report_in_output", "report_is_dir", "report_is_input", "report_is_pipe", "report_not_written",
+    "rotary_length_mismatch", "rtn_override", "samples_mismatched", "save_failed", "serial_every_rank",
+    "setting_differs", "setting_type", "shared_lanes", "staging_leftovers", "symbol_differs", "symbol_missing",
+    "timeout_not_a_number", "timeout_out_of_range", "too_few_devices", "too_few_samples", "torch_lacks_type",
+    "unknown_scheme", "unmergeable_hooks", "unrecognized_arguments", "unsupported_home", "unused_devices",
+    "weights_span", "world_size_without_launcher", "worlds_differ",
 ]
 
 
@@ -168,9 +169,9 @@ def unsupported_home(device_type: str) -> str:
             "of those (--device_map), or --parallel_quantization off")
 
 
-def unused_devices(world: int, given: int, unused: str, caller: str = "cli") -> str:
-    return (f"world {world} runs on the first {world} of the {given} lane devices given; {unused} not used. "
-            f"Fix: {_named(caller)['world']} {given} to use them all")
+def unused_devices(world: int, given: int, unused: Sequence[str], caller: str = "cli") -> str:
+    return (f"world {world} runs on the first {world} of the {given} lane devices given; {_list(unused, 8)} "
+            f"not used. Fix: {_named(caller)['world']} {given} to use them all")
 
 
 def too_few_devices(world: int, named: Sequence[str], given: bool, caller: str = "cli") -> str:
@@ -180,26 +181,37 @@ def too_few_devices(world: int, named: Sequence[str], given: bool, caller: str =
             f"{arg['devices']} with one device per lane (e.g. cpu,cpu or 0,1), or a smaller {arg['world']}")
 
 
-def too_few_samples(lanes: int, samples: int, pool: int = 0, caller: str = "cli", processes: int = 1) -> str:
+def too_few_samples(lanes: int, samples: int, pool: int = 0, caller: str = "cli", processes: int = 1,
+                    asked: int = 0) -> str:
     """``samples`` per iteration: the smaller of ``pool`` (the calibration samples there are; 0: not
-    known) and batch_size x gradient_accumulate_steps; the fix raises the one that limits it.
-    ``processes`` > 1: the lanes are that many processes' (torchrun), each running lanes / processes."""
+    known) and batch_size x gradient_accumulate_steps; the fix raises the one that limits it: the data
+    itself where it holds fewer than the ``asked`` --nsamples. ``processes`` > 1: the lanes are that many
+    processes' (torchrun), each running lanes / processes."""
     arg = _named(caller)
-    if pool and pool <= samples:  # the calibration data is the limit, whatever the batch size
+    s = "s" if samples != 1 else ""
+    if pool and pool <= samples and asked and pool < asked and caller != "api":  # the data is short, not the ask
+        limit = f"the calibration data gives {pool} sample{'s' if pool != 1 else ''}, of the {asked} --nsamples asks"
+        more = (f"calibration data that gives at least {lanes} samples (another --dataset; auto-round drops texts "
+                "shorter than --seqlen)")
+    elif pool and pool <= samples:  # the calibration data is the limit, whatever the batch size
         limit = (f"the calibration data has {pool} sample{'s' if pool != 1 else ''}" if caller != "api" else
                  f"inputs holds {pool} sample{'s' if pool != 1 else ''}")
         more = f"--nsamples {lanes} or more" if caller != "api" else f"at least {lanes} inputs (one tensor each)"
     else:
         limit, more = "batch_size x gradient_accumulate_steps", f"{arg['batch']} {lanes} or more"
+    if lanes > 4096:  # a fix sized by an absurd request helps no one: the world is what to change
+        return (f"{lanes} lanes but only {samples} sample{s} per iteration ({limit}): every lane needs at least one "
+                f"sample. Fix: a smaller {arg['world']} (at most {max(1, samples // processes)}"
+                f"{' per process' if processes > 1 else ''})")
     if processes > 1:
         what = f"{lanes} lanes ({processes} processes x {lanes // processes})"
         per_process = samples // processes
         fewer = (f"--parallel_quantization {per_process} per process" if per_process >= 1 else
-                 f"at most {samples} processes (torchrun --nproc-per-node)")
-        return (f"{what} but only {samples} sample{'s' if samples != 1 else ''} per iteration ({limit}): every lane "
-                f"needs at least one sample. Fix: {more}, or fewer lanes: {fewer}")
-    return (f"{lanes} lanes but only {samples} sample{'s' if samples != 1 else ''} per iteration ({limit}): every "
-            f"lane needs at least one sample. Fix: {more}, or a smaller {arg['world']} (at most {samples})")
+                 f"at most {samples} process{'es' if samples != 1 else ''} (torchrun --nproc-per-node)")
+        return (f"{what} but only {samples} sample{s} per iteration ({limit}): every lane needs at least one "
+                f"sample. Fix: {more}, or fewer lanes: {fewer}")
+    return (f"{lanes} lanes but only {samples} sample{s} per iteration ({limit}): every lane needs at least one "
+            f"sample. Fix: {more}, or a smaller {arg['world']} (at most {samples})")
 
 
 DEVICES_WHILE_OFF = ("lane devices were given but parallel quantization is off, so they would be ignored. "
@@ -391,8 +403,8 @@ def outputs_count(outputs: int, inputs: int) -> str:
 
 
 def outputs_shape(bad: Sequence[int]) -> str:
-    return (f"outputs {list(bad[:5])} do not match their inputs' batch/sequence shape. Fix: pass each input's own "
-            "block output, in the same order")
+    return (f"outputs {list(bad[:5])} do not have their inputs' shape (a block's output has its input's batch, "
+            "sequence and hidden size). Fix: pass each input's own block output, in the same order")
 
 
 def others_count(key: str, n: int) -> str:
@@ -418,7 +430,10 @@ def inference_tensors(where: Sequence[str]) -> str:
 
 
 _SETTING_KINDS = {"count": "an integer >= 1", "int": "an integer", "int or None": "an integer or None",
-                  "positive": "a finite number > 0, or None", "non-negative": "a finite number >= 0, or None"}
+                  "positive": "a finite number > 0, or None", "non-negative": "a finite number >= 0, or None",
+                  "bits": "an integer >= 1 (e.g. 4), or None for the scheme's", "group": (
+                      "-1 (one group per output channel), 0 (the whole tensor) or an integer >= 1 (e.g. 128), or "
+                      "None for the scheme's")}
 
 
 def setting_type(name: str, value: str, kind: str = "count") -> str:
@@ -527,7 +542,8 @@ def not_a_folder(flag: str, path: str, blocker: str) -> str:
 
 def place_unwritable(flag: str, path: str, where: str) -> str:
     """``where``: the file, or the nearest existing folder, that this user cannot write."""
-    return f"{flag} {path} cannot be written: this user may not write {where}. {_place_fix(flag)}"
+    return (f"{flag} {path} cannot be written: {where} takes no writes from this process (a read-only file "
+            f"system, or not this user's). {_place_fix(flag)}")
 
 
 def report_in_output(path: str, output_dir: str) -> str:
@@ -537,12 +553,21 @@ def report_in_output(path: str, output_dir: str) -> str:
             f"{output_dir.rstrip('/') or '.'}/dpq_report.json")
 
 
+def report_is_pipe(path: str) -> str:
+    return (f"--parallel_report {path} is a pipe (or a socket): writing the report would wait, once the model is "
+            f"saved, until something reads it. {_REPORT_FIX}")
+
+
 def report_is_input(path: str, flag: str, value: str, output_dir: str) -> str:
     """The report path is (or is inside) what the run reads: ``flag`` ``value`` as given."""
     return (f"--parallel_report {path} is where this run reads {flag} {value}: the report would overwrite the "
             f"user's input (or be written into it), and the next run on the same model or data would read a JSON "
             f"report instead. Fix: a path outside the run's inputs, e.g. --parallel_report "
             f"{output_dir.rstrip('/') or '.'}/dpq_report.json")
+
+
+OUTPUT_DIR_EMPTY = ("--output_dir is empty: auto-round would save the model into the working directory itself. "
+                    "Fix: --output_dir with a folder for the model, e.g. --output_dir ./tmp_autoround (the default)")
 
 
 def output_is_file(path: str) -> str:
@@ -569,6 +594,12 @@ def cancelled_after_move(cause: str) -> str:
             "completed, so --output_dir holds the whole new model. Fix: none needed; the model is complete")
 
 
+def cancelled_after_save(cause: str) -> str:
+    return (f"the run was cancelled ({cause}) after its finished model was moved into --output_dir, which holds the "
+            "whole new model (what came after, such as the report, may be missing). Fix: none needed; the model "
+            "is complete")
+
+
 def staging_leftovers(folders: Sequence[str]) -> str:
     """Staging folders (dpq.staging) of runs into the same --output_dir that were killed before they could
     remove them, each holding part of a model."""
@@ -579,11 +610,15 @@ def staging_leftovers(folders: Sequence[str]) -> str:
 
 DEMO_NEEDS_MATPLOTLIB = ("python -m dpq.demo draws its figure with matplotlib, which is not installed. Fix: pip "
                          "install 'auto-round-dp[demo]' (or pip install matplotlib)")
-def save_failed(output_dir: str, err: str) -> str:
-    """Writing the model failed (a full disk, a quota, a read-only mount); the staging was removed."""
-    return (f"saving the model into --output_dir {output_dir} failed: {err}. --output_dir is left as it was (what "
-            "this run wrote was removed; a model saved there before is untouched). Fix: free space (or quota) where "
-            "--output_dir is, or another --output_dir, then rerun the command")
+def save_failed(output_dir: str, err: str, staged: bool = True) -> str:
+    """Writing the model failed (a full disk, a quota, a read-only mount). ``staged``: dpq staged the output,
+    and removed it; else (--parallel_quantization off) auto-round wrote into --output_dir itself."""
+    kept = ("--output_dir is left as it was (what this run wrote was removed; a model saved there before is "
+            "untouched)" if staged else
+            "with --parallel_quantization off auto-round writes into --output_dir itself, so it may hold part of "
+            "this model (a model saved there before may be partly overwritten)")
+    return (f"saving the model into --output_dir {output_dir} failed: {err}. {kept}. Fix: free space (or quota) "
+            "where --output_dir is, or another --output_dir, then rerun the command")
 
 
 RUN_STOPPED = ("the run stopped before auto-round saved a model: the blocks quantized so far end with this process, "

@@ -195,6 +195,7 @@ class BlockTask:
     finish: Callable[[LoopOutcome | None, LaneRun], object]
     samples_per_iter: int
     pool_samples: int | None = None  # the calibration samples there are (a refusal names the limit)
+    asked_samples: int | None = None  # the calibration samples asked for (the data may give fewer)
     home: torch.device | str | None = None  # None: the device the block's first parameter is on
     pure_sign: bool = False
     mirror_bytes: int | None = None
@@ -243,7 +244,7 @@ def block_device(block: torch.nn.Module) -> torch.device | None:
 def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
     """The block's plan (raises :class:`dpq.plan.PlanRefused` for an explicit world it cannot serve)."""
     return resolve(PlanRequest(world=config.world, devices=config.devices, samples_per_iter=task.samples_per_iter,
-                               pool_samples=task.pool_samples, caller=config.caller,
+                               pool_samples=task.pool_samples, asked_samples=task.asked_samples, caller=config.caller,
                                home=task.home if task.home is not None else block_device(task.block),
                                extra_reasons=list(task.extra_reasons),
                                mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign, price=task.price,
@@ -321,11 +322,12 @@ def _stop_every_rank(procs: ProcessSet, err: BaseException, lost: bool) -> None:
 def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet, plan: Plan | None) -> LaneRun:
     """The task's plan (``plan``, or planned here) agreed with every other rank's (:func:`agree_plan`)."""
     return agree_plan(config, procs, task.samples_per_iter, bool(task.extra_reasons),
-                      lambda: plan if plan is not None else plan_for(config, task), task.pool_samples or 0)
+                      lambda: plan if plan is not None else plan_for(config, task), task.pool_samples or 0,
+                      task.asked_samples or 0)
 
 
 def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, cannot_split: bool,
-               make_plan: Callable[[], Plan], pool_samples: int = 0) -> LaneRun:
+               make_plan: Callable[[], Plan], pool_samples: int = 0, asked_samples: int = 0) -> LaneRun:
     """This rank's plan (``make_plan()``; :class:`dpq.plan.PlanRefused` counts as this rank's
     refusal) agreed with every other rank's (dpq.distributed.agree): the same local lane count
     everywhere, or the same refusal everywhere (raised on every rank), or serial everywhere
@@ -345,7 +347,7 @@ def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, 
             mine = RankPlan(config.world, 0, err.reasons, refused=True)
         except Exception as err:  # a rank that cannot plan refuses, so every rank hears why
             mine = RankPlan(config.world, 0, [f"planning failed: {err!r}"], refused=True)
-        topology, notes = agree(procs, mine, samples_per_iter, pool_samples)
+        topology, notes = agree(procs, mine, samples_per_iter, pool_samples, asked_samples)
     except PlanRefused:
         raise
     except BaseException as err:  # a rank lost while agreeing

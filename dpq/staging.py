@@ -1,8 +1,10 @@
 """An output folder written whole or not at all, and nothing of the user's lost on the way.
 
 A run writes into a fresh folder beside the one it was given (:class:`Staging`: ``.<name>.dpq-partial-<token>``
-in the same parent, so the moves below are renames on one file system); only when the whole save
-succeeded does :meth:`Staging.commit` move what it wrote into place, merged into what is there:
+in the same parent), or inside it where the folder is on another file system than its parent (a mount
+point: a container's volume) or its parent cannot be written (:func:`staging_place`), so the moves below
+are renames on one file system; only when the whole save succeeded does :meth:`Staging.commit` move what
+it wrote into place, merged into what is there:
 
 * an entry that is not there yet is renamed in (a folder that did not exist is renamed in whole);
 * a folder the run wrote where a folder of that name already is (an earlier model's) is merged the
@@ -13,7 +15,14 @@ succeeded does :meth:`Staging.commit` move what it wrote into place, merged into
 * a file of the same name is renamed aside first and removed once the new one is in.
 
 Symlinks are followed, never replaced or unlinked: the folder given, or a folder or file in it, that
-is a symlink receives the new content at its target.
+is a symlink receives the new content at its target (a target on another file system is copied to a
+temporary name beside it, then renamed).
+
+Note [a commit is all or nothing]
+Every step of the commit is recorded as it is taken (an entry moved in, a file set aside); if any step
+fails (a full disk while copying to a symlink's target, a file system error), the steps taken are undone
+in reverse order (what was moved in goes back, what was set aside comes back) before the error is
+raised, so "the folder given is exactly as it was" stays true of a failed commit too.
 
 A failed or cancelled run removes the staging folder (:meth:`Staging.discard`; the cancel watcher
 does it too, :func:`dpq.cancel.on_exit`), so the folder given is exactly as it was: a model saved
@@ -45,7 +54,7 @@ try:
 except ImportError:  # not POSIX: no lock, so no leftover is ever removed (each is only named)
     fcntl = None
 
-__all__ = ["OWNER", "WEIGHT_SUFFIXES", "Staging"]
+__all__ = ["OWNER", "WEIGHT_SUFFIXES", "Staging", "staging_place"]
 
 OWNER = ".dpq-owner"  # inside a staging folder: locked by its run while it lives
 # An earlier model's files that a new model's weights make stale when left beside them (its index too)
@@ -66,13 +75,16 @@ class Staging:
         self.token = uuid.uuid4().hex[:12]
         self.leftovers, self.removed = _sweep(self.real)
         self.dropped: list[Path] = []
-        beside = self.real.parent / f".{self.real.name}.dpq-partial-{self.token}"
+        place = staging_place(self.real)
+        inside = self.real / f".dpq-partial-{self.token}"
+        self.dir = place / f".{self.real.name}.dpq-partial-{self.token}" if place == self.real.parent else inside
         try:
-            beside.mkdir(parents=True)
-            self.dir = beside
-        except PermissionError:  # e.g. --output_dir is a mount point the user owns, its parent is not
-            self.dir = self.real / f".dpq-partial-{self.token}"
             self.dir.mkdir(parents=True)
+        except OSError:  # the parent refuses (not this user's, a read-only mount): inside, where it can
+            if self.dir == inside or not self.real.is_dir():
+                raise
+            self.dir = inside
+            self.dir.mkdir()
         self._owner = _hold(self.dir / OWNER)
         self._unregister = cancel.on_exit(self.discard)
 
@@ -85,7 +97,8 @@ class Staging:
             return str(path)
 
     def commit(self) -> None:
-        """Move what was written into place (module docstring)."""
+        """Move what was written into place (module docstring); all or nothing (Note [a commit is all or
+        nothing]): on a failure the folder given is put back as it was and the error raised."""
         with cancel.uninterrupted():
             self._release()
             (self.dir / OWNER).unlink(missing_ok=True)
@@ -93,8 +106,13 @@ class Staging:
                 os.replace(self.dir, self.real)
             else:
                 aside: list[Path] = []
-                _merge(self.dir, self.real, f".dpq-old-{self.token}", aside, self.dropped)
-                self.dir.rmdir()
+                undo: list[tuple[str, Path, Path]] = []
+                try:
+                    _merge(self.dir, self.real, f".dpq-old-{self.token}", aside, self.dropped, undo)
+                except BaseException:
+                    _undo(undo)
+                    self.dropped.clear()
+                    raise
                 for old in aside:
                     _remove(old)
         self._unregister()
@@ -111,26 +129,43 @@ class Staging:
             self._owner = None
 
 
-def _merge(new: Path, old: Path, suffix: str, aside: list[Path], dropped: list[Path]) -> None:
+def _merge(new: Path, old: Path, suffix: str, aside: list[Path], dropped: list[Path],
+           undo: list[tuple[str, Path, Path]]) -> None:
     """Every entry of ``new`` into the folder ``old`` (module docstring); what it replaces is renamed
-    aside (``.<name><suffix>``, listed in ``aside``) for the caller to remove once everything is in."""
+    aside (``.<name><suffix>``, listed in ``aside``) for the caller to remove once everything is in.
+    Each step taken is appended to ``undo`` (Note [a commit is all or nothing])."""
     entries = sorted(new.iterdir())
     weights_here = any(_is_weights(e) for e in entries)
     for entry in entries:
         target = old / entry.name
         if entry.is_dir() and not entry.is_symlink() and target.is_dir():
-            _merge(entry, Path(os.path.realpath(target)), suffix, aside, dropped)
-            entry.rmdir()
+            _merge(entry, Path(os.path.realpath(target)), suffix, aside, dropped, undo)
             continue
         target = Path(os.path.realpath(target))  # a symlink's target gets the new content
         if target.exists():
             aside.append(_set_aside(target, suffix))
+            undo.append(("aside", target, aside[-1]))
         _move(entry, target)
+        undo.append(("moved", entry, target))
     if weights_here:  # the new weights are here: an earlier model's others are stale
         written = {e.name for e in entries}
         for stale in sorted(p for p in old.iterdir() if p.name not in written and _is_weights(p)):
             aside.append(_set_aside(stale, suffix))
+            undo.append(("aside", stale, aside[-1]))
             dropped.append(stale)
+    new.rmdir()  # (its entries are in place; a failure before leaves it for the discard)
+
+
+def _undo(steps: list[tuple[str, Path, Path]]) -> None:
+    """The commit's steps undone, last first: what was moved in goes back to the staging folder, what was
+    set aside comes back (best effort: each step is tried whatever the others did)."""
+    for kind, first, second in reversed(steps):
+        with contextlib.suppress(OSError):
+            if kind == "moved":
+                first.parent.mkdir(parents=True, exist_ok=True)
+                _move(second, first)
+            else:
+                os.replace(second, first)
 
 
 def _is_weights(path: Path) -> bool:
@@ -144,13 +179,47 @@ def _set_aside(path: Path, suffix: str) -> Path:
 
 
 def _move(src: Path, dst: Path) -> None:
-    """A rename; a copy where ``dst`` is on another file system (a symlink's target elsewhere)."""
+    """A rename; where ``dst`` is on another file system (a symlink's target elsewhere), a copy to a
+    temporary name beside ``dst`` then a rename, so ``dst`` is never a partial file."""
     try:
         os.replace(src, dst)
     except OSError as err:
         if err.errno != errno.EXDEV:
             raise
-        shutil.move(str(src), str(dst))
+        partial = dst.with_name(f".{dst.name}.dpq-copy-{uuid.uuid4().hex[:8]}")
+        try:
+            if src.is_dir() and not src.is_symlink():
+                shutil.copytree(src, partial, symlinks=True)
+            else:
+                shutil.copy2(src, partial, follow_symlinks=False)
+            os.replace(partial, dst)
+        except BaseException:
+            _remove(partial)
+            raise
+        _remove(src)
+
+
+def staging_place(real: Path) -> Path:
+    """Where the staging folder for the output folder ``real`` (a real path) goes: beside it, in its
+    parent, so that moving in is a rename; inside it where it exists on another file system than its
+    parent (a mount point) or where the parent cannot be written."""
+    parent = real.parent
+    if real.is_dir() and _device(real) != _device(parent):
+        return real
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if real.is_dir() and not _writable(probe):
+        return real
+    return parent
+
+
+def _device(path: Path) -> int:
+    return os.stat(path).st_dev
+
+
+def _writable(folder: Path) -> bool:
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def _hold(path: Path) -> int | None:

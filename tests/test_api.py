@@ -444,7 +444,8 @@ def test_callers_weights_get_no_gradients(tiny_block, world):
     ("lr", "0.01", "lr must be a finite number > 0, or None, got '0.01'"),
     ("momentum", float("nan"), "momentum must be a finite number >= 0, or None, got nan"),
     ("seed", 1.5, "seed must be an integer or None, got 1.5"),
-    ("group_size", "128", "group_size must be an integer or None, got '128'"),
+    ("group_size", "128", "group_size must be -1 (one group per output channel), 0 (the whole tensor) or an integer "
+                          ">= 1 (e.g. 128), or None for the scheme's, got '128'"),
 ])
 def test_a_setting_of_the_wrong_type_is_a_value_error(tiny_block, setting, value, want):
     """Not a TypeError from deep inside the run: the promised ValueError naming the setting and the fix."""
@@ -582,3 +583,23 @@ def test_a_block_that_needs_input_others_says_so_before_work(tiny_block):
     msg = _refused(tiny_block, r"with input_others gives attention_mask", input_others={
         k: v for k, v in others.items() if k != "position_embeddings"})
     assert "also takes " in msg and "position_embeddings" in msg.split("also takes ")[1], msg
+
+
+@pytest.mark.parametrize("setting, value, said", [
+    ("bits", 0, "bits must be an integer >= 1"), ("bits", -1, "bits must be an integer >= 1"),
+    ("group_size", -7, r"group_size must be -1 \(one group per output channel\)"),
+])
+def test_settings_that_would_wreck_the_block_are_refused(tiny_block, setting, value, said):
+    """Issue 42's sweep, H2 and M7: ``bits=0`` (or -1) returned 'OK' with every weight non-finite, and
+    ``group_size=-7`` raised torch's "invalid shape dimension" from inside the run. Refused before work now."""
+    msg = _refused(tiny_block, said, **{setting: value})
+    assert f"got {value}" in msg and "Fix: pass" in msg, msg
+
+
+def test_outputs_of_another_hidden_size_are_refused_before_work(tiny_block):
+    """Issue 42's sweep, M7: outputs with another hidden size than their inputs raised "The size of tensor a
+    (256) must match" from inside the run; an output has its input's whole shape."""
+    _, inputs, _ = tiny_block
+    msg = _refused(tiny_block, r"outputs \[0, 1, 2, 3, 4\] do not have their inputs' shape",
+                   outputs=[torch.randn(*t.shape[:-1], 99) for t in inputs])
+    assert "hidden size" in msg, msg

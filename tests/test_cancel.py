@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # mode: "alone" (one process), "stubborn" (one process whose main thread ignores Cancelled),
 # "everywhere" / "peers" (several processes: every rank cancelled / only this one), "moving" (one
-# process, the signal arrives during a move into place), "forks" (one process that first forks a
-# worker and terminates it)
+# process, the signal arrives during a move into place), "moved" (one process, the signal arrives after
+# one), "forks" (one process that first forks a worker and terminates it)
 SCRIPT = r"""
 import multiprocessing, sys, threading, time
 sys.path.insert(0, sys.argv[2])
@@ -56,6 +56,9 @@ try:
             print("ready", flush=True)
             time.sleep(1.0)
             print("moved", flush=True)
+    if mode == "moved":
+        with cancel.uninterrupted():
+            pass  # the model is in place before any signal comes
     print("ready", flush=True)
     if mode in ("everywhere", "peers"):
         threading.Event().wait()  # blocked: only the watcher can end it
@@ -117,6 +120,14 @@ def test_a_move_into_place_finishes_before_the_cancel():
     rc, out, err, _ = _cancel("moving", signal.SIGTERM)
     assert rc == 143 and out.split() == ["moved", "unwound", "15"], (rc, out, err)
     assert refusals.cancelled_after_move("SIGTERM") in err
+
+
+def test_a_cancel_after_the_model_is_in_place_says_so():
+    """Issue 42's sweep, M5: a cancel after the finished model was moved into place (the run then waited on its
+    report) said "nothing is written after a cancel, so --output_dir is left as it was"; the model is in place."""
+    rc, out, err, _ = _cancel("moved", signal.SIGTERM)
+    assert rc == 143 and refusals.cancelled_after_save("SIGTERM") in err, (rc, out, err)
+    assert "left as it was" not in err
 
 
 def test_a_forked_worker_neither_inherits_nor_forwards_the_cancel():

@@ -165,7 +165,26 @@ def test_a_report_where_nothing_can_be_created_is_refused(capsys, tmp_path, monk
         pytest.skip("needs /proc")
     err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "1", "--parallel_report",
                          "/proc/dpq_report.json", "--output_dir", str(tmp_path / "out"))
-    assert "--parallel_report /proc/dpq_report.json cannot be written: this user may not write /proc" in err, err
+    assert "--parallel_report /proc/dpq_report.json cannot be written: /proc takes no writes" in err, err
+
+
+def test_a_report_that_is_a_pipe_is_refused_and_never_waited_for(capsys, tmp_path, monkeypatch):
+    """Issue 42's sweep, H3: a --parallel_report that is a FIFO with no reader passed the check, and the run,
+    its model saved, blocked forever opening it. Refused before the run; and a pipe met at the end is not
+    waited for (an error, said as a report not written)."""
+    import os
+
+    from dpq.autoround.outputs import write_whole
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "1", "--parallel_report",
+                         str(fifo), "--output_dir", str(tmp_path / "out"))
+    assert f"--parallel_report {fifo} is a pipe (or a socket)" in err, err
+    t0 = time.perf_counter()
+    with pytest.raises(OSError):
+        write_whole(str(fifo), "{}")
+    assert time.perf_counter() - t0 < 5
 
 
 def test_the_plan_screen_checks_the_paths_the_run_would_write(capsys, tmp_path, monkeypatch):
@@ -183,8 +202,8 @@ def test_the_plan_screen_checks_the_paths_the_run_would_write(capsys, tmp_path, 
      "needs 99999999999999999999 lane devices but 1 was given (cpu)"),
     (["--parallel_quantization", "1000000000", "--parallel_devices", "cpu"], "1000000000 lanes but only 8 samples"),
     (["--parallel_quantization", "1000000000", "--device_map", "cpu"], "1000000000 lanes but only 8 samples per "
-     "iteration (batch_size x gradient_accumulate_steps): every lane needs at least one sample. Fix: --batch_size "
-     "1000000000 or more, or a smaller --parallel_quantization (at most 8)"),
+     "iteration (batch_size x gradient_accumulate_steps): every lane needs at least one sample. Fix: a smaller "
+     "--parallel_quantization (at most 8)"),
     (["--parallel_quantization", "4", "--device_map", "cpu", "--nsamples", "2"], "4 lanes but only 2 samples per "
      "iteration (the calibration data has 2 samples): every lane needs at least one sample. Fix: --nsamples 4 or "
      "more"),
@@ -252,7 +271,8 @@ def test_cli_refusal_lists_every_reason_as_a_message(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     err = proc.stderr
     assert "Traceback" not in err, err[-3000:]
-    for needle in ("4 lanes but only 2 samples per iteration (the calibration data has 2 samples)", "LFQ loss"):
+    for needle in ("4 lanes but only 2 samples per iteration (the calibration data gives 2 samples, of the 8 "
+                   "--nsamples asks)", "Fix: calibration data that gives at least 4 samples", "LFQ loss"):
         assert needle in err, (needle, err[-3000:])
     error = json.loads(report.read_text())["error"]
     assert error["kind"] == "refused" and "the requested parallel quantization cannot run" in error["message"]
@@ -453,6 +473,22 @@ def test_a_failed_save_is_reported_as_a_failure(tmp_path):
     assert f"auto-round-dp: dpq: {said}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     error = json.loads(report.read_text())["error"]
     assert error == {"kind": "save_failed", "where": "save", "block": None, "lane": None, "message": f"dpq: {said}"}
+
+
+def test_a_failed_save_with_dpq_off_is_said_as_one(tmp_path):
+    """Issue 42's sweep, M11: the same full disk with --parallel_quantization off gave a raw traceback and a
+    report of kind "error", where null. Said as a failed save now, without claiming the folder is as it was
+    (auto-round writes into it itself when dpq is off)."""
+    prelude = ("import errno, safetensors.torch as st\n"
+               "def full(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device')\n"
+               "st.save_file = full\n")
+    report = tmp_path / "report.json"
+    proc = _cli(tmp_path, "--iters", "1", "--batch_size", "4", "--parallel_report", str(report), prelude=prelude)
+    said = refusals.save_failed(str(tmp_path / "out"), "OSError: [Errno 28] No space left on device", staged=False)
+    assert proc.returncode == 1 and f"auto-round-dp: dpq: {said}" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    error = json.loads(report.read_text())["error"]
+    assert error["kind"] == "save_failed" and error["where"] == "save", error
 
 
 def test_a_write_failure_is_told_from_other_errors():

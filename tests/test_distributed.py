@@ -405,13 +405,13 @@ def test_agreement_counts_only_physical_accelerators(monkeypatch, device, shared
 
     told = []
 
-    def agree(procs, mine, samples, pool):
+    def agree(procs, mine, samples, pool, asked):
         told.append(mine)
         return Topology.alone(1), []
 
     monkeypatch.setattr(session, "agree", agree)
     monkeypatch.setattr(session, "plan_for", lambda config, task: Plan([torch.device(device)]))
-    task = SimpleNamespace(extra_reasons=[], samples_per_iter=8, pool_samples=None)
+    task = SimpleNamespace(extra_reasons=[], samples_per_iter=8, pool_samples=None, asked_samples=None)
     session._agreed_plan(SessionConfig(ParallelSpec(1, [device])), task, procs=None, plan=None)
     assert told[0].devices == ([device] if shared else [])
 

@@ -74,3 +74,22 @@ def test_the_screen_says_the_overlap_choice():
     off = dpq.plan_for(str(DATA_DIR), parallel_devices="cpu,cpu", home="cpu", iters=10, batch_size=2, nsamples=2,
                        seqlen=64, parallel_overlap="off")
     assert off.rows[1].overlap == "--parallel_overlap off" and "- --parallel_overlap off" in str(off)
+
+
+def test_the_screen_shows_the_runs_own_lanes_and_stays_small():
+    """Issue 42's sweep, M1 and M9: for an explicit world on the CPU without --parallel_devices the screen
+    showed one lane and "auto would choose world 2: asked for, but refused (above)" with nothing above,
+    while the run took world 2; and 300 listed lanes took 31 s (20 000: out of memory), a row per world.
+    The screen now shows the run's own default lanes, says the run takes the world asked, and prices the
+    worlds up to the samples per iteration (one refused row past them)."""
+    import time
+
+    screen = dpq.plan_for(str(DATA_DIR), parallel_quantization=2, home="cpu", iters=10, batch_size=2, nsamples=2,
+                          seqlen=64)
+    assert [(r.world, r.refused) for r in screen.rows] == [(1, []), (2, [])], screen.rows
+    assert screen.choice == 2 and "the run takes world 2: asked for (--parallel_quantization); it fits" in str(screen)
+    t0 = time.perf_counter()
+    many = dpq.plan_for(str(DATA_DIR), parallel_devices=",".join(["cpu"] * 2000), home="cpu", iters=10, batch_size=2,
+                        nsamples=2, seqlen=64)
+    assert [r.world for r in many.rows] == [1, 2, 3] and "2 samples" in many.rows[2].refused[0]
+    assert time.perf_counter() - t0 < 30 and len(str(many)) < 10_000

@@ -3,7 +3,9 @@ only on commit; a discard (a failed or cancelled run) leaves the folder given ex
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +147,80 @@ def test_leftovers_of_killed_runs_are_named_or_removed(tmp_path):
     from dpq.staging import OWNER
 
     assert OWNER == ".dpq-owner"  # the name _abandoned_staging writes
+
+
+def test_a_commit_that_fails_midway_puts_the_folder_back(tmp_path, monkeypatch):
+    """Issue 42's sweep, H1: a commit that failed after part of the new model was moved in (a full disk, an
+    I/O error) left the new config beside a truncated shard and the earlier model renamed to hidden files,
+    while the run said the folder was as it was. Every step is undone now (Note [a commit is all or nothing])."""
+    import errno
+
+    from dpq import staging as staging_mod
+
+    out = tmp_path / "out"
+    _write(out, {"m/config.json": b"old", "m/model.safetensors": b"old weights", "notes.txt": b"mine"})
+    before = tree_bytes(out)
+    staging = Staging(out)
+    _write(staging.dir, {"m/config.json": b"new", "m/model.safetensors": b"new weights", "m/tokenizer.json": b"t"})
+    real_move, moved = staging_mod._move, []
+
+    def failing(src, dst):
+        if moved:  # the second move fails, as a disk filling up would
+            raise OSError(errno.EIO, "Input/output error")
+        moved.append(dst)
+        real_move(src, dst)
+
+    monkeypatch.setattr(staging_mod, "_move", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        staging.commit()
+    monkeypatch.setattr(staging_mod, "_move", real_move)
+    assert moved and tree_bytes(out) == before  # the new config moved in, then taken back out
+    staging.discard()
+    assert tree_bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_copy_to_another_file_system_never_leaves_a_partial_file(tmp_path, monkeypatch):
+    """A move across file systems (a symlink's target elsewhere) copies to a temporary name and renames it:
+    a copy that fails leaves the target as it was, and no temporary file."""
+    import errno
+    import shutil
+
+    from dpq import staging as staging_mod
+
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    src.write_bytes(b"new")
+    dst.write_bytes(b"old")
+    real_replace = os.replace
+
+    def cross_device(a, b):
+        if Path(a) == src:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(a, b)
+
+    def full(a, b, **k):
+        Path(b).write_bytes(b"ne")  # part of it, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging_mod.os, "replace", cross_device)
+    monkeypatch.setattr(shutil, "copy2", full)
+    with pytest.raises(OSError, match="No space left"):
+        staging_mod._move(src, dst)
+    assert dst.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["dst.bin", "src.bin"]
+
+
+def test_a_mount_point_stages_inside_itself(tmp_path, monkeypatch):
+    """Issue 42's sweep, H1: --output_dir a mount point (a container's volume) was staged in its parent, on
+    another file system, so the commit copied across file systems. Staged inside it now (a rename away)."""
+    from dpq import staging as staging_mod
+
+    out = tmp_path / "vol"
+    out.mkdir()
+    real_device = staging_mod._device
+    monkeypatch.setattr(staging_mod, "_device", lambda p: 99 if Path(p) == out else real_device(p))
+    assert staging_mod.staging_place(out) == out
+    staging = Staging(out)
+    assert staging.dir.parent == out
+    _write(staging.dir, {"m/config.json": b"new"})
+    staging.commit()
+    assert tree_bytes(out) == {"m/config.json": b"new"}
+    assert staging_mod.staging_place(tmp_path / "not-yet") == tmp_path  # a folder still to make: beside it

@@ -212,13 +212,42 @@ def test_a_refusal_under_torchrun_reads_as_one_refusal(runs):
     assert r["rc"] != 0, r["err"][-4000:]
     err = r["err"]
     assert err.count("the requested parallel quantization cannot run") == 1, err[-4000:]
-    assert "2 lanes (2 processes x 1) but only 1 sample per iteration (the calibration data has 1 sample)" in err
-    assert "Fix: --nsamples 2 or more, or fewer lanes: at most 1 processes (torchrun --nproc-per-node)" in err, err
+    assert ("2 lanes (2 processes x 1) but only 1 sample per iteration (the calibration data gives 1 sample, of the 8 "
+            "--nsamples asks)") in err, err[-4000:]
+    assert ("Fix: calibration data that gives at least 2 samples (another --dataset; auto-round drops texts shorter "
+            "than --seqlen), or fewer lanes: at most 1 process (torchrun --nproc-per-node)") in err, err[-4000:]
     assert "rank 1 stops: the refusal rank 0 prints" in err, err[-4000:]
     assert not re.search(r'File "[^"]*/dpq/', err), err[-4000:]  # no traceback through dpq's code
     error = r["report"]["error"]
     assert error["kind"] == "refused" and error["where"] == "model.layers.0", error
-    assert "--nsamples 2 or more" in error["message"] and "rank" not in error["message"], error
+    assert "calibration data that gives at least 2 samples" in error["message"] and "rank" not in error["message"]
+
+
+def test_every_rank_on_one_host_checks_the_paths(monkeypatch, tmp_path):
+    """Issue 42's sweep, M2: a bad --parallel_report under torchrun was refused on rank 0 alone (exit 2); rank 1,
+    stopped by torchrun, said it was cancelled. On one host every rank checks the paths (and says it); across
+    hosts rank 0 alone does (the others may not see its folders)."""
+    data = tmp_path / "calib.jsonl"
+    data.write_text("{}\n")
+    argv = ["--dataset", str(data), "--parallel_quantization", "1", "--parallel_report", str(data), "--output_dir",
+            str(tmp_path / "out")]
+    _as_torchrun_rank(monkeypatch)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert any("is where this run reads --dataset" in p for p in cli.argument_errors(*split_argv(argv)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one process each: rank 1 leaves it to rank 0
+    assert not any("--parallel_report" in p for p in cli.argument_errors(*split_argv(argv)))
+
+
+def test_a_device_map_of_gpus_this_torch_lacks_is_refused_before_loading(monkeypatch):
+    """Issue 42's sweep, M8: --device_map cuda --parallel_quantization 2 on a CPU build of torch loaded the model,
+    then failed with "Torch not compiled with CUDA enabled"; the lanes are --device_map's devices."""
+    from dpq.machine import Machine
+
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls: Machine("2.13.0+cpu")))
+    found = cli.argument_errors(*split_argv(["--device_map", "cuda", "--parallel_quantization", "2"]))
+    assert any("is a build without cuda support" in p for p in found), found
+    assert cli.argument_errors(*split_argv(["--device_map", "cpu", "--parallel_quantization", "2"])) == []
 
 
 def test_off_under_torchrun_is_refused_before_loading(capsys, monkeypatch):

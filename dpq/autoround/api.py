@@ -107,7 +107,7 @@ def _check_inputs(inputs, outputs, input_others, home: torch.device | None) -> l
         elif len(outputs) != len(inputs):
             problems.append(refusals.outputs_count(len(outputs), len(inputs)))
         else:
-            bad = [i for i, (a, b) in enumerate(zip(inputs, outputs, strict=True)) if a.shape[:-1] != b.shape[:-1]]
+            bad = [i for i, (a, b) in enumerate(zip(inputs, outputs, strict=True)) if a.shape != b.shape]
             if bad:
                 problems.append(refusals.outputs_shape(bad))
             problems += _check_pool("outputs", outputs, home)
@@ -219,9 +219,12 @@ def _check_settings(iters, batch_size, gradient_accumulate_steps, dynamic_max_ga
         problems.append(refusals.bad_count(batch_size=batch_size, accumulate=gradient_accumulate_steps))
     if not _is_int(dynamic_max_gap):
         problems.append(refusals.setting_type("dynamic_max_gap", repr(dynamic_max_gap), "int"))
-    for name, value in (("seed", seed), ("bits", bits), ("group_size", group_size)):
-        if value is not None and not _is_int(value):
-            problems.append(refusals.setting_type(name, repr(value), "int or None"))
+    if seed is not None and not _is_int(seed):
+        problems.append(refusals.setting_type("seed", repr(seed), "int or None"))
+    if bits is not None and not (_is_int(bits) and bits >= 1):  # 0 or less: every weight non-finite
+        problems.append(refusals.setting_type("bits", repr(bits), "bits"))
+    if group_size is not None and not (_is_int(group_size) and group_size >= -1):
+        problems.append(refusals.setting_type("group_size", repr(group_size), "group"))
     for name, value, positive in (("lr", lr, True), ("minmax_lr", minmax_lr, True), ("momentum", momentum, False)):
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if value is not None and not (number and (value > 0 if positive else value >= 0)):

@@ -81,6 +81,7 @@ def task_plan_fields(q, block, fp_inputs, processes: ProcessSet | None) -> dict:
     return dict(
         samples_per_iter=per_iter,
         pool_samples=len(fp_inputs) if isinstance(fp_inputs, list) else None,
+        asked_samples=getattr(q.calibration_context, "nsamples", None),  # (auto-round's field; absent: not said)
         home=home,
         extra_reasons=feature_refusals(q, block, fp_inputs, processes),
         price=(BlockPrice(block, fp_inputs, per_iter, compute_dtype=q.model_context.amp_dtype)

@@ -95,9 +95,10 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str 
         home = "cpu" if theirs is not None and str(theirs.device_map).strip().lower() == "cpu" else None
         found += machine_problems(valid, ours.parallel_devices, machine, overlap=ours.parallel_overlap, home=home)
         found += _lane_count_problems(valid, ours.parallel_devices, theirs, recipe, machine)
+        found += _device_map_problems(valid, ours.parallel_devices, theirs, machine)
     except ValueError:
         pass  # a malformed world: said above
-    if _rank() == 0:  # only rank 0 writes the output and the report (the others create nothing)
+    if _rank() == 0 or _one_host():  # rank 0 writes; on one host every rank sees its paths, and says what it sees
         output_dir = theirs.output_dir if theirs is not None else DEFAULT_OUTPUT_DIR
         found += path_errors(ours.parallel_report, output_dir, run_inputs(theirs))
     if ours.parallel_plan:  # the screen runs nothing: what the run itself would refuse is said above
@@ -112,11 +113,31 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str 
     return list(dict.fromkeys(found))
 
 
+def _one_host() -> bool:
+    """Every process of this torchrun job is on this host (torchrun's LOCAL_WORLD_SIZE is its WORLD_SIZE)."""
+    return os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
+
+
 def _recipe_defaults(recipe: str | None) -> dict:
     """auto-round's values for what the command line leaves unset, for ``recipe`` (its RECIPES)."""
     from auto_round.cli.main import RECIPES
 
     return RECIPES.get((recipe or "default").replace("-", "_"), RECIPES["default"])
+
+
+def _device_map_problems(world: int | str, devices: object, theirs: argparse.Namespace | None, machine) -> list[str]:
+    """Without --parallel_devices the lanes are --device_map's devices: an accelerator type it names that
+    this torch build or machine lacks stops the command here, as the same lanes given to
+    --parallel_devices would (bare indices are auto-round's own: on a machine without accelerators it runs
+    them on the CPU)."""
+    if world == "off" or devices is not None or theirs is None:
+        return []
+    from dpq.plan import parse_device_spec
+    from dpq.spec import machine_problems
+
+    typed = [e.raw.strip() for e in parse_device_spec(str(theirs.device_map))
+             if e.device is not None and not e.bare_index and e.device.type != "cpu"]
+    return machine_problems(world, ",".join(typed), machine) if typed else []
 
 
 def _lane_count_problems(world: int | str, devices: object, theirs: argparse.Namespace | None,
@@ -347,7 +368,7 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
 
     from .args import program
     from .outputs import error_of, exit_status_of
-    from .ranks import SaveFailed
+    from .ranks import SaveFailed, is_write_failure
     from .summary import log_summary
 
     quantize, rank = runner_for(recipe), _rank()  # auto-round's command for the recipe
@@ -369,11 +390,15 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
     except (PlanRefused, ParallelLaneError, RankFailure, SaveFailed) as e:
         failure = e
     except Exception as e:  # outside a block's run: under several processes the others learn which rank
-        if run is None or run.processes is None:
-            failure = e  # reported, then raised with its traceback (a failed save too: the output is as it was)
+        if run is None and is_write_failure(e):  # off: auto-round's own save ran out of room; said, as with dpq on
+            failure = SaveFailed(_output_dir(rest), e, staged=False)
+            failure.__cause__ = e
+        elif run is None or run.processes is None:
+            failure = e  # reported, then raised with its traceback (the output is as it was)
             raise
-        failure = run.processes.stop(e, peer_lost(e))
-        failure.__cause__ = e
+        else:
+            failure = run.processes.stop(e, peer_lost(e))
+            failure.__cause__ = e
     except BaseException as e:  # an interrupt, the user's cancel: reported, then raised
         failure = e
         raise
@@ -403,6 +428,15 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
             print(f"auto-round-dp: {refusals.RUN_STOPPED}", file=sys.stderr)
         return failure.exit_status if isinstance(failure, RankFailure) else 1
     return 0
+
+
+def _output_dir(rest: list[str]) -> str:
+    """auto-round's --output_dir in its arguments ``rest`` (its default where absent or unreadable)."""
+    from .args import autoround_args
+    from .outputs import DEFAULT_OUTPUT_DIR
+
+    parsed = autoround_args(list(rest))
+    return parsed.output_dir if parsed is not None else DEFAULT_OUTPUT_DIR
 
 
 def main_best() -> int:

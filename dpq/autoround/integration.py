@@ -243,7 +243,8 @@ def _preflight(run: Run, q, block, inputs) -> None:
         resolve(request)
     else:
         session.agree_plan(_session_config(run, None), run.processes, request.samples_per_iter,
-                           bool(request.extra_reasons), lambda: resolve(request), request.pool_samples or 0)
+                           bool(request.extra_reasons), lambda: resolve(request), request.pool_samples or 0,
+                           request.asked_samples or 0)
 
 
 def _session_config(run: Run, auto_world: AutoWorld | None) -> session.SessionConfig:

@@ -17,13 +17,14 @@ start and end time (UTC, ISO 8601) and the exit status (:func:`exit_status_of`).
 writes it as the run unwinds; a thread that ends the process instead (the cancel watcher, the
 iteration watchdog: :func:`dpq.cancel.end_process`) writes it through :meth:`RunReport.at_exit`,
 registered with :func:`dpq.cancel.on_exit`. A regular file is replaced whole (written beside, then
-``os.replace``), so a report is never half-written; anything else (a device such as ``/dev/full``,
-a pipe) is written in place.
+``os.replace``), so a report is never half-written; a device (``/dev/null``, ``/dev/full``) is written
+in place; a pipe is refused before the run (writing it would wait for a reader).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -67,11 +68,14 @@ def _can_create_in(folder: Path) -> bool:
     ``os.access`` is not enough: as root it says yes for places where creating fails (``/proc``, a
     read-only mount)."""
     try:
+        times = os.stat(folder)
         fd, probe = tempfile.mkstemp(prefix=".dpq-probe-", dir=folder)
     except OSError:
         return False
     os.close(fd)
     os.unlink(probe)
+    with contextlib.suppress(OSError):  # the folder's times as they were: the check changes nothing
+        os.utime(folder, ns=(times.st_atime_ns, times.st_mtime_ns))
     return True
 
 
@@ -92,6 +96,8 @@ def _place_error(flag: str, path: str) -> str | None:
 def _report_errors(path: str, output_dir: str, inputs: Sequence[RunInput]) -> list[str]:
     if not path.strip():
         return [refusals.REPORT_PATH_EMPTY]
+    if path.endswith(os.sep):  # a folder's path: the report would become a file of the folder's name
+        return [refusals.report_is_dir(path, str(Path(path) / "dpq_report.json"))]
     real = Path(os.path.realpath(path))
     if real.is_dir():
         return [refusals.report_is_dir(path, str(Path(path) / "dpq_report.json"))]
@@ -99,13 +105,17 @@ def _report_errors(path: str, output_dir: str, inputs: Sequence[RunInput]) -> li
         return [refusals.report_in_output(path, output_dir)]
     if (read := _input_at(real, inputs)) is not None:
         return [refusals.report_is_input(path, read.flag, read.value, output_dir)]
-    if real.exists() and not real.is_file():  # a device, a pipe: written in place (write_whole)
+    if real.is_fifo() or real.is_socket():  # writing it would wait, after the model is saved, for a reader
+        return [refusals.report_is_pipe(path)]
+    if real.exists() and not real.is_file():  # a device (/dev/null): written in place (write_whole)
         return [] if os.access(real, os.W_OK) else [refusals.place_unwritable("--parallel_report", path, str(real))]
     problem = _place_error("--parallel_report", path)  # a regular file is replaced by one made beside it
     return [problem] if problem else []
 
 
 def _output_errors(output_dir: str) -> list[str]:
+    if not output_dir.strip():  # auto-round would save into the working directory, staged in its parent
+        return [refusals.OUTPUT_DIR_EMPTY]
     real = Path(os.path.realpath(output_dir))
     if real.exists() and not real.is_dir():
         return [refusals.output_is_file(output_dir)]
@@ -325,8 +335,9 @@ def write_whole(path: str, text: str) -> None:
     """``text`` into the file at ``path`` (its symlinks followed): a regular file replaced whole, in
     one rename; anything else (a device, a pipe) written in place. Missing folders are made."""
     real = Path(os.path.realpath(path))
-    if real.exists() and not real.is_file():
-        with open(real, "w") as out:
+    if real.exists() and not real.is_file():  # never waits: a pipe with no reader is an error (ENXIO), said
+        fd = os.open(real, os.O_WRONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "w") as out:
             out.write(text)
         return
     real.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import torch
 
 from dpq import refusals
 from dpq.cost_model import ACHIEVABLE_FLOPS, CostInputs, choose_world, predict, probe_link
-from dpq.plan import BlockPrice, PlanRefused, PlanRequest, parse_device_spec, price_runtime, resolve
+from dpq.plan import BlockPrice, PlanRefused, PlanRequest, default_devices, parse_device_spec, price_runtime, resolve
 from dpq.streams import backend, default_accelerator_type
 
 __all__ = ["LanePrice", "PlanScreen", "WorldRow", "plan_for", "show_for_command"]
@@ -71,6 +71,7 @@ class PlanScreen:
     choice: int
     why: str
     calibration: str
+    asked: bool = False  # an explicit world (--parallel_quantization N): the run takes it, or stops
 
     def lines(self) -> list[str]:
         gib = 2**30
@@ -90,7 +91,8 @@ class PlanScreen:
             out += [f"{'':>7}- {reason}" for reason in r.refused]
             if not r.refused:
                 out += [f"{'':>7}- {line}" for line in (r.shared, r.buckets, r.overlap) if line]
-        out += ["", f"auto would choose world {self.choice}: {self.why}", f"timeline model: {self.calibration}"]
+        chooser = "the run takes" if self.asked else "auto would choose"
+        out += ["", f"{chooser} world {self.choice}: {self.why}", f"timeline model: {self.calibration}"]
         return out
 
     def __str__(self) -> str:
@@ -189,20 +191,24 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
     given = _lanes(spec.devices, torch.device("cpu")) if spec.devices is not None else []
     home_dev = torch.device(home) if home is not None else given[0] if given else \
         torch.device(default_accelerator_type())
-    lanes = given or _lanes(None, home_dev)
-    compute = _home_compute_dtype(home_dev, block)
     samples = max(1, min(nsamples, batch_size * gradient_accumulate_steps))
+    # the run's own default lanes where none were given: on the CPU, as many sharing it as asked (at most
+    # one per sample), else every visible device of home's type
+    lanes = given or (default_devices(spec.world, home_dev, samples) if home_dev.type == "cpu" else
+                      _lanes(None, home_dev))
+    compute = _home_compute_dtype(home_dev, block)
     hidden = next(p.shape[-1] for p in block.parameters() if p.dim() == 2)
     inputs = [torch.empty(1, seqlen, hidden, dtype=compute, device="meta")]
     price = BlockPrice(block, inputs, samples, compute_dtype=compute)
     weights = [p for p in block.parameters() if p.dim() == 2]
     n = sum(p.numel() for p in weights)
     flops = 6.0 * samples * seqlen * n
-    latency, bandwidth, link = _link(lanes)
+    worlds = _worlds(len(lanes), samples, spec.world)
+    latency, bandwidth, link = _link(lanes[:max(worlds)])  # the lanes the rows price, not every one listed
     costs = CostInputs(compute_s=flops / ACHIEVABLE_FLOPS.get(home_dev.type, ACHIEVABLE_FLOPS["cpu"]), issue_s=0.0,
                        tuned_elems=n + n // 8, bandwidth_Bps=bandwidth, latency_s=latency)
     rows = []
-    for w in range(1, len(lanes) + 1):
+    for w in worlds:
         refused: list[str] = []
         buckets = overlap = ""
         try:
@@ -221,7 +227,21 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
 
     return PlanScreen(str(getattr(model, "name_or_path", model) if source == "model" else model), source, name,
                       type(block).__name__, blocks, samples, iters, seqlen, str(compute).removeprefix("torch."),
-                      device_names([str(d) for d in lanes]), link, rows, choice, why, _calibration())
+                      device_names([str(d) for d in dict.fromkeys(lanes)]), link, rows, choice, why, _calibration(),
+                      asked=isinstance(spec.world, int))
+
+
+MAX_ROWS = 16  # worlds the screen prices: every lane count up to the samples per iteration, at most this many
+
+
+def _worlds(lanes: int, samples: int, asked: int | str) -> list[int]:
+    """The worlds the screen prices: 1 .. the lanes, as far as a world gives every lane a sample (beyond,
+    every world is refused for the same reason: one row says it) and :data:`MAX_ROWS`; an asked world
+    too, whatever its size (its row says why it cannot run, when it cannot)."""
+    shown = list(range(1, min(lanes, samples + 1, MAX_ROWS) + 1))
+    if isinstance(asked, int) and asked not in shown:
+        shown.append(asked)
+    return shown
 
 
 def _auto_choice(rows: list[WorldRow], lanes: list[torch.device], iters: int, costs: CostInputs,
@@ -230,7 +250,7 @@ def _auto_choice(rows: list[WorldRow], lanes: list[torch.device], iters: int, co
     the fitting lanes (the most that run), all of them when they share a device, else the fastest
     prediction among them."""
     if isinstance(world, int):
-        row = rows[world - 1] if world <= len(rows) else None
+        row = next((r for r in rows if r.world == world), None)
         if row is None or row.refused:
             return world, "asked for, but refused (above): the run stops before the first block's work"
         return world, "asked for (--parallel_quantization); it fits"

@@ -53,10 +53,10 @@ class SaveFailed(RuntimeError):
     ``--output_dir`` is as it was. The message says so, with the fix; the report's ``where`` is
     "save"."""
 
-    def __init__(self, output_dir: str, err: BaseException) -> None:
+    def __init__(self, output_dir: str, err: BaseException, staged: bool = True) -> None:
         from dpq import refusals
 
-        super().__init__(f"dpq: {refusals.save_failed(str(output_dir), _said(err))}")
+        super().__init__(f"dpq: {refusals.save_failed(str(output_dir), _said(err), staged)}")
 
 
 # errno values only a write produces: no space, over quota, a file too large, a read-only file system
