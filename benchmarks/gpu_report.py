@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from dpq.testing.timeline.calibration import Calibration
+from dpq.testing.timeline.calibration import Calibration, issuing_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "PERFORMANCE.md"
@@ -83,6 +83,7 @@ def rows(summaries: list[dict], cal: Calibration) -> list[str]:
         out.append(f"| world {w} on one GPU vs 1 lane at batch 8: ms / iteration; per-lane work that does not "
                    f"divide, ms | {_fmt(timed)} vs {_fmt(entry.get('one_lane_ms'))}; "
                    f"{_fmt(entry.get('per_lane_undivided_ms'))} | lanes |")
+    out += issuing_rows(cal)
     out.append(f"| bf16 8192³ matmul, TFLOP/s; device copy, GB/s | {_fmt(cal.extra.get('gemm_8192_tflops'))}; "
                f"{_fmt(cal.extra.get('copy_GBps'))} | paths |")
     names = list(dict.fromkeys(n for s in summaries for n in s.get("proofs", {})))
@@ -91,6 +92,22 @@ def rows(summaries: list[dict], cal: Calibration) -> list[str]:
     for name in names:
         cells = [(s.get("proofs", {}).get(name) or "—").splitlines()[0][:300].replace("|", "/") for s in summaries]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def issuing_rows(cal: Calibration) -> list[str]:
+    """Per world of lanes on one GPU: the issuing thread's CPU ms per unprofiled iteration, the wall
+    and the GPU's busy ms (``dpq_issuing``); and whence the timeline model's host figure comes."""
+    got = cal.extra.get("dpq_issuing") or {}
+    thread = got.get("thread_cpu_ms_per_iteration") or {}
+    walls, busy = got.get("wall_ms_per_iteration") or {}, got.get("gpu_busy_ms_per_iteration") or {}
+    out = [f"| world {w} on one GPU: issuing thread's CPU ms / iteration (time.thread_time, unprofiled); wall; GPU "
+           f"busy | {_fmt(ms)}; {_fmt(walls.get(w))}; {_fmt(busy.get(w))} | lanes |"
+           for w, ms in sorted(thread.items(), key=lambda kv: int(kv[0]))]
+    if got:
+        ms, whence = issuing_bound(got)
+        out.append(f"| the timeline model's host: issuing thread ms per lane-iteration ({cal.host_source}: "
+                   f"{whence.replace('|', '/')}) | {_fmt(None if ms is None else round(ms, 3))} | lanes |")
     return out
 
 

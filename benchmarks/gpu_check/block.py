@@ -5,8 +5,10 @@
 own serial tune, or dpq's when ``RunSpec.world`` is set). Inside that tune it marks the iterations:
 each iteration ends where its optimizer step ends (auto-round's ``_step``, dpq's
 ``TuneEngine.step``), which both loops reach once per iteration after their host sync, so the
-steady iterations' wall times are the differences of those ends. The last ``profiled`` iterations
-run under the torch profiler with the marks ``benchmarks.gpu_check.trace`` reads. The dynamo
+steady iterations' wall times are the differences of those ends. At each end the issuing thread's
+own CPU time (``time.thread_time()``: that thread alone, the profiler off) and the process's are
+read too (Note [the issuing thread's CPU time]). The last ``profiled`` iterations run under the
+torch profiler with the marks ``benchmarks.gpu_check.trace`` reads. The dynamo
 compiles of the whole run (the no-grad caching forward and the tuning forward and backward) are
 timed with torch's compile callbacks (``dpq.compiles.CompileWatch``).
 """
@@ -80,6 +82,11 @@ class RunSpec:
 class TuneResult:
     spec: dict
     iteration_ms: list[float] = field(default_factory=list)  # the timed iterations
+    # the timed iterations' CPU ms (Note [the issuing thread's CPU time]): the issuing thread's outside the
+    # readback wait and the backward call, its own inside those two, and every thread's of the process
+    thread_cpu_ms: list[float] = field(default_factory=list)
+    thread_cpu_aside_ms: list[float] = field(default_factory=list)
+    process_cpu_ms: list[float] = field(default_factory=list)
     first_iteration_ms: float | None = None
     compile_s: float = 0.0
     profile: dict = field(default_factory=dict)  # trace.summarize of the profiled iterations
@@ -91,8 +98,14 @@ class TuneResult:
     def median_ms(self) -> float | None:
         return statistics.median(self.iteration_ms) if self.iteration_ms else None
 
+    def cpu_medians(self) -> dict[str, float | None]:
+        """The medians of the timed iterations' CPU ms (None where none was timed)."""
+        return {name: round(statistics.median(v), 3) if v else None for name, v in (
+            ("thread_cpu_ms", self.thread_cpu_ms), ("thread_cpu_aside_ms", self.thread_cpu_aside_ms),
+            ("process_cpu_ms", self.process_cpu_ms))}
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "median_ms": self.median_ms}
+        return {**asdict(self), "median_ms": self.median_ms, "cpu_median": self.cpu_medians()}
 
 
 def build_model(shape: BlockShape):
@@ -112,12 +125,25 @@ class _Tuned(Exception):
 
 
 class _Marks:
-    """The iteration marks and the profiler window of one tune (see the module docstring)."""
+    """The iteration marks and the profiler window of one tune (see the module docstring).
+
+    Note [the issuing thread's CPU time]
+    One thread issues every lane's work; the timeline model's host figure is that thread's own time
+    per lane-iteration. Its wall time between two step ends is only a bound of it (on lanes of one
+    GPU it also holds the thread's waits for the device), and a profiled iteration's is inflated by
+    the profiler's per-op events. ``time.thread_time()`` (CLOCK_THREAD_CPUTIME_ID: the calling
+    thread's CPU alone, nanoseconds) read at each step end, on the issuing thread, the profiler off,
+    is the figure itself. What the thread spends inside the readback wait (polling events between
+    sleeps) and the backward call (autograd's device threads run it; the caller waits) is set
+    apart, as the profiled ``own_ms`` sets those calls' wall time apart (``trace.Iteration``). The
+    process's CPU time (every thread: autograd's, the allocator's) is read beside it."""
 
     def __init__(self, spec: RunSpec, trace_to: Path | None, cuda: bool) -> None:
         self.spec, self.trace_to, self.cuda = spec, trace_to, cuda
         self.start: float | None = None
         self.step_ends: list[float] = []
+        self.cpu_ends: list[tuple[float, float, float]] = []  # (thread, thread set apart, process) at each end
+        self.aside = 0.0  # the issuing thread's CPU seconds so far inside the readback wait and the backward
         self.prof = None
 
     def record(self, name: str):
@@ -125,10 +151,22 @@ class _Marks:
 
         return torch.profiler.record_function(name)
 
+    def aside_cpu(self, name: str, real):
+        """``real`` inside the mark ``name``, its CPU time on the calling thread set apart."""
+        def call(*a, **k):
+            t0 = time.thread_time()
+            try:
+                with self.record(name):
+                    return real(*a, **k)
+            finally:
+                self.aside += time.thread_time() - t0
+        return call
+
     def step(self, call):
         with self.record(trace.STEP):
             out = call()
         self.step_ends.append(time.perf_counter())
+        self.cpu_ends.append((time.thread_time(), self.aside, time.process_time()))
         n = len(self.step_ends)
         if self.trace_to is not None and self.spec.profiled:
             if n == self.spec.warmup + self.spec.timed:
@@ -151,9 +189,22 @@ class _Marks:
         prof.stop()
         prof.export_chrome_trace(str(self.trace_to))
 
+    def _timed(self) -> range:
+        """The timed iterations' indices into the step ends (each from the end before it)."""
+        w = self.spec.warmup
+        return range(max(1, w), min(len(self.step_ends), w + self.spec.timed))
+
     def timed_ms(self) -> list[float]:
-        ends, w = self.step_ends, self.spec.warmup
-        return [round((ends[i] - ends[i - 1]) * 1e3, 3) for i in range(max(1, w), min(len(ends), w + self.spec.timed))]
+        ends = self.step_ends
+        return [round((ends[i] - ends[i - 1]) * 1e3, 3) for i in self._timed()]
+
+    def timed_cpu_ms(self) -> tuple[list[float], list[float], list[float]]:
+        """The timed iterations' (issuing thread outside the wait and the backward, the thread inside
+        them, the process) CPU ms: Note [the issuing thread's CPU time]."""
+        c = self.cpu_ends
+        delta = [[(c[i][k] - c[i - 1][k]) * 1e3 for i in self._timed()] for k in range(3)]
+        own = [round(t - a, 3) for t, a in zip(delta[0], delta[1], strict=True)]
+        return own, [round(a, 3) for a in delta[1]], [round(p, 3) for p in delta[2]]
 
 
 @contextlib.contextmanager
@@ -177,14 +228,14 @@ def _instrument(quantizer, spec: RunSpec, marks: _Marks, identical: dict) -> Ite
         if spec.world is None:
             stack.enter_context(_patched(quantizer, "_step", lambda real: lambda *a, **k: marks.step(
                 lambda: real(*a, **k))))
-            stack.enter_context(_patched(quantizer, "_scale_loss_and_backward", lambda real: _marked(
-                marks, trace.BACKWARD, real)))
+            stack.enter_context(_patched(quantizer, "_scale_loss_and_backward", lambda real: marks.aside_cpu(
+                trace.BACKWARD, real)))
         else:
             stack.enter_context(_patched(tune_loop.TuneEngine, "step", lambda real: lambda self: marks.step(
                 lambda: real(self))))
-            stack.enter_context(_patched(tune_loop.TuneEngine, "_backward", lambda real: _marked(
-                marks, trace.BACKWARD, real)))
-            stack.enter_context(_patched(tune_loop.TuneEngine, "_wait", lambda real: _marked(marks, trace.WAIT, real)))
+            stack.enter_context(_patched(tune_loop.TuneEngine, "_backward", lambda real: marks.aside_cpu(
+                trace.BACKWARD, real)))
+            stack.enter_context(_patched(tune_loop.TuneEngine, "_wait", lambda real: marks.aside_cpu(trace.WAIT, real)))
             stack.enter_context(_patched(tune_loop.TuneEngine, "__init__", lambda real: _forward_marked(marks, real)))
             stack.enter_context(_patched(mirror.ReplicaSet, "check_identical", lambda real: _counted(
                 real, identical)))
@@ -282,6 +333,7 @@ def tune_block(model_template, shape: BlockShape, spec: RunSpec, device: str,
 
 def _finish(result: TuneResult, marks: _Marks, watch, identical: dict, spec: RunSpec) -> None:
     result.iteration_ms = marks.timed_ms()
+    result.thread_cpu_ms, result.thread_cpu_aside_ms, result.process_cpu_ms = marks.timed_cpu_ms()
     if marks.step_ends and marks.start is not None:
         result.first_iteration_ms = round((marks.step_ends[0] - marks.start) * 1e3, 3)
     if watch is not None:

@@ -9,6 +9,12 @@
   the lanes' forwards on the GPU. The iteration time at W lanes against one lane (dpq world 1) at
   the same total batch is reported, not judged: on a GPU the lanes saturate, their difference is
   (W - 1) x the per-lane work that does not divide with the batch.
+* the issuing thread at worlds 1, 2 and 4 (``issuing``): its own CPU time per steady iteration
+  (``time.thread_time()`` on that thread, read in the same unprofiled iterations that give the wall
+  time: Note [the issuing thread's CPU time] in ``block.py``), beside the wall time and the GPU's
+  busy time (the union of its kernels' intervals in the profiled iterations that follow: world 1's
+  last dpq round and world 4 profile one iteration, world 2 two). What the timeline model's host
+  figure is calibrated by (``summary.dpq_issuing``); no iteration is added for it.
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks.gpu_check import verdicts
-from benchmarks.gpu_check.block import DRY, LLAMA3_8B, RunSpec, build_model, tune_block
+from benchmarks.gpu_check.block import DRY, LLAMA3_8B, RunSpec, TuneResult, build_model, tune_block
 from benchmarks.gpu_check.common import NOT_DRY, freeze_imports
 
 PROOFS = [verdicts.ONE_SYNC, verdicts.IDENTICAL, verdicts.NOT_SERIALIZED]
 WORLD1_GOAL = 1.02
+
+
+PROFILED = {1: 1, 2: 2, 4: 1}  # iterations profiled after the timed ones, per world (world 2's: the verdicts')
 
 
 def _plan(dry_run: bool, device: str) -> dict:
@@ -33,10 +42,11 @@ def _plan(dry_run: bool, device: str) -> dict:
     worlds = (2,) if dry_run else (2, 4)
     return {
         "rounds": [(None, 1)] if dry_run else [(None, 1), (1, None)],  # serial then dpq, dpq then serial
-        "one_lane": lambda world: RunSpec(compile=c, batch=batch, world=world, devices=(device,), **few),
+        "one_lane": lambda world, profiled=0: RunSpec(compile=c, batch=batch, world=world, devices=(device,),
+                                                      profiled=profiled, **few),
         "debug": {w: RunSpec(compile=c, batch=batch, world=w, devices=(device,) * w, debug_identical=True, warmup=0,
                              timed=2 if dry_run else 3) for w in worlds},
-        "timed": {w: RunSpec(compile=c, batch=batch, world=w, devices=(device,) * w, profiled=2 if w == 2 else 0, **few)
+        "timed": {w: RunSpec(compile=c, batch=batch, world=w, devices=(device,) * w, profiled=PROFILED[w], **few)
                   for w in worlds},
     }
 
@@ -47,27 +57,36 @@ def run(args, partial: dict) -> dict:
     partial.update(shape=asdict(shape), device=device, rounds=[], worlds={})
     freeze_imports()
     model = build_model(shape)
-    for order in plan["rounds"]:
+    state = Path(args.state)
+    world1: list[TuneResult] = []
+    for r, order in enumerate(plan["rounds"]):
         times = {}
         for world in order:
-            res = tune_block(model, shape, plan["one_lane"](world), device)
+            last = r == len(plan["rounds"]) - 1 and world == 1  # its steady iterations end profiled
+            spec = plan["one_lane"](world, PROFILED[1] if last else 0)
+            res = tune_block(model, shape, spec, device, state / "trace_world1.json" if last else None)
             times["serial" if world is None else "dpq1"] = res.median_ms
+            if world == 1:
+                world1.append(res)
         partial["rounds"].append(times)
+    partial["issuing"] = {"1": issuing_of(world1)}
     ratios = [r["dpq1"] / r["serial"] for r in partial["rounds"] if r.get("serial") and r.get("dpq1")]
     partial["dpq_world1_vs_serial"] = round(statistics.fmean(ratios), 4) if ratios else None
     one_lane = statistics.median(r["dpq1"] for r in partial["rounds"] if r.get("dpq1"))
     for w, spec in plan["debug"].items():
         entry = partial["worlds"].setdefault(str(w), {})
         entry["identical"] = _identical(model, shape, spec, device)
-        trace_to = Path(args.state) / f"trace_world{w}.json"
+        trace_to = state / f"trace_world{w}.json"
         timed = tune_block(model, shape, plan["timed"][w], device, trace_to if plan["timed"][w].profiled else None)
         entry.update(timed=timed.as_dict(), one_lane_ms=one_lane)
+        partial["issuing"][str(w)] = issuing_of([timed])
         if timed.median_ms is not None:
             entry["vs_one_lane_ms"] = round(timed.median_ms - one_lane, 3)
             entry["per_lane_undivided_ms"] = round((timed.median_ms - one_lane) / (w - 1), 3)
-        if trace_to.is_file():
+        if trace_to.is_file() and w == 2:  # the one trace the run returns (the device tool returns 8 files)
             with open(trace_to, "rb") as src, gzip.open(Path(args.out) / f"trace_world{w}.json.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
+    print(issuing_line(partial["issuing"]))
     partial["goal"] = {f"dpq world 1 <= {WORLD1_GOAL}x serial": None if partial["dpq_world1_vs_serial"] is None else
                        ("met" if partial["dpq_world1_vs_serial"] <= WORLD1_GOAL else "not met")}
     proofs = _proofs(partial)
@@ -75,6 +94,31 @@ def run(args, partial: dict) -> dict:
         partial["cpu_evidence"], proofs = proofs, dict.fromkeys(PROOFS, NOT_DRY)
     partial["proofs"] = proofs
     return partial
+
+
+def issuing_of(runs: list[TuneResult]) -> dict:
+    """One world's issuing thread (Note [the issuing thread's CPU time]): the medians over ``runs``'
+    unprofiled timed iterations of the wall and the CPU ms, and the GPU's busy ms in their profiled ones."""
+    def median(values: list[float]) -> float | None:
+        return round(statistics.median(values), 3) if values else None
+
+    busy = [r.profile["gpu_busy_ms_per_iteration"] for r in runs if r.profile.get("gpu_busy_ms_per_iteration")]
+    return {"wall_ms": median([ms for r in runs for ms in r.iteration_ms]),
+            "thread_cpu_ms": median([ms for r in runs for ms in r.thread_cpu_ms]),
+            "thread_cpu_aside_ms": median([ms for r in runs for ms in r.thread_cpu_aside_ms]),
+            "process_cpu_ms": median([ms for r in runs for ms in r.process_cpu_ms]),
+            "gpu_busy_ms": median(busy), "iterations": sum(len(r.thread_cpu_ms) for r in runs)}
+
+
+def issuing_line(issuing: dict) -> str:
+    """The step's printed line: per world, the issuing thread's CPU ms per iteration (unprofiled), its
+    wall and the GPU's busy ms."""
+    def ms(x) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    return "lanes: issuing thread per iteration (time.thread_time, unprofiled; wall; GPU busy, profiled): " + "; ".join(
+        f"world {w} {ms(e['thread_cpu_ms'])} ms CPU ({ms(e['thread_cpu_aside_ms'])} in the wait and backward), "
+        f"wall {ms(e['wall_ms'])}, busy {ms(e['gpu_busy_ms'])}" for w, e in issuing.items())
 
 
 def _identical(model, shape, spec: RunSpec, device: str) -> dict:

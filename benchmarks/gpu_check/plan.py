@@ -1,7 +1,9 @@
 """The plan: every step, its time budget (the shell's timeout for it), whether it is core, what it
 runs and what it proves. The budgets are what the first H200 lease (2026-12-04) measured, with room:
 versions 16-25 s cold, paths 69 s, lanes 71 s, cli 75 s (its six compile-on runs at once), nccl 13 s,
-race 58-67 s (one sanitized process; now three), suite 48 s of pytest, price 19 s. The core fits
+race 58-67 s (one sanitized process; now three), suite 48 s of pytest, price 19 s; lanes has 10 s
+of cli's room since it profiles one iteration at worlds 1 and 4 too (their GPU busy time beside the
+issuing thread's CPU time; the CPU time itself is read in iterations that ran already). The core fits
 360 s, everything 655 s: on a lent H200 (15 minutes, one or two of them to start the machine) run
 ``--core`` and then at once (the machine stays warm 30 s) ``--rest``, each as one device call; what
 is left after that reruns named steps (``--only=...``). A dry run on a CPU gets four times as long
@@ -36,10 +38,12 @@ PLAN = [
     Step("paths", 90, True, "Llama-3-8B-shaped bf16 block (hidden 4096, inter 14336, 32/8 heads, seq 2048) on cuda:0, "
          "one lane, auto-round's own tune: compile on/off x batch 8/1: ms per iteration, GPU ms per phase, host ms "
          "and launches per iteration (profiler), compile seconds; the card's matmul and copy ceilings", paths),
-    Step("lanes", 90, True, "the same block, compile on: dpq world 1 vs serial (interleaved rounds); world 2 and 4 on "
+    Step("lanes", 100, True, "the same block, compile on: dpq world 1 vs serial (interleaved rounds); world 2 and 4 on "
          "cuda:0,cuda:0,...: replicas identical after every step, host syncs per iteration on every thread (set-up "
-         "excluded), lanes' forwards, ms per iteration at W lanes vs 1 lane at the same total batch (reported)", lanes),
-    Step("cli", 150, True, "auto-round-dp on the embedded model, compile on: off twice, world 1 (bitwise off), world 1 "
+         "excluded), lanes' forwards, ms per iteration at W lanes vs 1 lane at the same total batch (reported); at "
+         "worlds 1, 2 and 4 the issuing thread's own CPU time per iteration (time.thread_time, unprofiled) beside "
+         "the wall and the GPU's busy time", lanes),
+    Step("cli", 140, True, "auto-round-dp on the embedded model, compile on: off twice, world 1 (bitwise off), world 1 "
          "and 2 for seeds 42 and 43 (statistical parity), the six runs at once", cli),
     Step("nccl", 25, False, "both NCCL communicators at one rank, every collective x fp32/bf16/uint8; send/recv to "
          "itself; with NCCL >= 2.30 two CuPy ranks on cuda:0 and the watchdog's abort of a hung send", nccl),

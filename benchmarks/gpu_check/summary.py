@@ -87,23 +87,40 @@ def calibration(steps: dict[str, dict], date: str) -> dict:
 
 
 def dpq_issuing(lanes: dict) -> dict | None:
-    """dpq's issuing thread in the lanes step's profiled world (compile on, the block at batch 8 over
-    the lanes): its own ms per iteration (outside blocking calls, the readback wait and the backward
-    call), per lane-iteration, and every world's unprofiled wall per iteration (the bound of
-    Note [the profiler's bound], dpq/testing/timeline/calibration.py): what the timeline model's host
-    costs are re-based on."""
+    """dpq's issuing thread on lanes of one GPU (compile on, the block at batch 8 over the lanes): the
+    profiled world's own ms per iteration (outside blocking calls, the readback wait and the backward
+    call) and per lane-iteration, with its outermost ops; every world's unprofiled wall per
+    iteration (the bound of Note [the profiler's bound], dpq/testing/timeline/calibration.py); and
+    per world 1, 2, 4 the issuing thread's own CPU ms per unprofiled iteration (``time.thread_time``:
+    Note [the issuing thread's CPU time], benchmarks/gpu_check/block.py), the process's, and the GPU's
+    busy ms: what the timeline model's host costs are re-based on (the CPU time where present, the
+    walls only as a bound). None when the step measured none of it."""
     worlds = sorted((lanes.get("worlds") or {}).items(), key=lambda kv: int(kv[0]))
-    medians = {str(w): (e.get("timed") or {}).get("median_ms") for w, e in worlds}
-    walls = {w: ms for w, ms in medians.items() if ms}
+    walls = {str(w): ms for w, e in worlds if (ms := (e.get("timed") or {}).get("median_ms"))}
+    issuing = lanes.get("issuing") or {}
+    walls.update({w: e["wall_ms"] for w, e in issuing.items() if e.get("wall_ms")})
+    out: dict = {}
     for w, entry in worlds:
         profile = ((entry.get("timed") or {}).get("profile")) or {}
         own = profile.get("issuing_own_ms_per_iteration")
         if own:
             ops = profile.get("issuing_ops_per_iteration") or {}
-            return {"world": int(w), "path": "compile", "batch": 8, "own_ms_per_iteration": own,
-                    "own_ms_per_lane_iteration": round(own / int(w), 3), "wall_ms_per_iteration": walls,
-                    "ops_per_lane_iteration": {k: v / int(w) for k, v in ops.items()} or None}
-    return None
+            out = {"world": int(w), "own_ms_per_iteration": own, "own_ms_per_lane_iteration": round(own / int(w), 3),
+                   "ops_per_lane_iteration": {k: v / int(w) for k, v in ops.items()} or None}
+            break
+    by_world = {key: {w: e[field] for w, e in sorted(issuing.items(), key=lambda kv: int(kv[0])) if e.get(field)}
+                for key, field in (("thread_cpu_ms_per_iteration", "thread_cpu_ms"),
+                                   ("thread_cpu_aside_ms_per_iteration", "thread_cpu_aside_ms"),
+                                   ("process_cpu_ms_per_iteration", "process_cpu_ms"),
+                                   ("gpu_busy_ms_per_iteration", "gpu_busy_ms"))}
+    if not out and not by_world["thread_cpu_ms_per_iteration"]:
+        return None
+    if "world" not in out:  # no profiled world: the CPU time's smallest world of several lanes
+        several = sorted(int(w) for w in by_world["thread_cpu_ms_per_iteration"] if int(w) > 1)
+        out["world"] = several[0] if several else 1
+    walls = dict(sorted(walls.items(), key=lambda kv: int(kv[0])))
+    return {"world": out.pop("world"), "path": "compile", "batch": 8, **out, "wall_ms_per_iteration": walls,
+            **{k: v for k, v in by_world.items() if v}}
 
 
 def summarize(state: Path, out: Path, dry_run: bool, part: str = "all") -> int:

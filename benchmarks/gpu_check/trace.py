@@ -1,6 +1,6 @@
 """What a torch profiler trace (Chrome trace JSON, as ``profile.export_chrome_trace`` writes it) says
 about each tuning iteration: host syncs on every thread, kernel launches, the issuing thread's host
-time, GPU time per phase, and each lane's forward on the GPU. Pure functions of the trace's events,
+time, GPU time per phase, the GPU's busy time, and each lane's forward on the GPU. Pure functions of the trace's events,
 so the verdicts built on them are unit-tested on CPU with recorded traces.
 
 The run marks its own sections with ``torch.profiler.record_function`` (the ``MARK`` names below, on
@@ -92,12 +92,14 @@ class Iteration:
     view_ops: int = 0
     other_ops: int = 0
     phases_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    busy_ms: float = 0.0  # the GPU busy: the union of its events' intervals (lanes' kernels overlap; the phases add)
     lane_forwards: list[LaneForward] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"ms": round((self.end - self.start) / 1e3, 3), "launches": self.launches,
                 "blocking_syncs": self.blocking_syncs, "readback_waits": self.readback_waits,
-                "host_ms": round(self.host_ms, 3), "phases_ms": {k: round(v, 4) for k, v in self.phases_ms.items()},
+                "host_ms": round(self.host_ms, 3), "busy_ms": round(self.busy_ms, 3),
+                "phases_ms": {k: round(v, 4) for k, v in self.phases_ms.items()},
                 "lane_forwards": [vars(f) for f in self.lane_forwards]}
 
 
@@ -178,6 +180,16 @@ def _qdq_backward_ops(events: list[Event], qdq_marks: list[Event]) -> list[Event
     return [e for e in events if e.cat == "cpu_op" and e.tid != issuing and e.args.get("Sequence number") in forward]
 
 
+def busy_us(gpu: list[Event]) -> float:
+    """Microseconds of the union of the events' intervals: the time the GPU ran any of them."""
+    total, end = 0.0, float("-inf")
+    for e in sorted(gpu, key=lambda e: e.ts):
+        if e.end > end:
+            total += e.end - max(e.ts, end)
+            end = e.end
+    return total
+
+
 def outermost(ops: list[Event]) -> list[Event]:
     """The events of one thread not inside another of them (the ops its code called, not their parts)."""
     out, end = [], float("-inf")
@@ -219,11 +231,13 @@ def analyze(events: list[Event], is_view=None) -> list[Iteration]:
         if it is not None:
             it.readback_waits += 1
     forwards: dict[int, LaneForward] = {}  # id(FORWARD mark) -> the lane's forward
+    on_gpu: dict[int, list[Event]] = {}  # id(iteration) -> its GPU events
     for k in (e for e in events if e.cat in GPU_CATS):
         launch = launch_of.get(k.args.get("correlation"))
         it = which(launch.ts if launch is not None else k.ts)
         if it is None:
             continue
+        on_gpu.setdefault(id(it), []).append(k)
         if k.cat == "kernel":
             it.launches += 1
         it.phases_ms[classify(k, launch, issuing, by_name, qdq_back)] += k.dur / 1e3
@@ -233,6 +247,7 @@ def analyze(events: list[Event], is_view=None) -> list[Iteration]:
             f.first_launch, f.last_launch = min(f.first_launch, launch.ts), max(f.last_launch, launch.ts)
             f.gpu_end = max(f.gpu_end, k.end)
     for it in iters:
+        it.busy_ms = busy_us(on_gpu.get(id(it), [])) / 1e3
         it.lane_forwards = [forwards[id(m)] for m in by_name[FORWARD]
                             if it.start <= m.ts < it.end and id(m) in forwards]
         waited = sum(e.dur for e in host if e.tid == issuing and e.name in BLOCKING and it.start <= e.ts < it.end)
@@ -270,6 +285,7 @@ def summarize(iters: list[Iteration]) -> dict:
     return {"iterations": len(iters),
             "phases_ms": {p: round(statistics.fmean(it.phases_ms[p] for it in iters), 4) for p in PHASES},
             "host_ms_per_iteration": round(statistics.fmean(it.host_ms for it in iters), 3),
+            "gpu_busy_ms_per_iteration": round(statistics.fmean(it.busy_ms for it in iters), 3),
             "issuing_own_ms_per_iteration": round(statistics.fmean(it.own_ms for it in iters), 3),
             "launches_per_iteration": round(statistics.fmean(it.launches for it in iters), 1),
             "issuing_ops_per_iteration": {"views": statistics.fmean(it.view_ops for it in iters),

@@ -37,7 +37,12 @@ Schema ``dpq-calibration/1`` (JSON; times in the units their names say)::
                       "own_ms_per_iteration": 42.1,                 # its issuing thread outside blocking calls,
                       "own_ms_per_lane_iteration": 21.1,            # the readback wait and the backward call
                       "wall_ms_per_iteration": {"2": 46.0, "4": 48.9},  # unprofiled, lanes of one GPU
-                      "ops_per_lane_iteration": {"views": 328, "other": 204.5}},  # its outermost aten ops
+                      "ops_per_lane_iteration": {"views": 328, "other": 204.5},  # its outermost aten ops
+                      # unprofiled, per world of lanes on one GPU (absent in files before issue 38):
+                      "thread_cpu_ms_per_iteration": {"1": 9.0, "2": 17.0, "4": 33.0},  # time.thread_time
+                      "thread_cpu_aside_ms_per_iteration": {...},  # of it, inside the wait and backward
+                      "process_cpu_ms_per_iteration": {...},       # every thread of the process
+                      "gpu_busy_ms_per_iteration": {...}},         # union of the GPU's kernels (profiled)
       "gemm_8192_tflops": 780.0,         # a plain 8192^3 bf16 torch.matmul
       "copy_GBps": 4300.0                # a device-to-device copy, bytes read + written per second
     }
@@ -63,8 +68,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PHASES", "SCHEMA", "Calibration", "CalibrationError", "ModelCounts", "PathMeasurement", "block_shape",
-           "counts_of", "issuing_bound", "issuing_scale", "rebase"]
+__all__ = ["HOST_SOURCES", "PHASES", "SCHEMA", "Calibration", "CalibrationError", "ModelCounts", "PathMeasurement",
+           "block_shape", "counts_of", "host_source", "issuing_bound", "issuing_scale", "rebase"]
 
 SCHEMA = "dpq-calibration/1"
 PHASES = ("matmul", "attention", "qdq_forward", "qdq_backward", "elementwise", "optimizer_step", "readback")
@@ -95,6 +100,11 @@ class Calibration:
     compile_s: dict[str, float | None]
     source: str  # the file it was read from, or "fixture"
     extra: dict = field(default_factory=dict)  # driver, torch, auto_round, command, dpq_world1_vs_serial, ...
+
+    @property
+    def host_source(self) -> str:
+        """Whence its issuing thread's figure: :func:`host_source`."""
+        return host_source(self.extra.get("dpq_issuing") or {})
 
     @property
     def label(self) -> str:
@@ -203,6 +213,33 @@ HOST_OP_COSTS = ("eager_op_s", "view_op_s", "compiled_kernel_s", "compiled_exter
                  "graph_launch_s", "graph_tree_s", "wait_s")
 
 
+# Whence the issuing thread's ms per lane-iteration (issuing_bound): measured, or an upper bound only.
+HOST_SOURCES = {"thread_time": "measured: the issuing thread's own CPU time, unprofiled",
+                "wall_bound": "an upper bound: an unprofiled iteration's wall / W",
+                "profiled": "an upper bound: a profiled iteration's own time (the profiler's events cost host time)",
+                "": "not measured: the stated host"}
+
+
+def _thread_time(got: dict) -> tuple[int, float] | None:
+    """(world, the issuing thread's CPU ms per iteration) of ``dpq_issuing``: the profiled world's
+    (its ops are counted there), else the smallest world of several lanes, else world 1."""
+    thread = {int(w): ms for w, ms in (got.get("thread_cpu_ms_per_iteration") or {}).items() if ms}
+    if not thread:
+        return None
+    w = got.get("world") if got.get("world") in thread else min(thread, key=lambda w: (w == 1, w))
+    return w, thread[w]
+
+
+def host_source(got: dict) -> str:
+    """Which figure :func:`issuing_bound` gives for ``dpq_issuing`` (a key of :data:`HOST_SOURCES`):
+    ``"thread_time"`` (measured: the value), ``"wall_bound"`` or ``"profiled"`` (upper bounds:
+    files without the CPU time, e.g. the first H200 lease's), ``""`` (no figure)."""
+    ms, whence = issuing_bound(got)
+    if ms is None:
+        return ""
+    return "thread_time" if whence.startswith("measured") else "profiled" if whence == "profiled" else "wall_bound"
+
+
 def issuing_bound(got: dict) -> tuple[float | None, str]:
     """The issuing thread's own ms per lane-iteration that ``dpq_issuing`` supports, and whence.
 
@@ -212,9 +249,20 @@ def issuing_bound(got: dict) -> tuple[float | None, str]:
     10.4 ms unprofiled iteration). ``wall_ms_per_iteration`` holds the same step's *unprofiled*
     iterations per world of lanes on one GPU: the one issuing thread does all of an iteration's
     host work inside its wall time, so its own time per lane-iteration is at most the wall / W.
-    The smaller of the two is an upper bound of the unprofiled figure, and the one used."""
+    The smaller of the two is an upper bound of the unprofiled figure, and the one used where the
+    file has nothing better. ``thread_cpu_ms_per_iteration`` (issue 38) is that figure itself: the
+    thread's own CPU time in unprofiled iterations (Note [the issuing thread's CPU time],
+    benchmarks/gpu_check/block.py); it is used where present, its world's wall / W only as a bound."""
+    thread = _thread_time(got)
     profiled = got.get("own_ms_per_lane_iteration")
     walls = {int(w): ms for w, ms in (got.get("wall_ms_per_iteration") or {}).items() if int(w) > 1 and ms}
+    if thread is not None:
+        w, ms = thread
+        wall = (got.get("wall_ms_per_iteration") or {}).get(str(w))
+        whence = f"measured: world {w}'s issuing thread CPU {ms:.2f} ms per unprofiled iteration / {w}"
+        if wall and ms > wall:  # one thread's CPU time within a wall time cannot exceed it
+            return wall / w, f"{whence}, above its wall {wall:.2f} ms: the wall's bound used"
+        return ms / w, whence + (f" (wall bound {wall / w:.2f})" if wall else "")
     if not walls:
         return profiled, "profiled"
     w, ms = min(walls.items(), key=lambda kv: kv[1] / kv[0])
