@@ -103,3 +103,27 @@ def world2_run(iterations: int = 2, *, sync_in_iteration: int | None = None, ser
         t = step + 300.0
         free = dict.fromkeys(LANE_STREAMS, t)
     return b.trace()
+
+
+# The lanes step's result (as summary.json holds it) of a run on one H200 at batch 8, compile on: the walls
+# are the first lease's (2026-12-04: world 2 46.013 ms, world 4 48.863 ms per unprofiled iteration, its
+# profiled world 2's own 42.134 ms); that run did not yet read the issuing thread's CPU time, so the CPU and
+# busy figures of ``with_thread_time`` are made up for the tests (each below its wall, as one thread's CPU
+# time within a wall time must be).
+H200_WALLS = {"1": 41.04, "2": 46.013, "4": 48.863}
+MADE_UP_THREAD_CPU = {"1": 9.5, "2": 17.2, "4": 33.6}
+
+
+def lanes_result(*, with_thread_time: bool, thread_cpu: dict[str, float] | None = None) -> dict:
+    """The lanes step's result: worlds 2 and 4 timed (world 2 profiled), and with ``with_thread_time``
+    the ``issuing`` entries of worlds 1, 2 and 4 (``thread_cpu`` replaces the made-up CPU figures)."""
+    worlds = {w: {"timed": {"median_ms": H200_WALLS[w]}} for w in ("2", "4")}
+    worlds["2"]["timed"]["profile"] = {"issuing_own_ms_per_iteration": 42.134,
+                                       "issuing_ops_per_iteration": {"views": 656.0, "other": 409.0}}
+    result = {"dpq_world1_vs_serial": 0.96, "worlds": worlds}
+    if with_thread_time:
+        cpu = thread_cpu or MADE_UP_THREAD_CPU
+        result["issuing"] = {w: {"wall_ms": H200_WALLS[w], "thread_cpu_ms": cpu[w], "thread_cpu_aside_ms": 0.4,
+                                 "process_cpu_ms": cpu[w] + 6.0, "gpu_busy_ms": H200_WALLS[w] - 1.0, "iterations": 3}
+                             for w in ("1", "2", "4")}
+    return result

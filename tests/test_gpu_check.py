@@ -51,6 +51,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert core_s == sum(int(b) for _, b, k in planned if k == "core") <= CORE_LIMIT_S == 360
     assert total_s == sum(int(b) for _, b, _ in planned) <= TOTAL_LIMIT_S == 655
     assert [k for _, _, k in planned] == sorted(k for _, _, k in planned)  # core first
+    lanes_plan = next(ln for ln in proc.stdout.splitlines() if re.match(r"  [a-z]\) lanes ", ln))
+    assert " core " in lanes_plan and "issuing thread's own CPU time" in lanes_plan and "time.thread_time" in lanes_plan
 
     result = json.loads((out / "summary.json").read_text())
     assert result["dry_run"] is True and result["passed"] is True
@@ -73,12 +75,19 @@ def test_gpu_check_dry_run(tmp_path):
     assert [it["readback_waits"] for it in profiled] == [1, 1], profiled
     assert lanes["cpu_evidence"][verdicts.ONE_SYNC] == "passed"
     assert lanes["cpu_evidence"][verdicts.IDENTICAL] == "passed"
+    # the issuing thread's CPU time, unprofiled, per world run (the dry run's: 1 and 2), printed by the step
+    assert set(lanes["issuing"]) == {"1", "2"}, lanes["issuing"]
+    for w, e in lanes["issuing"].items():
+        assert 0 < e["thread_cpu_ms"] <= e["wall_ms"] and e["iterations"] >= 1 and e["gpu_busy_ms"] is None, (w, e)
+    assert "lanes: issuing thread per iteration (time.thread_time, unprofiled" in proc.stdout
     assert "--parallel_devices cuda:0,cuda:0" in steps["cli"]["result"]["commands"]["w2s42"]
     suite = steps["suite"]["result"]
     assert suite["tests"] > 10 and not suite["problems"]
 
     loaded = Calibration.load(out / "calibration.json")  # the timeline model reads what the run wrote
     assert loaded.gpu_class == "" and loaded.measurement("eager", 2).iteration_ms > 0
+    assert loaded.host_source == "thread_time" and set(loaded.extra["dpq_issuing"]["thread_cpu_ms_per_iteration"]) \
+        == {"1", "2"}
     assert (out / "trace_world2.json.gz").is_file() and (out / "gpu_check.log").is_file()
 
     calibration = _calibration_cpu()
@@ -233,6 +242,98 @@ def test_calibration_keeps_every_worlds_unprofiled_wall_beside_the_profiled_issu
     assert issuing["wall_ms_per_iteration"] == {"2": 46.0, "4": 48.8}
 
 
+def test_calibration_uses_the_issuing_threads_cpu_time_where_measured_and_the_walls_only_as_a_bound():
+    """Issue 38: with ``thread_cpu_ms_per_iteration`` (the lanes step's unprofiled time.thread_time)
+    the host figure is the profiled world's CPU time / W, a value (``host_source`` "thread_time");
+    without it (the first lease's file) the walls' bound, as before ("wall_bound"); a CPU time above
+    its own wall (impossible for one thread) gives way to the wall."""
+    from dpq.testing.timeline.calibration import issuing_bound
+
+    steps = h200_steps()
+    steps["lanes"]["result"] = gpu_recordings.lanes_result(with_thread_time=True)
+    measured = Calibration.from_dict(json.loads(json.dumps(summary.calibration(steps, "2026-12-04"))))
+    got = measured.extra["dpq_issuing"]
+    cpu, walls = gpu_recordings.MADE_UP_THREAD_CPU, gpu_recordings.H200_WALLS
+    assert got["thread_cpu_ms_per_iteration"] == cpu and got["wall_ms_per_iteration"] == walls
+    assert set(got["gpu_busy_ms_per_iteration"]) == set(got["process_cpu_ms_per_iteration"]) == {"1", "2", "4"}
+    assert got["world"] == 2 and got["ops_per_lane_iteration"] == {"views": 328.0, "other": 204.5}
+    ms, whence = issuing_bound(got)
+    assert measured.host_source == "thread_time" and ms == pytest.approx(cpu["2"] / 2)
+    assert ms < walls["4"] / 4 < walls["2"] / 2 and "world 2" in whence and "thread CPU" in whence
+
+    steps["lanes"]["result"] = gpu_recordings.lanes_result(with_thread_time=False)
+    bounded = Calibration.from_dict(json.loads(json.dumps(summary.calibration(steps, "2026-12-04"))))
+    assert "thread_cpu_ms_per_iteration" not in bounded.extra["dpq_issuing"]
+    assert bounded.host_source == "wall_bound"
+    assert issuing_bound(bounded.extra["dpq_issuing"])[0] == pytest.approx(walls["4"] / 4)
+
+    above = dict(cpu, **{"2": walls["2"] + 5.0})
+    steps["lanes"]["result"] = gpu_recordings.lanes_result(with_thread_time=True, thread_cpu=above)
+    clipped = summary.calibration(steps, "2026-12-04")["dpq_issuing"]
+    ms, whence = issuing_bound(clipped)
+    assert ms == pytest.approx(walls["2"] / 2) and "the wall's bound used" in whence
+    # no profiled world: the CPU time's smallest world of several lanes is the one used
+    steps["lanes"]["result"] = {"issuing": gpu_recordings.lanes_result(with_thread_time=True)["issuing"]}
+    alone = summary.calibration(steps, "2026-12-04")["dpq_issuing"]
+    assert alone["world"] == 2 and issuing_bound(alone)[0] == pytest.approx(cpu["2"] / 2)
+    steps["lanes"]["result"] = {}
+    assert summary.calibration(steps, "2026-12-04")["dpq_issuing"] is None
+
+
+def test_the_stored_h200_calibration_reads_as_the_wall_bound():
+    """The first lease's file has no CPU time: its host figure stays world 4's wall / 4, said to be a bound."""
+    from dpq.testing.timeline.calibration import HOST_SOURCES, host_source, issuing_bound
+
+    cal = Calibration.load(ROOT / "benchmarks" / "calibration" / "NVIDIA_H200-2026-12-04.json")
+    got = cal.extra["dpq_issuing"]
+    assert cal.host_source == host_source(got) == "wall_bound" and "bound" in HOST_SOURCES[cal.host_source]
+    assert issuing_bound(got)[0] == pytest.approx(got["wall_ms_per_iteration"]["4"] / 4)
+    assert host_source({}) == ""
+
+
+def test_issuing_threads_cpu_time_is_its_own_outside_the_wait_and_backward():
+    """Note [the issuing thread's CPU time] on CPU: per timed iteration, the CPU the thread burns in
+    the step counts, what it burns inside a set-apart call (the readback wait, the backward) is apart,
+    a sleep counts in the wall only; the process's CPU holds the thread's."""
+    from benchmarks.gpu_check.block import RunSpec, _Marks
+
+    own_s, aside_s, sleep_s = 0.02, 0.01, 0.03
+
+    def burn(seconds: float) -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < seconds:
+            pass
+
+    marks = _Marks(RunSpec(compile=False, batch=1, warmup=1, timed=2), None, cuda=False)
+    waited = marks.aside_cpu(trace.WAIT, burn)
+    for _ in range(3):
+        marks.step(lambda: (burn(own_s), waited(aside_s), time.sleep(sleep_s)))
+    own, aside, process = marks.timed_cpu_ms()
+    walls = marks.timed_ms()
+    assert len(own) == len(walls) == 2
+    for o, a, p, w in zip(own, aside, process, walls, strict=True):
+        assert own_s * 1e3 <= o < (own_s + aside_s) * 1e3  # the set-apart CPU is not in it
+        assert aside_s * 1e3 <= a < (aside_s + own_s) * 1e3
+        assert p >= o + a - 0.01 and w >= o + a + sleep_s * 1e3 - 0.01
+
+
+def test_gpu_busy_is_the_union_of_the_gpus_intervals():
+    """Two lanes' kernels overlapping on the GPU count once in the busy time (their phases add)."""
+    b = gpu_recordings.TraceBuilder()
+    b.mark(trace.START, 0.0, 1.0)
+    kernels = (("sm90_xmma_gemm_a", 7, 100.0, 200.0), ("sm90_xmma_gemm_b", 20, 150.0, 200.0),
+               ("vectorized_elementwise_kernel<mul>", 7, 400.0, 50.0))
+    for name, stream, at, dur in kernels:
+        b.kernel(name, gpu_recordings.MAIN, at - 50.0, at, dur, stream)
+    b.mark(trace.STEP, 480.0, 20.0)
+    (it,) = trace.analyze(trace.events_of(b.trace()))
+    starts_ends = sorted((at, at + dur) for _, _, at, dur in kernels)
+    union = (starts_ends[1][1] - starts_ends[0][0]) + (starts_ends[2][1] - starts_ends[2][0])
+    assert it.busy_ms == pytest.approx(union / 1e3)
+    phases = sum(it.phases_ms.values())
+    assert phases == pytest.approx(sum(d for *_, d in kernels) / 1e3) and phases > it.busy_ms
+
+
 def test_gpu_report_writes_the_rows_and_stores_the_calibration(tmp_path, capsys):
     from benchmarks import gpu_report
 
@@ -241,6 +342,7 @@ def test_gpu_report_writes_the_rows_and_stores_the_calibration(tmp_path, capsys)
     steps = h200_steps()
     steps["lanes"]["result"]["worlds"] = {"2": {"timed": {"median_ms": 70.0}, "one_lane_ms": 61.0,
                                                 "per_lane_undivided_ms": 9.0}}
+    steps["lanes"]["result"]["issuing"] = gpu_recordings.lanes_result(with_thread_time=True)["issuing"]
     (run / "calibration.json").write_text(json.dumps(summary.calibration(steps, "2026-12-04")))
     (run / "summary.json").write_text(json.dumps({
         "dry_run": False, "core_only": False, "date_utc": "2026-12-04T10:00:00Z", "steps": steps,
@@ -252,6 +354,10 @@ def test_gpu_report_writes_the_rows_and_stores_the_calibration(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "**NVIDIA H200**, driver 580.159.04" in printed and "| compile, batch 8: ms / iteration" in printed
     assert "| 61 | paths |" in printed and "| 70 vs 61; 9 | lanes |" in printed
+    cpu, walls = gpu_recordings.MADE_UP_THREAD_CPU["4"], gpu_recordings.H200_WALLS["4"]
+    assert f"world 4 on one GPU: issuing thread's CPU ms / iteration (time.thread_time, unprofiled); wall; GPU busy " \
+           f"| {cpu:g}; {walls:g}; {walls - 1.0:g} | lanes |" in printed
+    assert "the timeline model's host: issuing thread ms per lane-iteration (thread_time: measured" in printed
     text = docs.read_text()
     assert gpu_report.NONE_YET not in text
     assert text.index("## Measured on a GPU") < text.index("<!-- gpu_report: NVIDIA_H200-2026-12-04 -->") \
