@@ -29,9 +29,10 @@ from tests import gpu_recordings
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = "skipped: no CUDA (dry run)"
 # The dry run against the calibration on the 2-core VM, busy with other work: 2.7x-4.2x (dry run
-# 10.5-15 s of CPU: three processes import torch and auto-round, two tune the tiny block eight times;
-# calibration 3.6-3.9 s)
-RELATIVE_BOUND = 6.0
+# 10.5-15 s of CPU, calibration 3.6-3.9 s) until 2026-12-05; on 2026-12-06 (torch 2.13, every step a
+# process importing torch and auto-round) 7.0-7.2x, the same before and after issue 38's CPU-time reads
+# (commit 3cca106: 39.9 s CPU; with them: 38.4 s; calibration 5.5-5.7 s): the bound keeps ~1.7x room
+RELATIVE_BOUND = 12.0
 
 
 def test_gpu_check_dry_run(tmp_path):
