@@ -87,6 +87,8 @@ def test_gpu_check_dry_run(tmp_path):
 
     loaded = Calibration.load(out / "calibration.json")  # the timeline model reads what the run wrote
     assert loaded.gpu_class == "" and loaded.measurement("eager", 2).iteration_ms > 0
+    raw = json.loads((out / "calibration.json").read_text())
+    assert 0 < raw["paths"]["eager"]["2"]["thread_cpu_ms_per_iteration"] <= raw["paths"]["eager"]["2"]["iteration_ms"]
     assert loaded.host_source == "thread_time" and set(loaded.extra["dpq_issuing"]["thread_cpu_ms_per_iteration"]) \
         == {"1", "2"}
     assert (out / "trace_world2.json.gz").is_file() and (out / "gpu_check.log").is_file()

@@ -75,7 +75,8 @@ def calibration(steps: dict[str, dict], date: str) -> dict:
         paths.setdefault(path, {})[str(spec["batch"])] = {
             "iteration_ms": run.get("median_ms"), "phases_ms": prof.get("phases_ms", {}),
             "host_ms_per_iteration": prof.get("host_ms_per_iteration"),
-            "launches_per_iteration": prof.get("launches_per_iteration")}
+            "launches_per_iteration": prof.get("launches_per_iteration"),
+            "thread_cpu_ms_per_iteration": (run.get("cpu_median") or {}).get("thread_cpu_ms")}
         if spec["compile"] and compile_s is None:
             compile_s = run.get("compile_s")
     out["paths"] = paths

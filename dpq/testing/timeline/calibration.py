@@ -26,8 +26,9 @@ Schema ``dpq-calibration/1`` (JSON; times in the units their names say)::
             "phases_ms": {               # GPU time per iteration by kernel class (the profiler)
               "matmul": 30.1, "attention": 9.2, "qdq_forward": 1.1, "qdq_backward": 1.9,
               "elementwise": 6.0, "optimizer_step": 0.4, "readback": 0.01},
-            "host_ms_per_iteration": 4.1,    # the issuing thread's CPU time per iteration
-            "launches_per_iteration": 190},  # kernel launches per iteration (the profiler)
+            "host_ms_per_iteration": 4.1,    # the issuing thread's time per iteration outside blocking calls (profiled)
+            "launches_per_iteration": 190,   # kernel launches per iteration (the profiler)
+            "thread_cpu_ms_per_iteration": 3.2},  # its CPU time, unprofiled, outside the backward (issue 38)
           "1": {...}},                   # ... and a lane's slice at 8 lanes
         "eager": {"8": {...}, "1": {...}}},   # --disable_torch_compile
       "compile_s": {"block": 41.0,       # first compile of the block's forward + backward (host seconds)
