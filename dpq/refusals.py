@@ -26,21 +26,21 @@ __all__ = [
     "block_spans_devices", "cancelled", "cancelled_after_move", "cancelled_after_save", "collection_lane_failed",
     "count_below_one", "custom_backward", "device_index_too_large", "device_missing", "devices_while_off",
     "dispatch_hooks", "empty_device_list", "forward_replaced", "group_start_failed", "hidden_size_mismatch",
-    "home_alone", "hung_process_ends", "inference_tensors", "issuing_thread_hung", "jobs_differ", "lane0_not_home",
-    "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung", "malformed_device_entry",
-    "mask_count", "no_accelerator_for_index", "no_quantized_layer", "no_such_device_here", "not_a_cpu_index",
-    "not_a_folder", "on_meta", "others_count", "others_device", "others_empty", "others_not_dict", "others_not_pairs",
-    "others_on_meta", "output_is_file", "outputs_count", "outputs_shape", "overlap_on_cpu", "pass_lane_failed_rerun",
-    "patch_mismatch", "place_unwritable", "plan_bad_home", "plan_model_missing", "plan_model_type", "plan_no_blocks",
-    "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float", "pool_on_meta", "pool_spread_devices",
-    "pool_spread_over", "rank_cancelled", "rank_failure", "rank_raised", "rank_reported_first",
-    "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_in_output", "report_is_dir",
-    "report_is_input", "report_is_pipe", "report_not_written", "rotary_length_mismatch", "rtn_override",
-    "samples_mismatched", "save_failed", "serial_every_rank", "setting_differs", "setting_type", "setting_while_off",
-    "shared_lanes", "staging_leftovers", "symbol_differs", "symbol_missing", "timeout_not_a_number",
-    "timeout_out_of_range", "too_few_devices", "too_few_samples", "torch_lacks_type", "unknown_scheme",
-    "unmergeable_hooks", "unrecognized_arguments", "unsupported_home", "unused_devices", "weights_span",
-    "world_size_without_launcher", "worlds_differ",
+    "home_alone", "hung_process_ends", "inference_tensors", "input_missing", "issuing_thread_hung", "jobs_differ",
+    "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung",
+    "malformed_device_entry", "mask_count", "no_accelerator_for_index", "no_quantized_layer", "no_such_device_here",
+    "not_a_cpu_index", "not_a_folder", "on_meta", "others_count", "others_device", "others_empty", "others_not_dict",
+    "others_not_pairs", "others_on_meta", "output_is_file", "outputs_count", "outputs_shape", "overlap_on_cpu",
+    "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable", "plan_bad_home", "plan_model_missing",
+    "plan_model_type", "plan_no_blocks", "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float",
+    "pool_on_meta", "pool_spread_devices", "pool_spread_over", "rank_cancelled", "rank_failure", "rank_raised",
+    "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_in_output",
+    "report_is_dir", "report_is_input", "report_is_pipe", "report_not_written", "rotary_length_mismatch",
+    "rtn_override", "samples_mismatched", "save_failed", "serial_every_rank", "setting_differs", "setting_type",
+    "setting_while_off", "shared_lanes", "staging_leftovers", "symbol_differs", "symbol_missing",
+    "timeout_not_a_number", "timeout_out_of_range", "too_few_devices", "too_few_samples", "torch_lacks_type",
+    "unknown_scheme", "unmergeable_hooks", "unrecognized_arguments", "unsupported_home", "unused_devices",
+    "weights_span", "world_size_without_launcher", "worlds_differ",
 ]
 
 
@@ -659,6 +659,13 @@ OUTPUT_DIR_EMPTY = ("--output_dir is empty: auto-round would save the model into
                     "Fix: --output_dir with a folder for the model, e.g. --output_dir ./tmp_autoround (the default)")
 
 
+def input_missing(flag: str, path: str) -> str:
+    """--model or --dataset written as a local path where nothing is (auto-round would take it for a hub id)."""
+    what = "a model folder (with its config.json)" if flag == "--model" else "a calibration file"
+    return (f"{flag} {path} is a path, but nothing is there. Fix: the path of {what}, or a hub id such as "
+            f"{'Qwen/Qwen3-8B' if flag == '--model' else 'NeelNanda/pile-10k'}")
+
+
 def output_is_file(path: str) -> str:
     return (f"--output_dir {path} is an existing file, not a folder: auto-round saves the model into a folder there. "
             "Fix: another --output_dir, or move that file away")
@@ -869,7 +876,8 @@ _TIMEOUT_WHY = ("the process group's start waits that long for every rank, a col
 
 def timeout_not_a_number(value: object, low: float = 10, high: float = 604800, caller: str = "cli") -> str:
     shown = repr(value) if caller == "cli" else value
-    return (f"{_setting(caller, 'timeout', shown)} is not a number of seconds. Fix: a number from {low:g} to {high:g}, "
+    bounds = f"from {low:g} to {high:g}" if low else f"above 0, at most {high:g}"
+    return (f"{_setting(caller, 'timeout', shown)} is not a number of seconds. Fix: a number {bounds}, "
             f"e.g. {_setting(caller, 'timeout', 600)} (the default)")
 
 

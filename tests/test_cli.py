@@ -238,6 +238,24 @@ def test_a_count_under_one_stops_at_once(capsys, monkeypatch, argv, needle):
     assert rc == 2 and needle in err and "Traceback" not in err, err
 
 
+def test_a_model_or_dataset_path_with_nothing_there_stops_at_once(capsys, tmp_path, monkeypatch):
+    """Issue 42's third sweep, M14: ``--model /no/such/folder`` ended in transformers' "Repo id must be in the
+    form 'repo_name' or 'namespace/repo_name'" traceback, and ``--dataset ./missing.jsonl`` loaded the model
+    first and then raised auto-round's "Dataset ... is not found" traceback. With dpq on, both are said at
+    flag time (exit 2); a hub id (``org/name``) is never taken for a path."""
+    from dpq.demo.embedded import DATA_DIR
+
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--model", str(tmp_path / "nomodel"), "--dataset",
+                         str(tmp_path / "nodata.jsonl") + ":num=8", "--parallel_quantization", "1",
+                         "--output_dir", str(tmp_path / "out"))
+    assert f"--model {tmp_path / 'nomodel'} is a path, but nothing is there" in err, err
+    assert f"--dataset {tmp_path / 'nodata.jsonl'} is a path, but nothing is there" in err, err
+    assert "Fix: the path of a calibration file, or a hub id such as NeelNanda/pile-10k" in err
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--model", str(DATA_DIR), "--dataset", "NeelNanda/pile-10k",
+                         "--parallel_quantization", "1", "--batch_size", "0")  # refused for its batch alone
+    assert "is a path" not in err and "--batch_size 0" in err, err
+
+
 def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
     """Issue 31, item 12: ``--output_dir`` an existing file failed only after the whole quantization,
     with a NotADirectoryError traceback from the staging's commit."""

@@ -82,7 +82,7 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str 
     from dpq.spec import machine_problems, problems
 
     from .args import autoround_args
-    from .outputs import DEFAULT_OUTPUT_DIR, path_errors, run_inputs
+    from .outputs import DEFAULT_OUTPUT_DIR, missing_inputs, path_errors, run_inputs
 
     theirs = autoround_args(list(rest))  # None: auto-round refuses them itself, with its usage
     world = _screen_world(ours) if ours.parallel_plan else ours.parallel_quantization
@@ -101,6 +101,8 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str 
     if _rank() == 0 or _one_host():  # rank 0 writes; on one host every rank sees its paths, and says what it sees
         output_dir = theirs.output_dir if theirs is not None else DEFAULT_OUTPUT_DIR
         found += path_errors(ours.parallel_report, output_dir, run_inputs(theirs))
+    if str(world).strip().lower() != "off":  # (with dpq off, auto-round's own run says it, as it always has)
+        found += missing_inputs(theirs)
     if ours.parallel_plan:  # the screen runs nothing: what the run itself would refuse is said above
         return list(dict.fromkeys(found))
     off = str(world).strip().lower() == "off"
