@@ -450,9 +450,17 @@ def parse_device_spec(spec: str | Sequence[str | int | torch.device], caller: st
     index are index 0. Bare integers name an index of the first available accelerator type
     (cuda, xpu, hpu), as auto-round's ``--device_map 0,1`` does; with none, they stay indices
     with ``device`` on the CPU and ``bare_index`` set, so that :func:`resolve` can say so."""
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    if isinstance(spec, str):
+        items = spec.split(",")
+    elif isinstance(spec, (int, torch.device)):  # one lane's device, not in a list
+        items = [spec]
+    else:
+        try:
+            items = list(spec)
+        except TypeError:  # not a list of devices at all (a float, an object)
+            return [DeviceEntry(str(spec), None, refusals.malformed_device_entry(spec, spec, caller))]
     if not items or (isinstance(spec, str) and not spec.strip()):
-        return [DeviceEntry(str(spec), None, refusals.empty_device_list(caller))]
+        return [DeviceEntry("", None, refusals.empty_device_list(caller))]  # no entry to name
     out = []
     for item in items:
         index = item if isinstance(item, int) and not isinstance(item, bool) else None

@@ -22,20 +22,22 @@ __all__ = [
     "TIMEOUT_WHILE_OFF", "UNSTAGED_FOR_RESUME", "accelerator_shared", "auto_fewest_lanes", "auto_lanes_for_samples",
     "auto_round_missing", "auto_round_unsupported", "auto_shared_device", "auto_world_needs_auto", "awq_lane_failed",
     "awq_parent_hooks", "bad_count", "bad_world", "block_already_quantized", "block_already_wrapped",
-    "block_forward_fails", "block_no_linear", "block_on_devices", "block_spans_devices", "cancelled",
-    "cancelled_after_move", "cancelled_after_save", "collection_lane_failed", "custom_backward",
-    "device_index_too_large", "device_missing", "dispatch_hooks", "empty_device_list", "forward_replaced",
-    "group_start_failed", "hidden_size_mismatch", "home_alone", "hung_process_ends", "inference_tensors",
-    "issuing_thread_hung", "jobs_differ", "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun",
-    "lane_failure", "lanes_hung", "malformed_device_entry", "no_accelerator_for_index", "no_quantized_layer",
-    "no_such_device_here", "not_a_cpu_index", "not_a_folder", "on_meta", "others_count", "others_device",
-    "others_empty", "others_not_pairs", "others_on_meta", "output_is_file", "outputs_count", "outputs_shape",
-    "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable", "pool_device", "pool_dtype", "pool_nonfinite",
-    "pool_not_float", "pool_on_meta", "pool_spread_devices", "pool_spread_over", "rank_cancelled", "rank_failure",
-    "rank_raised", "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent",
-    "report_in_output", "report_is_dir", "report_is_input", "report_is_pipe", "report_not_written",
-    "rotary_length_mismatch", "rtn_override", "samples_mismatched", "save_failed", "serial_every_rank",
-    "setting_differs", "setting_type", "shared_lanes", "staging_leftovers", "symbol_differs", "symbol_missing",
+    "block_forward_fails", "block_is_a_layer", "block_no_linear", "block_not_module", "block_on_devices",
+    "block_spans_devices", "cancelled", "cancelled_after_move", "cancelled_after_save", "collection_lane_failed",
+    "count_below_one", "custom_backward", "device_index_too_large", "device_missing", "devices_while_off",
+    "dispatch_hooks", "empty_device_list", "forward_replaced", "group_start_failed", "hidden_size_mismatch",
+    "home_alone", "hung_process_ends", "inference_tensors", "input_missing", "issuing_thread_hung", "jobs_differ",
+    "lane0_not_home", "lane_does_not_fit", "lane_failed", "lane_failed_rerun", "lane_failure", "lanes_hung",
+    "malformed_device_entry", "mask_count", "no_accelerator_for_index", "no_quantized_layer", "no_such_device_here",
+    "not_a_cpu_index", "not_a_folder", "on_meta", "others_count", "others_device", "others_empty", "others_not_dict",
+    "others_not_pairs", "others_on_meta", "output_is_file", "outputs_count", "outputs_shape", "overlap_on_cpu",
+    "pass_lane_failed_rerun", "patch_mismatch", "place_unwritable", "plan_bad_home", "plan_model_missing",
+    "plan_model_type", "plan_no_blocks", "pool_device", "pool_dtype", "pool_nonfinite", "pool_not_float",
+    "pool_on_meta", "pool_spread_devices", "pool_spread_over", "rank_cancelled", "rank_failure", "rank_raised",
+    "rank_reported_first", "rank_store_unreachable", "ranks_drew_other_indices", "ranks_silent", "report_in_output",
+    "report_is_dir", "report_is_input", "report_is_pipe", "report_not_written", "rotary_length_mismatch",
+    "rtn_override", "samples_mismatched", "save_failed", "serial_every_rank", "setting_differs", "setting_type",
+    "setting_while_off", "shared_lanes", "staging_leftovers", "symbol_differs", "symbol_missing",
     "timeout_not_a_number", "timeout_out_of_range", "too_few_devices", "too_few_samples", "torch_lacks_type",
     "unknown_scheme", "unmergeable_hooks", "unrecognized_arguments", "unsupported_home", "unused_devices",
     "weights_span", "world_size_without_launcher", "worlds_differ",
@@ -48,16 +50,28 @@ def _list(names: Sequence[str], limit: int = 3) -> str:
 
 # -- the world and the lane devices (dpq.plan) ----------------------------------------------------
 
-# How a fix names a setting, for whoever asked (dpq.plan.PlanRequest.caller): auto-round-dp's flags (also
-# what enable() and auto-round's own arguments are called), or dpq.parallel_tune's arguments.
+# How a text names a setting, for whoever asked (dpq.plan.PlanRequest.caller, dpq.spec.ParallelSpec.caller):
+# "cli" auto-round-dp's flags; "enable" the same names as keywords (dpq.autoround.enable, dpq.plan_for);
+# "api" dpq.parallel_tune's arguments. A Python caller is told the keyword it typed, never a flag.
 _NAMES = {
-    "cli": {"world": "--parallel_quantization", "devices": "--parallel_devices", "batch": "--batch_size"},
-    "api": {"world": "world=", "devices": "devices=", "batch": "batch_size="},
+    "cli": {"world": "--parallel_quantization", "devices": "--parallel_devices", "debug": "--parallel_debug",
+            "overlap": "--parallel_overlap", "timeout": "--parallel_timeout", "batch": "--batch_size"},
+    "enable": {"world": "parallel_quantization=", "devices": "parallel_devices=", "debug": "parallel_debug=",
+               "overlap": "parallel_overlap=", "timeout": "parallel_timeout=", "batch": "batch_size="},
+    "api": {"world": "world=", "devices": "devices=", "debug": "debug_identical=", "overlap": "overlap=",
+            "timeout": "timeout=", "batch": "batch_size="},
 }
 
 
 def _named(caller: str) -> dict[str, str]:
     return _NAMES.get(caller, _NAMES["cli"])
+
+
+def _setting(caller: str, key: str, value: object) -> str:
+    """The setting ``key`` with ``value`` as the caller writes it: ``--parallel_timeout 5`` on the command
+    line (its value as typed), ``parallel_timeout=5`` / ``timeout=5`` in Python (the value's repr)."""
+    name = _named(caller)[key]
+    return f"{name} {value}" if name.startswith("--") else f"{name}{value!r}"
 
 
 def _device_list_fix(caller: str = "cli") -> str:
@@ -85,7 +99,8 @@ SIGN_STEP_UPSTREAM_CHANGED = ("dpq: auto-round's SignSGD source differs from the
 
 
 def bad_world(world: object, caller: str = "cli") -> str:
-    example = "world=2 (or 'auto')" if caller == "api" else "--parallel_quantization 2 (or auto, or off)"
+    example = {"api": "world=2 (or 'auto')", "enable": "parallel_quantization=2 (or 'auto', or 'off')"}.get(
+        caller, "--parallel_quantization 2 (or auto, or off)")
     return f"world must be 'off', 'auto' or an integer >= 1, got {world!r}. Fix: pass e.g. {example}."
 
 
@@ -119,7 +134,7 @@ _TORCH_BUILDS = {  # what to install for lanes of a type the torch build lacks
 
 
 def torch_lacks_type(devices: Sequence[str], device_type: str, torch_version: str, driver_seen: bool,
-                     example: str) -> str:
+                     example: str, caller: str = "cli") -> str:
     """Lanes of a type this torch build was not compiled for. ``driver_seen``: this machine has the
     vendor's driver (the install is what is wrong); ``example``: lanes that exist here."""
     what = (f"lane device{'s' if len(devices) > 1 else ''} {', '.join(devices)}: this torch ({torch_version}) is a "
@@ -128,16 +143,17 @@ def torch_lacks_type(devices: Sequence[str], device_type: str, torch_version: st
     if driver_seen:
         return f"{what}, though this machine has an NVIDIA driver. Fix: install {build}"
     return (f"{what}, and this machine shows no such device either. Fix: lanes that exist here, e.g. "
-            f"--parallel_devices {example}; or, on a machine with {device_type} devices, install {build}")
+            f"{_setting(caller, 'devices', example)}; or, on a machine with {device_type} devices, install {build}")
 
 
-def no_such_device_here(devices: Sequence[str], device_type: str, count: int, example: str) -> str:
+def no_such_device_here(devices: Sequence[str], device_type: str, count: int, example: str,
+                        caller: str = "cli") -> str:
     """Lanes of a type torch supports, with an index this machine does not have."""
     has = f"{count} {device_type} device{'s' if count != 1 else ''}" + (f" ({device_type}:0..{count - 1})"
                                                                          if count > 1 else "")
     return (f"lane device{'s' if len(devices) > 1 else ''} {', '.join(devices)} "
             f"{'do' if len(devices) > 1 else 'does'} not exist: this machine has {has}. Fix: lanes that exist "
-            f"here, e.g. --parallel_devices {example}")
+            f"here, e.g. {_setting(caller, 'devices', example)}")
 
 
 def not_a_cpu_index(device: str) -> str:
@@ -181,6 +197,13 @@ def too_few_devices(world: int, named: Sequence[str], given: bool, caller: str =
             f"{arg['devices']} with one device per lane (e.g. cpu,cpu or 0,1), or a smaller {arg['world']}")
 
 
+def count_below_one(flag: str, value: object) -> str:
+    """An auto-round count (--nsamples, --batch_size, --gradient_accumulate_steps) under 1 with dpq on:
+    an iteration would have no sample for any lane."""
+    return (f"{flag} {value}: an iteration would have no sample to tune on, on any lane. Fix: {flag} 1 or more "
+            "(auto-round's default when left out)")
+
+
 def too_few_samples(lanes: int, samples: int, pool: int = 0, caller: str = "cli", processes: int = 1,
                     asked: int = 0) -> str:
     """``samples`` per iteration: the smaller of ``pool`` (the calibration samples there are; 0: not
@@ -214,8 +237,13 @@ def too_few_samples(lanes: int, samples: int, pool: int = 0, caller: str = "cli"
             f"sample. Fix: {more}, or a smaller {arg['world']} (at most {samples})")
 
 
-DEVICES_WHILE_OFF = ("lane devices were given but parallel quantization is off, so they would be ignored. "
-                    "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_devices")
+def devices_while_off(caller: str = "cli") -> str:
+    arg = _named(caller)
+    return ("lane devices were given but parallel quantization is off, so they would be ignored. Fix: add "
+            f"{_setting(caller, 'world', 'auto')} (or a world N), or drop {arg['devices'].rstrip('=')}")
+
+
+DEVICES_WHILE_OFF = devices_while_off()
 
 
 # -- what the tuner or a block uses that lanes cannot split (dpq.autoround) ---------------------
@@ -436,10 +464,53 @@ _SETTING_KINDS = {"count": "an integer >= 1", "int": "an integer", "int or None"
                       "None for the scheme's")}
 
 
-def setting_type(name: str, value: str, kind: str = "count") -> str:
-    """``value``: repr of what was given; ``kind``: a key of ``_SETTING_KINDS`` (what ``name`` must be)."""
+def setting_type(name: str, value: str, kind: str = "count", where: str = "dpq.parallel_tune") -> str:
+    """``value``: repr of what was given; ``kind``: a key of ``_SETTING_KINDS`` (what ``name`` must be);
+    ``where``: the function whose keyword it is."""
     want = _SETTING_KINDS[kind]
-    return f"{name} must be {want}, got {value}. Fix: pass {name} as {want} (see dpq.parallel_tune's defaults)"
+    return f"{name} must be {want}, got {value}. Fix: pass {name} as {want} (see {where}'s defaults)"
+
+
+def plan_model_missing(model: str) -> str:
+    """``dpq.plan_for(model)`` with a local path (absolute, or starting with . or ~) that is not there."""
+    return (f"model {model!r} is a path, but nothing is there. Fix: a model folder (with its config.json), a hub id "
+            "such as 'Qwen/Qwen3-8B', or a model object")
+
+
+def plan_model_type(kind: str) -> str:
+    return (f"model is a {kind}, not a model. Fix: a model folder (with its config.json), a hub id such as "
+            "'Qwen/Qwen3-8B', or a model object (torch.nn.Module)")
+
+
+def plan_no_blocks(kind: str) -> str:
+    return (f"the model ({kind}) has no repeated transformer blocks (auto-round's get_block_names finds none), so "
+            "there is no block to price. Fix: pass the whole model (e.g. AutoModelForCausalLM), not one layer")
+
+
+def plan_bad_home(home: str, why: str = "is not a device") -> str:
+    """``why``: what is wrong with it (not a device; a device this machine or torch build lacks)."""
+    return (f"home={home!r} {why}. Fix: home='cpu', 'cuda:0' (or None: the first lane's device), as "
+            "--device_map names the block's device")
+
+
+def others_not_dict(kind: str) -> str:
+    return (f"input_others is a {kind}, not a dict. Fix: pass the block's extra forward keywords as a dict, as "
+            "auto-round caches them (e.g. {'position_embeddings': (cos, sin), 'attention_mask': None}), or None")
+
+
+def block_not_module(kind: str) -> str:
+    return (f"block is a {kind}, not a torch.nn.Module. Fix: pass one transformer block, e.g. "
+            "model.model.layers[0]")
+
+
+def block_is_a_layer(kind: str) -> str:
+    return (f"the block is itself a {kind}: auto-round's wrapper replaces the quantizable layers inside a block by "
+            "name, and a block has none of its own. Fix: pass the transformer block that holds it (e.g. "
+            "model.model.layers[0]), or wrap it: torch.nn.Sequential(layer)")
+
+
+def mask_count(kind: str, inputs: int) -> str:
+    return (f"valid_token_mask is {kind}, but there are {inputs} inputs. Fix: one mask tensor per input, or None")
 
 
 def others_on_meta(key: str) -> str:
@@ -505,18 +576,36 @@ def unrecognized_arguments(extras: str, typed: Sequence[str], meant: Sequence[st
 
 
 _REPORT_FIX = "Fix: --parallel_report with a file path in a writable folder, e.g. ./dpq_report.json"
-DEBUG_WHILE_OFF = ("--parallel_debug has no effect with --parallel_quantization off (the default). "
-                  "Fix: add --parallel_quantization auto (or a world N), or drop --parallel_debug")
-OVERLAP_WHILE_OFF = DEBUG_WHILE_OFF.replace("--parallel_debug", "--parallel_overlap")
-TIMEOUT_WHILE_OFF = DEBUG_WHILE_OFF.replace("--parallel_debug", "--parallel_timeout")
-OVERLAP_ON_CPU = ("--parallel_overlap has no effect on CPU lanes: it puts the exchange on a second stream per GPU "
-                  "lane, and CPU lanes (which have no streams) exchange during the backward anyway. Fix: drop "
-                  "--parallel_overlap (auto), or GPU lanes (--parallel_devices 0,1)")
+def setting_while_off(key: str = "debug", caller: str = "cli") -> str:
+    """``key`` (debug, overlap, timeout) asked for while the world is off, where it has no effect."""
+    arg = _named(caller)
+    flag = arg[key].rstrip("=")
+    default = " (the default)" if caller == "cli" else ""
+    return (f"{flag} has no effect with {_setting(caller, 'world', 'off')}{default}. "
+            f"Fix: add {_setting(caller, 'world', 'auto')} (or a world N), or drop {flag}")
 
 
-def bad_overlap(value: object) -> str:
-    return (f"--parallel_overlap {value!r} is not a setting. Fix: auto (the default: on where the lane GPUs "
-            f"have no peer access), on, or off (Python: parallel_overlap='auto', 'on' or 'off')")
+DEBUG_WHILE_OFF = setting_while_off("debug")
+OVERLAP_WHILE_OFF = setting_while_off("overlap")
+TIMEOUT_WHILE_OFF = setting_while_off("timeout")
+
+
+def overlap_on_cpu(caller: str = "cli") -> str:
+    arg = _named(caller)
+    return (f"{arg['overlap'].rstrip('=')} has no effect on CPU lanes: it puts the exchange on a second stream per "
+            "GPU lane, and CPU lanes (which have no streams) exchange during the backward anyway. Fix: drop "
+            f"{arg['overlap'].rstrip('=')} (auto), or GPU lanes ({_setting(caller, 'devices', '0,1')})")
+
+
+OVERLAP_ON_CPU = overlap_on_cpu()
+
+
+def bad_overlap(value: object, caller: str = "cli") -> str:
+    if caller == "cli":
+        return (f"--parallel_overlap {value!r} is not a setting. Fix: auto (the default: on where the lane GPUs "
+                "have no peer access), on, or off")
+    return (f"{_named(caller)['overlap']}{value!r} is not a setting. Fix: 'auto' (the default: on where the lane "
+            "GPUs have no peer access; or None), 'on' (or True), or 'off' (or False)")
 
 
 REPORT_PATH_EMPTY = f"--parallel_report is empty. {_REPORT_FIX}"
@@ -568,6 +657,13 @@ def report_is_input(path: str, flag: str, value: str, output_dir: str) -> str:
 
 OUTPUT_DIR_EMPTY = ("--output_dir is empty: auto-round would save the model into the working directory itself. "
                     "Fix: --output_dir with a folder for the model, e.g. --output_dir ./tmp_autoround (the default)")
+
+
+def input_missing(flag: str, path: str) -> str:
+    """--model or --dataset written as a local path where nothing is (auto-round would take it for a hub id)."""
+    what = "a model folder (with its config.json)" if flag == "--model" else "a calibration file"
+    return (f"{flag} {path} is a path, but nothing is there. Fix: the path of {what}, or a hub id such as "
+            f"{'Qwen/Qwen3-8B' if flag == '--model' else 'NeelNanda/pile-10k'}")
 
 
 def output_is_file(path: str) -> str:
@@ -778,14 +874,19 @@ _TIMEOUT_WHY = ("the process group's start waits that long for every rank, a col
                 "for an iteration's work")
 
 
-def timeout_not_a_number(value: str, low: float = 10, high: float = 604800) -> str:
-    return (f"--parallel_timeout {value!r} is not a number of seconds. Fix: a number from {low:g} to {high:g}, e.g. "
-            "--parallel_timeout 600 (the default)")
+def timeout_not_a_number(value: object, low: float = 10, high: float = 604800, caller: str = "cli") -> str:
+    shown = repr(value) if caller == "cli" else value
+    bounds = f"from {low:g} to {high:g}" if low else f"above 0, at most {high:g}"
+    return (f"{_setting(caller, 'timeout', shown)} is not a number of seconds. Fix: a number {bounds}, "
+            f"e.g. {_setting(caller, 'timeout', 600)} (the default)")
 
 
-def timeout_out_of_range(value: str, low: float = 10, high: float = 604800) -> str:
-    return (f"--parallel_timeout {value} is outside {low:g} to {high:g} seconds ({_TIMEOUT_WHY}). Fix: e.g. "
-            "--parallel_timeout 600 (the default)")
+def timeout_out_of_range(value: object, low: float = 10, high: float = 604800, caller: str = "cli") -> str:
+    """``low`` 0: any positive number up to ``high`` (one process, one block: dpq.parallel_tune)."""
+    why = _TIMEOUT_WHY if low else "the host's wait for an iteration's work on the lanes"
+    bounds = f"outside {low:g} to {high:g} seconds" if low else f"not more than 0 and at most {high:g} seconds"
+    return (f"{_setting(caller, 'timeout', value)} is {bounds} ({why}). Fix: e.g. "
+            f"{_setting(caller, 'timeout', 600)} (the default)")
 
 
 def world_size_without_launcher(world_size: str, missing: Sequence[str]) -> str:

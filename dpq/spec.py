@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dpq import refusals
 from dpq.machine import Machine
@@ -22,7 +22,7 @@ from dpq.plan import parse_device_spec, validate_world
 from dpq.streams import backend
 
 __all__ = ["FLAGS", "OVERLAP_SETTINGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "SpecSettings",
-           "machine_problems", "overlap_setting", "problems"]
+           "invalid", "machine_problems", "overlap_setting", "problems"]
 
 TIMEOUT_RANGE_S = (10.0, 604800.0)  # the process group's start waits that long for every rank; a week
 
@@ -90,17 +90,39 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """One run's dpq settings as validated (:meth:`build`): ``world`` 'off', 'auto' or an int >= 1;
+    """One run's dpq settings, valid by construction: ``world`` 'off', 'auto' or an int >= 1;
     ``devices`` the lane device list as given (None: the plan's default); ``overlap`` None for ``auto``
     (the plan's choice, :func:`dpq.plan.overlap_choice`), True for ``on`` (a second stream per GPU
-    lane), False for ``off``; ``timeout`` seconds; ``report`` a path or None."""
+    lane), False for ``off``; ``timeout`` seconds; ``report`` a path or None. ``caller``: how a
+    refusal names the settings (``"cli"`` the flags, ``"enable"`` their names as keywords, ``"api"``
+    :func:`dpq.parallel_tune`'s arguments).
+
+    Note [a spec cannot exist invalid]: every way in (the command line, ``enable()``, ``plan_for``,
+    ``parallel_tune``, a direct construction) passes :meth:`__post_init__`, which takes the forms the
+    settings may come in ('2', 'on', '600'), stores them normalized, and raises :class:`SpecError`
+    (a ValueError) with every setting that cannot run: a malformed world or lane list, fewer lanes
+    than the world, an overlap that is not a setting, a timeout that is not a positive number of at
+    most a week. :meth:`build` adds what an entry point refuses as the user's mistake though the
+    engine could run it (a setting with no effect, a timeout under the process group's start floor,
+    lanes this machine lacks); the engine's own tests run those (a 0.3 s watchdog, CPU lanes on
+    communication streams) through a direct construction."""
 
     world: int | str = DEFAULTS["parallel_quantization"]
     devices: object = DEFAULTS["parallel_devices"]
     debug: bool = DEFAULTS["parallel_debug"]
-    overlap: bool | None = None
+    overlap: bool | str | None = None
     timeout: float = DEFAULTS["parallel_timeout"]
     report: str | None = DEFAULTS["parallel_report"]
+    caller: str = field(default="cli", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        found = invalid(self.world, self.devices, overlap=self.overlap, timeout=self.timeout, caller=self.caller)
+        if found:
+            raise SpecError(found)
+        object.__setattr__(self, "world", validate_world(self.world, self.caller))
+        object.__setattr__(self, "debug", bool(self.debug))
+        object.__setattr__(self, "overlap", overlap_setting(self.overlap, self.caller))
+        object.__setattr__(self, "timeout", float(self.timeout))
 
     @classmethod
     def build(cls, parallel_quantization: object = DEFAULTS["parallel_quantization"],
@@ -109,18 +131,20 @@ class ParallelSpec:
               parallel_overlap: bool | str | None = DEFAULTS["parallel_overlap"],
               parallel_timeout: object = DEFAULTS["parallel_timeout"],
               parallel_report: str | None = DEFAULTS["parallel_report"],
-              machine: Machine | None = None, home: str | None = None) -> ParallelSpec:
+              machine: Machine | None = None, home: str | None = None, caller: str = "cli") -> ParallelSpec:
         """The spec, or :class:`SpecError` with every problem (:func:`problems`; with ``machine``, also
-        :func:`machine_problems`, ``home`` the block's device type when known: ``--device_map``'s)."""
+        :func:`machine_problems`, ``home`` the block's device type when known: ``--device_map``'s), each
+        naming the settings as ``caller`` writes them."""
+        given = caller != "cli" and parallel_timeout != DEFAULTS["parallel_timeout"]  # (the CLI says it itself)
         found = problems(parallel_quantization, parallel_devices, debug=parallel_debug, overlap=parallel_overlap,
-                         timeout=parallel_timeout)
+                         timeout=parallel_timeout, timeout_given=given, caller=caller)
         if machine is not None and not found:
             found = machine_problems(validate_world(parallel_quantization), parallel_devices, machine,
-                                     overlap=parallel_overlap, home=home)
+                                     overlap=parallel_overlap, home=home, caller=caller)
         if found:
             raise SpecError(found)
-        return cls(validate_world(parallel_quantization), parallel_devices, bool(parallel_debug),
-                   overlap_setting(parallel_overlap), float(parallel_timeout), parallel_report)
+        return cls(parallel_quantization, parallel_devices, parallel_debug, parallel_overlap, parallel_timeout,
+                   parallel_report, caller=caller)
 
 
 class SpecSettings:
@@ -156,63 +180,87 @@ class SpecSettings:
         return self.spec.timeout
 
 
-def _timeout_problem(value: object) -> str | None:
-    low, high = TIMEOUT_RANGE_S
+def _timeout_problem(value: object, low: float, caller: str = "cli") -> str | None:
+    """``value`` as seconds from ``low`` (0: any positive number) to a week, else the refusal."""
+    high = TIMEOUT_RANGE_S[1]
+    shown = str(value) if caller == "cli" else value
+    if isinstance(value, bool):  # True is 1.0 to float(): not a number of seconds anyone means
+        return refusals.timeout_not_a_number(shown, low, high, caller)
     try:
         seconds = float(value)
-    except (TypeError, ValueError):
-        return refusals.timeout_not_a_number(str(value), low, high)
-    if not (low <= seconds <= high) or math.isnan(seconds):  # inf is out of range
-        return refusals.timeout_out_of_range(str(value), low, high)
+    except (TypeError, ValueError, OverflowError):
+        return refusals.timeout_not_a_number(shown, low, high, caller)
+    if math.isnan(seconds) or not (low <= seconds <= high) or seconds <= 0:  # inf is out of range
+        return refusals.timeout_out_of_range(shown, low, high, caller)
     return None
 
 
 OVERLAP_SETTINGS = {"auto": None, "on": True, "off": False}
 
 
-def overlap_setting(value: object) -> bool | None:
+def overlap_setting(value: object, caller: str = "cli") -> bool | None:
     """--parallel_overlap's value as the spec holds it: 'auto'/None -> None, 'on'/True -> True,
     'off'/False -> False; ValueError for anything else (:func:`problems` says it with the fix)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in OVERLAP_SETTINGS:
         return OVERLAP_SETTINGS[value.strip().lower()]
-    raise ValueError(f"dpq: {refusals.bad_overlap(value)}")
+    raise ValueError(f"dpq: {refusals.bad_overlap(value, caller)}")
 
 
-def problems(world: object, devices: object = None, *, debug: bool = False, overlap: object = None,
-             timeout: object = DEFAULTS["parallel_timeout"], timeout_given: bool = False) -> list[str]:
-    """Every problem visible in the settings alone (module docstring), each once. ``timeout_given``:
-    the timeout was asked for (a command line's flag), not left at its default."""
+def invalid(world: object, devices: object = None, *, overlap: object = None,
+            timeout: object = DEFAULTS["parallel_timeout"], caller: str = "cli",
+            timeout_floor: float = 0.0) -> list[str]:
+    """What makes settings impossible to run (Note [a spec cannot exist invalid]), each once: the
+    world's and the lane list's syntax, fewer lanes than the world, the overlap setting, the timeout
+    as a number of seconds from ``timeout_floor`` (0: any positive number) up to a week."""
     found = []
     try:
-        w = validate_world(world)
+        w = validate_world(world, caller)
     except ValueError as e:
         found.append(str(e).removeprefix("dpq: "))
         w = None
     if devices is not None:
-        entries = parse_device_spec(devices)
+        entries = parse_device_spec(devices, caller)
         found += [e.error for e in entries if e.error]
-        if w == "off":
-            found.append(refusals.DEVICES_WHILE_OFF)
         named = [e.raw.strip() for e in entries if e.raw.strip()]
         if isinstance(w, int) and named and len(named) < w:
-            found.append(refusals.too_few_devices(w, named, True))
-    if debug and w == "off":
-        found.append(refusals.DEBUG_WHILE_OFF)
+            found.append(refusals.too_few_devices(w, named, True, caller))
     try:
-        overlap = overlap_setting(overlap)
+        overlap_setting(overlap, caller)
     except ValueError as e:
         found.append(str(e).removeprefix("dpq: "))
-        overlap = None
-    if overlap is True and w == "off":
-        found.append(refusals.OVERLAP_WHILE_OFF)
-    if overlap is True and w != "off" and devices is not None and _no_accelerator_lane(devices):
-        found.append(refusals.OVERLAP_ON_CPU)
-    if (problem := _timeout_problem(timeout)) is not None:
+    if (problem := _timeout_problem(timeout, timeout_floor, caller)) is not None:
         found.append(problem)
-    elif timeout_given and w == "off":
-        found.append(refusals.TIMEOUT_WHILE_OFF)
+    return list(dict.fromkeys(found))
+
+
+def problems(world: object, devices: object = None, *, debug: bool = False, overlap: object = None,
+             timeout: object = DEFAULTS["parallel_timeout"], timeout_given: bool = False,
+             caller: str = "cli") -> list[str]:
+    """Every problem visible in the settings alone (module docstring), each once, named as ``caller``
+    writes them: what makes them invalid (:func:`invalid`), and what an entry point refuses though the
+    engine could run it (settings with no effect, a timeout under :data:`TIMEOUT_RANGE_S`'s floor).
+    ``timeout_given``: the timeout was asked for (a command line's flag), not left at its default."""
+    found = invalid(world, devices, overlap=overlap, timeout=timeout, caller=caller, timeout_floor=TIMEOUT_RANGE_S[0])
+    try:
+        w = validate_world(world, caller)
+    except ValueError:
+        w = None
+    if devices is not None and w == "off":
+        found.append(refusals.devices_while_off(caller))
+    if debug and w == "off":
+        found.append(refusals.setting_while_off("debug", caller))
+    try:
+        overlap = overlap_setting(overlap, caller)
+    except ValueError:
+        overlap = None  # said above
+    if overlap is True and w == "off":
+        found.append(refusals.setting_while_off("overlap", caller))
+    if overlap is True and w != "off" and devices is not None and _no_accelerator_lane(devices):
+        found.append(refusals.overlap_on_cpu(caller))
+    if timeout_given and w == "off" and _timeout_problem(timeout, TIMEOUT_RANGE_S[0], caller) is None:
+        found.append(refusals.setting_while_off("timeout", caller))
     return list(dict.fromkeys(found))
 
 
@@ -229,7 +277,7 @@ def _no_accelerator_lane(devices: object) -> bool:
 
 
 def machine_problems(world: int | str, devices: object, machine: Machine, *, overlap: object = None,
-                     home: str | None = None) -> list[str]:
+                     home: str | None = None, caller: str = "cli") -> list[str]:
     """What stops well-formed settings on ``machine``: lanes of a type this torch build lacks, or
     that this machine does not have (each type said once, with lanes that exist here as the fix),
     and ``overlap`` where every lane is on the CPU (``devices`` all cpu, or none given and ``home``
@@ -240,7 +288,7 @@ def machine_problems(world: int | str, devices: object, machine: Machine, *, ove
     lanes = 2 if not isinstance(world, int) else max(2, world)
     example = machine.example_lanes(lanes)
     types = []
-    for e in parse_device_spec(devices) if devices is not None else []:
+    for e in parse_device_spec(devices, caller) if devices is not None else []:
         dev = e.device
         if dev is None:
             continue
@@ -258,10 +306,10 @@ def machine_problems(world: int | str, devices: object, machine: Machine, *, ove
         kind, _, device_type = key.partition(":")
         if kind == "built":
             out.append(refusals.torch_lacks_type(list(dict.fromkeys(named)), device_type, machine.torch,
-                                                 device_type == "cuda" and machine.nvidia_driver, example))
+                                                 device_type == "cuda" and machine.nvidia_driver, example, caller))
         elif kind == "count":
             out.append(refusals.no_such_device_here(list(dict.fromkeys(named)), device_type,
-                                                    machine.count(device_type), example))
+                                                    machine.count(device_type), example, caller))
         else:
             out.append(key)
     all_cpu = all(t == "cpu" for t in types) if types else (home == "cpu" or machine.accelerator is None)
@@ -270,5 +318,5 @@ def machine_problems(world: int | str, devices: object, machine: Machine, *, ove
     except ValueError:
         asked = False  # malformed: problems() says it
     if asked and all_cpu:
-        out.append(refusals.OVERLAP_ON_CPU)
+        out.append(refusals.overlap_on_cpu(caller))
     return out

@@ -603,3 +603,50 @@ def test_outputs_of_another_hidden_size_are_refused_before_work(tiny_block):
     msg = _refused(tiny_block, r"outputs \[0, 1, 2, 3, 4\] do not have their inputs' shape",
                    outputs=[torch.randn(*t.shape[:-1], 99) for t in inputs])
     assert "hidden size" in msg, msg
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(timeout=-1), r"timeout=-1 is not more than 0 and at most 604800 seconds"),
+    (dict(timeout=0), r"timeout=0 is not more than 0"),
+    (dict(timeout=float("nan")), r"timeout=nan is not more than 0"),
+    (dict(timeout=float("inf")), r"timeout=inf is not more than 0"),
+    (dict(timeout=None), r"timeout=None is not a number of seconds"),
+    (dict(timeout="abc"), r"timeout='abc' is not a number of seconds"),
+    (dict(timeout=True), r"timeout=True is not a number of seconds"),
+    (dict(overlap="maybe"), r"overlap='maybe' is not a setting. Fix: 'auto'"),
+    (dict(world=2, devices=5), r"world 2 needs 2 lane devices but 1 was given \(5\)"),
+    (dict(world=2, devices=[]), r"the lane device list is empty. Fix: devices="),
+    (dict(world=2, devices=5.5), r"lane device list 5.5: 5.5 is not a device"),
+])
+def test_lane_settings_are_refused_before_work_in_its_own_names(tiny_block, kwargs, said):
+    """Issue 42's third sweep, M6 and M10: ``parallel_tune`` built its ``ParallelSpec`` directly, skipping
+    the checks: ``timeout=-1``, 0 or nan stopped the tune mid-block as hung (nan also with a watchdog
+    thread's OverflowError), ``timeout=None`` raised TypeError, ``inf`` ran with no watchdog; ``overlap='maybe'``
+    was refused naming ``--parallel_overlap``; ``devices=5`` raised "'int' object is not iterable"."""
+    msg = _refused(tiny_block, said, **kwargs)
+    assert "--parallel" not in msg, msg
+
+
+def test_a_timeout_under_the_commands_floor_is_the_callers(tiny_block):
+    """One process, one block: no process group to wait for, so any positive timeout is a setting
+    (the GPU check's race probe runs one of 1 s)."""
+    assert _call(tiny_block, timeout=5).best_iter >= 0
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(block=None), r"block is a NoneType, not a torch.nn.Module"),
+    (dict(block=torch.nn.Linear(256, 256)), r"the block is itself a Linear"),
+    (dict(input_others="x"), r"input_others is a str, not a dict"),
+    (dict(scheme=None), r"unknown scheme None"),
+    (dict(valid_token_mask=[torch.ones(3)]), r"valid_token_mask is 1 masks, but there are 8 inputs"),
+])
+def test_arguments_of_the_wrong_kind_are_refused_before_work(tiny_block, kwargs, said):
+    """Issue 42's third sweep, M12: ``block=None`` raised AttributeError, a bare ``Linear`` block auto-round's
+    "Cannot set the submodule without a target name!", ``input_others='x'`` "dictionary update sequence element
+    #0", ``scheme=None`` AttributeError, a short ``valid_token_mask`` IndexError from inside the run."""
+    if "block" in kwargs and kwargs["block"] is None:
+        _, inputs, others = tiny_block
+        with pytest.raises(ValueError, match=said):
+            dpq.parallel_tune(None, inputs, input_others=others, iters=2)
+        return
+    _refused(tiny_block, said, **kwargs)

@@ -221,6 +221,41 @@ def test_absurd_worlds_stop_at_once(capsys, monkeypatch, argv, needle):
     assert len(err) < 2000 and time.perf_counter() - t0 < 10, (len(err), time.perf_counter() - t0)
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--parallel_quantization", "2", "--parallel_devices", "cpu,cpu", "--gradient_accumulate_steps", "0"],
+     "--gradient_accumulate_steps 0: an iteration would have no sample to tune on"),
+    (["--parallel_quantization", "2", "--parallel_devices", "cpu,cpu", "--nsamples", "0"],
+     "--nsamples 0: an iteration would have no sample"),
+    (["--parallel_quantization", "auto", "--batch_size", "-3"], "--batch_size -3: an iteration would have no sample"),
+    (["--parallel_plan", "--batch_size", "-3"], "--batch_size -3: an iteration would have no sample"),
+])
+def test_a_count_under_one_stops_at_once(capsys, monkeypatch, argv, needle):
+    """Issue 42's third sweep, M13: ``--gradient_accumulate_steps 0`` at world 2 was read as 1 at flag time,
+    so the model loaded and block 0 was refused with "only 0 samples per iteration ... (at most 0)";
+    ``--nsamples 0`` ended in a DataLoader traceback. Exit 2 before the model loads now."""
+    monkeypatch.setitem(sys.modules, "auto_round.__main__", None)  # the model is never loaded
+    rc, err = run_main(capsys, "--device_map", "cpu", *argv)
+    assert rc == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_a_model_or_dataset_path_with_nothing_there_stops_at_once(capsys, tmp_path, monkeypatch):
+    """Issue 42's third sweep, M14: ``--model /no/such/folder`` ended in transformers' "Repo id must be in the
+    form 'repo_name' or 'namespace/repo_name'" traceback, and ``--dataset ./missing.jsonl`` loaded the model
+    first and then raised auto-round's "Dataset ... is not found" traceback. With dpq on, both are said at
+    flag time (exit 2); a hub id (``org/name``) is never taken for a path."""
+    from dpq.demo.embedded import DATA_DIR
+
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--model", str(tmp_path / "nomodel"), "--dataset",
+                         str(tmp_path / "nodata.jsonl") + ":num=8", "--parallel_quantization", "1",
+                         "--output_dir", str(tmp_path / "out"))
+    assert f"--model {tmp_path / 'nomodel'} is a path, but nothing is there" in err, err
+    assert f"--dataset {tmp_path / 'nodata.jsonl'} is a path, but nothing is there" in err, err
+    assert "Fix: the path of a calibration file, or a hub id such as NeelNanda/pile-10k" in err
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--model", str(DATA_DIR), "--dataset", "NeelNanda/pile-10k",
+                         "--parallel_quantization", "1", "--batch_size", "0")  # refused for its batch alone
+    assert "is a path" not in err and "--batch_size 0" in err, err
+
+
 def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
     """Issue 31, item 12: ``--output_dir`` an existing file failed only after the whole quantization,
     with a NotADirectoryError traceback from the staging's commit."""

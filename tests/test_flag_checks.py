@@ -188,6 +188,94 @@ def test_enable_refuses_overlap_on_cpu_lanes_as_the_command_does():
 
     with pytest.raises(SpecError) as info:
         integration.enable(2, "cpu,cpu", parallel_overlap="on")
-    assert info.value.problems == [refusals.OVERLAP_ON_CPU]
+    assert info.value.problems == [refusals.overlap_on_cpu("enable")]
     assert integration.disable() is None  # nothing was enabled
     assert ParallelSpec.build(2, "cpu,cpu", parallel_overlap="auto").overlap is None  # auto stays a setting
+
+
+@pytest.mark.parametrize("kwargs", [dict(timeout=-1), dict(timeout=0), dict(timeout=float("nan")),
+                                    dict(timeout=float("inf")), dict(timeout=None), dict(timeout="abc"),
+                                    dict(timeout=True), dict(overlap="maybe"), dict(world=0),
+                                    dict(world=3, devices="cpu,cpu"), dict(devices=5.5)])
+def test_a_spec_cannot_exist_invalid(kwargs):
+    """Issue 42's third sweep, M6: ``dpq.parallel_tune`` built ``ParallelSpec(...)`` directly, skipping
+    ``build``'s checks, so ``timeout=-1`` (or 0, nan) stopped the run mid-block as hung, ``timeout=None`` raised
+    TypeError and ``timeout=inf`` ran with no watchdog. Every construction is checked now (Note [a spec
+    cannot exist invalid]); the engine's own short watchdog (0.3 s in tests/test_watchdog.py) stays valid."""
+    args = dict(world=2, devices="cpu,cpu")
+    args.update(kwargs)
+    with pytest.raises(SpecError) as info:
+        ParallelSpec(**args)
+    assert info.value.problems and all("Fix: " in p for p in info.value.problems), info.value.problems
+    assert ParallelSpec(2, "cpu,cpu", timeout=0.3).timeout == 0.3
+    spec = ParallelSpec("2", ["cpu", "cpu"], overlap="ON", timeout="60")  # the forms a setting may come in
+    assert (spec.world, spec.overlap, spec.timeout) == (2, True, 60.0)
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(parallel_timeout=-1), "parallel_timeout=-1 is outside 10 to 604800 seconds"),
+    (dict(parallel_timeout="abc"), "parallel_timeout='abc' is not a number of seconds"),
+    (dict(parallel_overlap="maybe"), "parallel_overlap='maybe' is not a setting"),
+    (dict(parallel_quantization=0), "Fix: pass e.g. parallel_quantization=2"),
+    (dict(parallel_quantization=3), "Fix: parallel_devices= with one device per lane"),
+    (dict(parallel_devices="gpu,gpu"), "Fix: parallel_devices= with entries like"),
+    (dict(parallel_quantization="off", parallel_debug=True), "parallel_debug has no effect with "
+                                                             "parallel_quantization='off'"),
+    (dict(parallel_quantization="off", parallel_timeout=60), "parallel_timeout has no effect"),
+])
+def test_enables_refusals_name_its_keywords(kwargs, said):
+    """Issue 42's third sweep, M10: ``enable()``'s refusals named the command's flags
+    (``--parallel_devices``) to a caller who typed keywords (``parallel_devices=``)."""
+    from dpq.autoround import integration
+
+    args = dict(parallel_quantization=2, parallel_devices="cpu,cpu")
+    args.update(kwargs)
+    if args["parallel_quantization"] == "off":
+        del args["parallel_devices"]
+    with pytest.raises(SpecError) as info:
+        integration.enable(**args)
+    text = str(info.value)
+    assert said in text and "--parallel" not in text, text
+    assert integration.disable() is None
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(parallel_overlap="maybe"), "parallel_overlap='maybe' is not a setting"),
+    (dict(parallel_devices="gpu"), "Fix: parallel_devices= with entries like"),
+    (dict(parallel_devices="cuda:0,cuda:1"), "Fix: lanes that exist here, e.g. parallel_devices='cpu,cpu'"),
+    (dict(parallel_quantization=0), "Fix: pass e.g. parallel_quantization=2"),
+    (dict(home="gpu"), "home='gpu' is not a device"),
+    (dict(home="cuda:0"), "home='cuda:0' is not a device of this machine"),
+    (dict(seqlen=-5), "seqlen must be an integer >= 1, got -5"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+    (dict(model=None), "model is a NoneType, not a model"),
+    (dict(model="/nonexistent/model"), "model '/nonexistent/model' is a path, but nothing is there"),
+])
+def test_plan_for_refuses_in_its_keywords_before_reading_anything(monkeypatch, kwargs, said):
+    """Issue 42's third sweep, M10 and M11: ``dpq.plan_for``'s refusals named the command's flags, and
+    lanes or a home this machine lacks raised torch's AssertionError, home='gpu' a RuntimeError,
+    seqlen=-5 a RuntimeError, model=None retried the network for half a minute: one ValueError now,
+    every problem in plan_for's keywords, before any config is read."""
+    import dpq
+    import dpq.autoround.plan_screen as plan_screen
+
+    if not CPU_MACHINE.built:
+        monkeypatch.setattr(Machine, "detect", staticmethod(lambda: CPU_MACHINE))
+    monkeypatch.setattr(plan_screen, "_meta_model", lambda *a: pytest.fail("read the model's config"))
+    args = dict(model=str(DATA_DIR))
+    args.update(kwargs)
+    if "cuda" in str(kwargs) and Machine.detect().count("cuda"):
+        pytest.skip("this machine has cuda devices")
+    with pytest.raises(SpecError) as info:
+        dpq.plan_for(args.pop("model"), **args)
+    text = str(info.value)
+    assert said in text and "--parallel" not in text, text
+
+
+def test_plan_for_off_is_the_commands_screen():
+    """``plan_for(parallel_quantization='off')`` raised "invalid literal for int()": the screen of every
+    world, as ``auto-round-dp --parallel_plan`` without a world shows."""
+    import dpq
+
+    assert "auto would choose" in str(dpq.plan_for(str(DATA_DIR), parallel_quantization="off", nsamples=2,
+                                                   batch_size=2, seqlen=32))

@@ -19,8 +19,8 @@ from auto_round.wrapper import unwrapper_block, wrapper_block
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
 from dpq.mirror import tensors_in
-from dpq.plan import PlanRefused, validate_world
-from dpq.spec import ParallelSpec, overlap_setting
+from dpq.plan import PlanRefused
+from dpq.spec import ParallelSpec, SpecError
 
 from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
 
@@ -249,6 +249,8 @@ def _check_block(block: torch.nn.Module, scheme: str, bits: int | None) -> list[
     params = list(block.parameters())
     if not params:
         return [refusals.BLOCK_NO_PARAMS]
+    if type(block) in SUPPORTED_LAYER_TYPES:
+        return [refusals.block_is_a_layer(type(block).__name__)]
     problems = []
     devices = {p.device for p in params}
     if any(d.type == "meta" for d in devices):
@@ -268,7 +270,7 @@ def _check_block(block: torch.nn.Module, scheme: str, bits: int | None) -> list[
     else:
         try:
             scheme_bits = preset_name_to_scheme(scheme).bits
-        except KeyError:
+        except (KeyError, AttributeError, TypeError):  # not a preset's name (None, a number: no .upper())
             problems.append(refusals.unknown_scheme(scheme))
             return problems
         eff = {n: bits if bits is not None else getattr(m, "bits", scheme_bits if isinstance(m, torch.nn.Linear)
@@ -368,9 +370,18 @@ def parallel_tune(
     keeps its line numbers but not the failed run's locals, so holding on to the error does
     not hold the run's mirrors, wrappers or optimizer state.
     """
+    if not isinstance(block, torch.nn.Module):
+        raise ValueError(_problem_list([refusals.block_not_module(type(block).__name__)]))
+    if input_others is not None and not isinstance(input_others, dict):
+        raise ValueError(_problem_list([refusals.others_not_dict(type(input_others).__name__)]))
     home = _block_device(block)
     home = None if home is not None and home.type == "meta" else home  # said once, by _check_block
     problems = _check_block(block, scheme, bits) + _check_inputs(inputs, outputs, input_others, home)
+    if valid_token_mask is not None and isinstance(inputs, (list, tuple)) and (
+            not isinstance(valid_token_mask, (list, tuple)) or len(valid_token_mask) != len(inputs)):
+        kind = (f"{len(valid_token_mask)} masks" if isinstance(valid_token_mask, (list, tuple)) else
+                f"a {type(valid_token_mask).__name__}")
+        problems.append(refusals.mask_count(kind, len(inputs)))
     problems += _check_fits_block(block, inputs, input_others)
     problems += _check_settings(iters, batch_size, gradient_accumulate_steps, dynamic_max_gap, seed, bits, group_size,
                                 lr, minmax_lr, momentum)
@@ -389,19 +400,20 @@ def parallel_tune(
                  _detached(dict(input_others or {})), home, settings, scheme=scheme, bits=bits, group_size=group_size,
                  sym=sym, lr=lr, minmax_lr=minmax_lr, valid_token_mask=valid_token_mask,
                  shared_cache_keys=shared_cache_keys, seed=seed, progress=progress)
-    config = plan = None
-    if isinstance(inputs, (list, tuple)) and inputs and _is_int(batch_size) and _is_int(gradient_accumulate_steps):
+    spec = config = plan = None
+    try:  # the lane settings, valid by construction (Note [a spec cannot exist invalid]), in this call's names
+        spec = ParallelSpec(world, devices, debug_identical, overlap, timeout, caller="api")
+    except SpecError as err:
+        problems += err.problems
+    if spec is not None and isinstance(inputs, (list, tuple)) and inputs and _is_int(batch_size) and _is_int(
+            gradient_accumulate_steps):
         try:  # the plan needs the samples per iteration
-            if auto_world is None and world == "auto":
+            if auto_world is None and spec.world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
-            spec = ParallelSpec(validate_world(world, "api"), devices, bool(debug_identical), overlap_setting(overlap),
-                                float(timeout))
             config = session.SessionConfig(spec, auto_world=auto_world, caller="api")
             plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons
-        except ValueError as err:  # the world itself
-            problems.append(str(err).removeprefix("dpq: "))
     if problems or plan is None:
         raise ValueError(_problem_list(problems))
     # Nothing above touched the block. From here on the session puts it back exactly as it was

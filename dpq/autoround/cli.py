@@ -82,7 +82,7 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str 
     from dpq.spec import machine_problems, problems
 
     from .args import autoround_args
-    from .outputs import DEFAULT_OUTPUT_DIR, path_errors, run_inputs
+    from .outputs import DEFAULT_OUTPUT_DIR, missing_inputs, path_errors, run_inputs
 
     theirs = autoround_args(list(rest))  # None: auto-round refuses them itself, with its usage
     world = _screen_world(ours) if ours.parallel_plan else ours.parallel_quantization
@@ -101,6 +101,8 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str 
     if _rank() == 0 or _one_host():  # rank 0 writes; on one host every rank sees its paths, and says what it sees
         output_dir = theirs.output_dir if theirs is not None else DEFAULT_OUTPUT_DIR
         found += path_errors(ours.parallel_report, output_dir, run_inputs(theirs))
+    if str(world).strip().lower() != "off":  # (with dpq off, auto-round's own run says it, as it always has)
+        found += missing_inputs(theirs)
     if ours.parallel_plan:  # the screen runs nothing: what the run itself would refuse is said above
         return list(dict.fromkeys(found))
     off = str(world).strip().lower() == "off"
@@ -142,18 +144,23 @@ def _device_map_problems(world: int | str, devices: object, theirs: argparse.Nam
 
 def _lane_count_problems(world: int | str, devices: object, theirs: argparse.Namespace | None,
                          recipe: str | None, machine) -> list[str]:
-    """An explicit world against what the command line already fixes: every lane (P processes x the
+    """Counts under 1 (--nsamples, --batch_size, --gradient_accumulate_steps: no sample per iteration), and
+    an explicit world against what the command line already fixes: every lane (P processes x the
     world, under torchrun) needs a sample of each iteration (the smaller of --nsamples and
     --batch_size, auto-round's defaults filled in; a tune only: with 0 iterations nothing is split by
     samples), and, with no --parallel_devices on one process, the world needs as many devices of
     the home accelerator as it names (on the CPU, default lanes share it: no count). Nothing here
     is sized by the request."""
-    if not isinstance(world, int) or theirs is None:
+    if world == "off" or theirs is None:
         return []
     from dpq import refusals
 
-    found = []
     defaults = _recipe_defaults(recipe)
+    found = [refusals.count_below_one(f"--{name}", value) for name in ("nsamples", "batch_size",
+                                                                        "gradient_accumulate_steps")
+             if (value := getattr(theirs, name, None)) is not None and value < 1]
+    if found or not isinstance(world, int):  # (--gradient_accumulate_steps 0 was read as 1 here, refused late)
+        return found
     given = getattr(theirs, "iters", None)  # an algorithm's option: absent from the namespace unless given
     iters = 0 if getattr(theirs, "model_free", False) else given if given is not None else defaults["iters"]
     processes = max(1, torchrun_processes())
@@ -236,9 +243,17 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
         return stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 2
     spec = spec_of(ours)
     if ours.parallel_plan:
+        from dpq.spec import SpecError
+
         from .plan_screen import show_for_command
 
-        return show_for_command(parsed, spec)
+        try:
+            return show_for_command(parsed, spec)
+        except SpecError as err:  # a count the screen cannot price (--batch_size -3): as a flag's refusal
+            try:
+                parser.error(_listed(err.problems))
+            except SystemExit as stop:
+                return stop.code
     return _start(spec, ours, recipe, rest, [program(recipe), *argv], as_command)
 
 

@@ -102,7 +102,7 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
     problems: list[str] = []
     try:
         spec = ParallelSpec.build(parallel_quantization, parallel_devices, parallel_debug=parallel_debug,
-                                  parallel_overlap=parallel_overlap, parallel_timeout=parallel_timeout)
+                                  parallel_overlap=parallel_overlap, parallel_timeout=parallel_timeout, caller="enable")
     except SpecError as err:
         problems, spec = err.problems, None
     if auto_world is not None and not (isinstance(parallel_quantization, str)

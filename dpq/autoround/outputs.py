@@ -174,6 +174,23 @@ def run_inputs(args: argparse.Namespace | None) -> list[RunInput]:
     return [_input(flag, value) for flag, value in dict.fromkeys(found) if value and os.path.exists(value)]
 
 
+def missing_inputs(args: argparse.Namespace | None) -> list[str]:
+    """``--model`` and ``--dataset`` entries written as local paths (absolute, or starting with ``.`` or
+    ``~``: a hub id never does) where nothing is: auto-round would take them for hub ids and fail with
+    a traceback about repository names, or load the model first and then say the dataset is unknown."""
+    if args is None:
+        return []
+    from dpq import refusals
+
+    from .job import dataset_entries
+
+    model = getattr(args, "model", None) or getattr(args, "model_name", None)
+    named = [("--model", model)] if isinstance(model, str) else []
+    named += [("--dataset", entry) for entry in dataset_entries(getattr(args, "dataset", None))]
+    return [refusals.input_missing(flag, value) for flag, value in named
+            if value.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(value))]
+
+
 def _hub_cache_folders(name: str, kind: str) -> list[Path]:
     """The Hugging Face cache's folder of a hub id (``org/name``), where one exists: the files a
     hub model or dataset is read from (``snapshots/`` links into ``blobs/``). Read off the cache's

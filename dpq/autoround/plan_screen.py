@@ -177,17 +177,35 @@ def _calibration() -> str:
 
 def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devices=None, home: str | None = None,
              iters: int = 200, batch_size: int = 8, gradient_accumulate_steps: int = 1, nsamples: int = 128,
-             seqlen: int = 2048, model_dtype: str | None = None, parallel_overlap: object = "auto") -> PlanScreen:
+             seqlen: int = 2048, model_dtype: str | None = None, parallel_overlap: object = "auto",
+             caller: str = "enable") -> PlanScreen:
     """The plan screen (module docstring) for ``model``: a model folder or hub id (its config alone
     is read), or a model object. The settings are auto-round's and auto-round-dp's, with their
     defaults; ``home``: the block's device (default: the first lane's, else the CPU). An explicit
-    ``parallel_quantization`` N marks the rows above N as not asked for."""
-    from dpq.spec import ParallelSpec
+    ``parallel_quantization`` N marks the rows above N as not asked for. Bad arguments raise one
+    :class:`dpq.spec.SpecError` (a ValueError) listing every problem in these keywords' names (``caller``
+    "cli": the command's flags, whose lanes it checked against this machine itself)."""
+    from dpq.machine import Machine
+    from dpq.spec import ParallelSpec, SpecError
 
-    spec = ParallelSpec.build(parallel_quantization, parallel_devices, parallel_overlap=parallel_overlap)
+    off = str(parallel_quantization).strip().lower() == "off"
+    screen_world = "auto" if off else parallel_quantization  # every world, as the command's --parallel_plan
+    found = _plan_argument_problems(model, home, iters=iters, batch_size=batch_size,
+                                    gradient_accumulate_steps=gradient_accumulate_steps, nsamples=nsamples,
+                                    seqlen=seqlen)
+    try:
+        spec = ParallelSpec.build(screen_world, parallel_devices, parallel_overlap=parallel_overlap,
+                                  machine=Machine.detect() if caller != "cli" else None, caller=caller)
+    except SpecError as err:
+        found = err.problems + found
+    if found:
+        raise SpecError(found, head="dpq.plan_for: bad arguments")
     source = "model" if isinstance(model, torch.nn.Module) else "config"
     built = model if source == "model" else _meta_model(str(model), model_dtype)
-    name, block, blocks = _first_block(built)
+    try:
+        name, block, blocks = _first_block(built)
+    except (IndexError, AttributeError, TypeError) as err:
+        raise SpecError([refusals.plan_no_blocks(type(built).__name__)], head="dpq.plan_for: bad arguments") from err
     given = _lanes(spec.devices, torch.device("cpu")) if spec.devices is not None else []
     home_dev = torch.device(home) if home is not None else given[0] if given else \
         torch.device(default_accelerator_type())
@@ -229,6 +247,33 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
                       type(block).__name__, blocks, samples, iters, seqlen, str(compute).removeprefix("torch."),
                       device_names([str(d) for d in dict.fromkeys(lanes)]), link, rows, choice, why, _calibration(),
                       asked=isinstance(spec.world, int))
+
+
+def _plan_argument_problems(model, home, **counts) -> list[str]:
+    """:func:`plan_for`'s own arguments, each problem with its fix (the lane settings are
+    :meth:`dpq.spec.ParallelSpec.build`'s): a model of a type that names none, a local path with nothing
+    there, a home that is not a device here, and counts that are not integers (>= 1; iters >= 0)."""
+    import os
+
+    found = []
+    if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
+        found.append(refusals.plan_model_type(type(model).__name__))
+    elif not isinstance(model, torch.nn.Module):
+        text = os.fspath(model)
+        if text.startswith(("/", ".", "~")) and not Path(text).expanduser().exists():
+            found.append(refusals.plan_model_missing(text))
+    if home is not None:
+        entries = parse_device_spec(str(home)) if isinstance(home, (str, torch.device)) else []
+        dev = entries[0].device if len(entries) == 1 else None
+        if dev is None:
+            found.append(refusals.plan_bad_home(str(home)))
+        elif dev.type != "cpu" and (entries[0].bare_index or (dev.index or 0) >= backend(dev).device_count()):
+            found.append(refusals.plan_bad_home(str(home), "is not a device of this machine"))
+    for name, value in counts.items():
+        least = 0 if name == "iters" else 1
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            found.append(refusals.setting_type(name, repr(value), "count" if least else "int", "dpq.plan_for"))
+    return found
 
 
 MAX_ROWS = 16  # worlds the screen prices: every lane count up to the samples per iteration, at most this many
@@ -278,6 +323,6 @@ def show_for_command(parsed, spec) -> int:
                       batch_size=parsed.batch_size or recipe["batch_size"],
                       gradient_accumulate_steps=getattr(parsed, "gradient_accumulate_steps", None) or 1,
                       nsamples=parsed.nsamples or recipe["nsamples"], seqlen=parsed.seqlen or recipe["seqlen"],
-                      model_dtype=parsed.model_dtype, parallel_overlap=spec.overlap)
+                      model_dtype=parsed.model_dtype, parallel_overlap=spec.overlap, caller="cli")
     print(screen, flush=True)
     return 0
