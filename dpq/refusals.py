@@ -655,6 +655,13 @@ def report_is_input(path: str, flag: str, value: str, output_dir: str) -> str:
             f"{output_dir.rstrip('/') or '.'}/dpq_report.json")
 
 
+def report_would_replace(path: str, output_dir: str) -> str:
+    """The report path is an existing file that is neither empty nor an earlier dpq report."""
+    return (f"--parallel_report {path} is an existing file that is not a dpq report: writing the report would "
+            f"replace it whole. Fix: a new path (or an earlier report's), e.g. --parallel_report "
+            f"{output_dir.rstrip('/') or '.'}/dpq_report.json")
+
+
 OUTPUT_DIR_EMPTY = ("--output_dir is empty: auto-round would save the model into the working directory itself. "
                     "Fix: --output_dir with a folder for the model, e.g. --output_dir ./tmp_autoround (the default)")
 

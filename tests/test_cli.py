@@ -123,6 +123,28 @@ def test_a_report_inside_the_output_is_refused(capsys, tmp_path, monkeypatch):
     assert not (tmp_path / "new").exists() and not (tmp_path / "r.json").exists()  # the check creates nothing
 
 
+def test_a_report_on_someone_elses_file_is_refused(capsys, tmp_path, monkeypatch):
+    """Issue 42, third sweep: ``--parallel_report`` at an existing file that is not one of the run's inputs
+    (a source file, a note: a typo in the path) was replaced whole by the report, exit 0. Refused before the
+    model loads, the file untouched; an empty file and an earlier dpq report are still replaced."""
+    out = tmp_path / "out"
+    notes = tmp_path / "train.py"
+    notes.write_text("print('my script')\n")
+    err = _refused_paths(capsys, monkeypatch, tmp_path, "--parallel_quantization", "1", "--parallel_report",
+                         str(notes), "--output_dir", str(out))
+    assert f"--parallel_report {notes} is an existing file that is not a dpq report" in err, err
+    assert f"e.g. --parallel_report {out}/dpq_report.json" in err
+    from dpq.autoround.outputs import SCHEMA, path_errors
+
+    not_ours = tmp_path / "other.json"
+    not_ours.write_text(json.dumps({"schema": "somebody-else/1"}))
+    assert path_errors(str(not_ours), str(out)) != []
+    empty, earlier = tmp_path / "empty.json", tmp_path / "earlier.json"
+    empty.write_text("")
+    earlier.write_text(json.dumps({"schema": SCHEMA, "exit_status": 0}))
+    assert path_errors(str(empty), str(out)) == [] and path_errors(str(earlier), str(out)) == []
+
+
 def test_a_report_on_the_runs_inputs_is_refused(capsys, tmp_path, monkeypatch):
     """Issue 42, item 1 (HIGH): ``--parallel_report`` equal to the ``--dataset`` file, a file inside the local
     ``--model`` folder (its config.json), or a symlink to either, was replaced by the JSON report, exit 0: the

@@ -109,8 +109,29 @@ def _report_errors(path: str, output_dir: str, inputs: Sequence[RunInput]) -> li
         return [refusals.report_is_pipe(path)]
     if real.exists() and not real.is_file():  # a device (/dev/null): written in place (write_whole)
         return [] if os.access(real, os.W_OK) else [refusals.place_unwritable("--parallel_report", path, str(real))]
+    if real.is_file() and not _replaceable(real):
+        return [refusals.report_would_replace(path, output_dir)]
     problem = _place_error("--parallel_report", path)  # a regular file is replaced by one made beside it
     return [problem] if problem else []
+
+
+_REPORT_SIZE_MAX = 1 << 26  # no report of a run comes near 64 MiB: a larger file is something else
+
+
+def _replaceable(real: Path) -> bool:
+    """An existing file the report may replace: an empty one (a user's ``touch``) or an earlier dpq report
+    (a JSON object whose ``schema`` is dpq's); anything else is somebody's file, and a typo in the path
+    must not cost it."""
+    try:
+        size = real.stat().st_size
+        if size == 0:
+            return True
+        if size > _REPORT_SIZE_MAX:
+            return False
+        data = json.loads(real.read_bytes())
+    except (OSError, ValueError):  # unreadable, or not JSON: not a report
+        return False
+    return isinstance(data, dict) and str(data.get("schema", "")).startswith(SCHEMA.split("/")[0] + "/")
 
 
 def _output_errors(output_dir: str) -> list[str]:
