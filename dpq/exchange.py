@@ -75,6 +75,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dpq import phases
 from dpq.comm_base import Communicator
 from dpq.sign_bits import (
     PackViews,
@@ -145,7 +146,8 @@ class GradBuckets:
         self.offsets = _reverse_offsets(sizes)
         self._views: list | None = None  # per lane: (buffer, each parameter's slot view), made once
         self.numel = sum(sizes)
-        self.bucket_params = bucket_layout(sizes, bucket_cap(sizes, bucket_cap_elems))
+        cap = bucket_cap(sizes, phases.bucket_cap(sizes, bucket_cap_elems))  # an observer may ask for another
+        self.bucket_params = bucket_layout(sizes, cap)
         self.bucket_ranges = [_range_of(ids, self.offsets, sizes) for ids in self.bucket_params]
         self.bucket_of = [0] * len(sizes)  # parameter index -> its bucket
         for b, ids in enumerate(self.bucket_params):
@@ -158,6 +160,7 @@ class GradBuckets:
         self.buffers = self.flat_buffers(torch.float32, zero=True)
         self._by_copy = False  # attach_by_copy() was the last attach: finalize() has work
         self._copy_hooks: list = []
+        phases.notify.buckets_laid_out(self, cap)
 
     @property
     def world(self) -> int:
@@ -195,12 +198,13 @@ class GradBuckets:
         gradient keeps an exact zero (not None).
         """
         self._by_copy = False
-        for k, ((buf, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
-            with self._issue(k):
-                buf.zero_()
-            for p, v in zip(params, slots, strict=True):
-                if p.grad is not v:  # dropped (zero_grad) or replaced: the slot's view again
-                    p.grad = v
+        with phases.phase("grads", self):
+            for k, ((buf, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
+                with self._issue(k):
+                    buf.zero_()
+                for p, v in zip(params, slots, strict=True):
+                    if p.grad is not v:  # dropped (zero_grad) or replaced: the slot's view again
+                        p.grad = v
 
     def attach_by_copy(self, *, hooks: bool = True) -> None:
         """Before every backward, instead of :meth:`attach`: drop the grads; each parameter's
@@ -247,16 +251,18 @@ class GradBuckets:
         Does nothing after :meth:`attach`."""
         if not self._by_copy:
             return
-        for k, ((_, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
-            held = [(v, p.grad) for p, v in zip(params, slots, strict=True) if p.grad is not None and p.grad is not v]
-            with self._issue(k):
-                if held:
-                    torch._foreach_copy_([v for v, _ in held], [g for _, g in held])
+        with phases.phase("grads", self):
+            for k, ((_, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
+                held = [(v, p.grad) for p, v in zip(params, slots, strict=True)
+                        if p.grad is not None and p.grad is not v]
+                with self._issue(k):
+                    if held:
+                        torch._foreach_copy_([v for v, _ in held], [g for _, g in held])
+                    for p, v in zip(params, slots, strict=True):
+                        if p.grad is None:
+                            v.zero_()
                 for p, v in zip(params, slots, strict=True):
-                    if p.grad is None:
-                        v.zero_()
-            for p, v in zip(params, slots, strict=True):
-                p.grad = v
+                    p.grad = v
         self._by_copy = False
 
     def slot_views(self, buffers: Sequence[Tensor]) -> list[list[Tensor]]:
@@ -434,8 +440,19 @@ class _Exchange:
         """Bucket ``i``; ``marks``: per lane, the event after which its gradients are final (else
         everything queued on the lanes so far)."""
         before = self.comm.wire_bytes
-        self.comm.begin_bucket(marks)  # dpq.comm_streams: C1
-        self._exchange(buckets, i)
+        start, end = buckets.bucket_ranges[i]
+        watching = phases.observers()
+        if watching:
+            phases.notify.exchange_begin(self, i, end - start)
+        try:
+            self.comm.begin_bucket(marks)  # dpq.comm_streams: C1
+            self._exchange(buckets, i)
+        except BaseException as err:
+            if watching:
+                phases.notify.exchange_end(self, i, end - start, err)
+            raise
+        if watching:
+            phases.notify.exchange_end(self, i, end - start, None)
         self.total_wire_bytes += self.comm.wire_bytes - before
 
     def wait(self) -> None:
@@ -565,6 +582,10 @@ class BackwardExchange:
         """The issuer (accelerator lanes; :class:`_Issuer` runs it on the thread that called ``backward``):
         issue each bucket once complete (module docstring), until every bucket is issued or none
         completed for :data:`ISSUER_PATIENCE_S`."""
+        with phases.phase("issuer", self):
+            self._serve()
+
+    def _serve(self) -> None:
         in_order = self.policy.comm.world > len(self.policy.comm.lanes)  # across processes: buffer order
         complete, nxt, n = set(), 0, len(self.issued)
         last = time.monotonic()
@@ -596,12 +617,13 @@ class BackwardExchange:
         self._remove_hooks()
         if exc_type is not None:
             return
-        self.buckets.finalize()
-        for b, done in enumerate(self.issued):  # parameters that got no gradient: their buckets now
-            if not done:
-                self._issue(b)
-        self.policy.last_wire_bytes = self.policy.total_wire_bytes - self._before
-        self.policy.wait()
+        with phases.phase("exchange finish", self):
+            self.buckets.finalize()
+            for b, done in enumerate(self.issued):  # parameters that got no gradient: their buckets now
+                if not done:
+                    self._issue(b)
+            self.policy.last_wire_bytes = self.policy.total_wire_bytes - self._before
+            self.policy.wait()
 
 
 class _Issuer(torch.autograd.Function):

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dpq import cancel, refusals
+from dpq import cancel, phases, refusals
 from dpq.comm_streams import CommStreams, comm_lanes
 from dpq.communicators import build_planned, select_communicator
 from dpq.compiles import CompileWatch
@@ -360,6 +360,7 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
     """Everything between the plan and the result, and the lanes as they ran. Its frame and those
     below hold the run (mirrors, wrappers, optimizers): on failure ``run`` clears them from the traceback."""
     lanes = make_lanes(ran.devices)
+    phases.notify.lanes_made(lanes)
     # the plan's choice (Note [overlap where the wire is slow]) on lanes that have streams, known before
     # the task starts: the adapter then gives the lanes a block forward whose backward fills the buckets
     # as it runs (Note [overlap needs gradients during the backward])
@@ -450,7 +451,9 @@ def _exchange_communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane
     backward (dpq.comm_streams), in one process and across processes alike (the process-group
     communicator over the communication lanes: its legs inside the process and its transfers across)."""
     comm, ran = _communicator(config, ran, comm_lanes(lanes) if ran.overlap else lanes, procs)
-    return (CommStreams(comm, lanes) if ran.overlap else comm), ran
+    comm = CommStreams(comm, lanes) if ran.overlap else comm
+    phases.notify.communicator_made(comm, ran.in_process_reason)
+    return comm, ran
 
 
 def _communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],

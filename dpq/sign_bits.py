@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dpq import phases
 from dpq.streams import Lane
 
 __all__ = [
@@ -178,7 +179,9 @@ def sign_table(device: torch.device | str = "cpu") -> Tensor:
     bits = ((byte.unsqueeze(1) >> torch.arange(8, dtype=torch.int16, device=device)) & 1).to(torch.int8)
     table = bits.unsqueeze(1) - 2 * bits.unsqueeze(0)  # [nz, neg, b]: nz - 2*neg
     table.clamp_(-1, 1)  # neg without nz cannot occur
-    return table.view(65536, 8).view(torch.int64).view(-1)
+    table = table.view(65536, 8).view(torch.int64).view(-1)
+    phases.notify.constant_made(table)
+    return table
 
 
 class SignBuffers:
