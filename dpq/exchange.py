@@ -8,8 +8,12 @@ identical reduced gradient:
 
 * :class:`FullSumExchange` - all-reduce: every lane's grads become the sum over lanes
   (momentum, Adam, weight decay: anything that needs values).
-* :class:`SignExchange` - pure SignSGD needs only ``sign(sum)``: reduce-scatter in fp32,
-  each lane signs its own chunk, an all-gather of 2 bits per element.
+* :class:`SignExchange` - pure SignSGD needs only ``sign(sum)``: reduce-scatter of the gradients
+  cast to bf16 (Note [the summed gradient in bf16 on the wire]; fp32 on request), each lane signs
+  its own chunk, an all-gather of 2 bits per element.
+
+Both are the same three steps per bucket, reduce, update-owned and gather (Note [the exchange in
+three steps]).
 
 Stream order (rules in ``dpq.streams``): a lane's buffer and every scratch buffer of a lane
 (``dpq.sign_bits.SignBuffers``, kept across iterations) are allocated, zeroed, filled and read
@@ -37,7 +41,8 @@ that called ``backward``):
   on that thread (autograd orders ready nodes by sequence number, so the last lane's graph runs
   first and lane 0's last); a bucket completes during lane 0's backward, so only that part of
   the backward can hide the exchange.
-* Accelerator lanes (default: overlap off; ``overlap=True`` opts in). Autograd runs each
+* Accelerator lanes (the plan decides: ``--parallel_overlap auto`` turns overlap on where some
+  lane GPU pair has no peer access, ``dpq.plan.overlap_choice``; ``on`` everywhere). Autograd runs each
   device's backward on its own worker thread, so the hooks run there, several at once; they
   never issue a collective and queue nothing on any stream but one event. Under one lock a
   hook counts its bucket down; the hook that finishes a lane's part of bucket i records an
@@ -60,7 +65,7 @@ that called ``backward``):
   forwards, has the lowest sequence number and runs after every lane's backward. CuPy's NCCL
   groups hold the caching allocator's free mutex while they launch (``dpq.nccl_comm``), as
   torch's own do, since the device threads may free memory meanwhile. None of the accelerator
-  path has run on hardware; it is off by default there.
+  path has run on hardware.
 """
 
 from __future__ import annotations
@@ -478,7 +483,35 @@ class _Exchange:
         return None
 
     def _exchange(self, buckets: GradBuckets, i: int) -> None:
+        """Bucket ``i`` in three steps.
+
+        Note [the exchange in three steps]
+        Every policy is the same three steps over a bucket whose elements are split into one chunk per
+        global lane (the chunk a lane *owns*): ``reduce`` (each lane gets the sum over lanes of its owned
+        chunk: a reduce-scatter), ``update_owned`` (what the policy makes of its chunk's sum: the sign
+        exchange signs and packs it), ``gather`` (every lane gets every chunk's result, the same bytes on
+        every lane: an all-gather, then what each lane writes from them). A policy whose update is the
+        identity may fuse reduce and gather into one all-reduce (:class:`FullSumExchange`). A sharded
+        update is a third ``update_owned``: the optimizer's step on the owned chunk, then the gather of
+        the updated values. The steps share the bucket's views (``plan``, made once: Note [views made
+        once])."""
+        plan = self._plan(buckets, i)
+        self.reduce(plan)
+        self.update_owned(plan)
+        self.gather(plan)
+
+    def _plan(self, buckets: GradBuckets, i: int):
         raise NotImplementedError
+
+    def reduce(self, plan) -> None:
+        """Each lane gets the sum over lanes of its owned chunk of the bucket (Note [the exchange in three steps])."""
+        raise NotImplementedError
+
+    def update_owned(self, plan) -> None:
+        """What the policy makes of each lane's summed chunk (Note [the exchange in three steps])."""
+
+    def gather(self, plan) -> None:
+        """Every lane gets every chunk's result (Note [the exchange in three steps])."""
 
 
 ISSUER_PATIENCE_S = 2.0  # the issuer's wait for the next bucket to complete before it leaves the rest for later
@@ -650,8 +683,13 @@ class FullSumExchange(_Exchange):
 
     name = "full"
 
-    def _exchange(self, buckets: GradBuckets, i: int) -> None:
-        self.comm.all_reduce(buckets.bucket(i))
+    def _plan(self, buckets: GradBuckets, i: int) -> list[Tensor]:
+        return buckets.bucket(i)
+
+    def reduce(self, plan: list[Tensor]) -> None:
+        """The update is the identity, so reduce and gather are one all-reduce: every lane gets the whole
+        sum (Note [the exchange in three steps])."""
+        self.comm.all_reduce(plan)
 
 
 @dataclass
@@ -753,12 +791,15 @@ class SignExchange(_Exchange):
         return cached
 
     def _exchange(self, buckets: GradBuckets, i: int) -> None:
-        comm, world = self.comm, self.comm.world
-        if world == 1:
-            with comm.lanes[0].issue():
+        if self.comm.world == 1:
+            with self.comm.lanes[0].issue():
                 buckets.bucket(i)[0].sign_()
             return
-        plan = self._plan(buckets, i)
+        super()._exchange(buckets, i)
+
+    def reduce(self, plan: _BucketPlan) -> None:
+        """Each lane's gradients (zero-padded to the padded length, cast to the wire dtype) reduce-scattered:
+        lane k holds the sum of chunk k."""
         for group, lane in zip(plan.groups, plan.lanes, strict=True):
             if group.pad_copies:
                 with lane.issue():
@@ -766,11 +807,17 @@ class SignExchange(_Exchange):
                         dst.copy_(src)
                     if group.pad_tail is not None:
                         group.pad_tail.zero_()
-        comm.reduce_scatter(plan.send, plan.recv)
+        self.comm.reduce_scatter(plan.send, plan.recv)
+
+    def update_owned(self, plan: _BucketPlan) -> None:
+        """The sign of each lane's summed chunk, packed in two bit planes."""
         for group, lane in zip(plan.groups, plan.lanes, strict=True):
             with lane.issue():
                 pack_into(group.pack)
-        comm.all_gather(plan.packed, plan.gathered)
+
+    def gather(self, plan: _BucketPlan) -> None:
+        """The packed chunks all-gathered; every lane unpacks them into its grads (or the signs kept apart)."""
+        self.comm.all_gather(plan.packed, plan.gathered)
         for group, lane in zip(plan.groups, plan.lanes, strict=True):
             with lane.issue():
                 # Every lane gathered the same bytes: a group of lanes without streams unpacks once.
