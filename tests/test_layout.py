@@ -211,10 +211,20 @@ def test_the_adapter_keeps_no_module_state_but_the_patch_table():
 @pytest.mark.parametrize("spec", ["cuda:256", "256", "cuda:128,cuda:0", [300]])
 def test_device_index_above_127_is_refused(spec):
     """torch keeps a device index in 8 bits: 'cuda:256' would silently be cuda:0."""
-    from dpq.plan import device_spec_errors
+    from dpq.lane_devices import parse_device_spec
 
-    errors = device_spec_errors(spec)
+    errors = [e.error for e in parse_device_spec(spec) if e.error]
     assert errors and "above 127" in errors[0], errors
+
+
+def test_device_parsing_sits_below_the_plan():
+    """The spec reads device lists and worlds from dpq.lane_devices, which the plan imports too: neither
+    of them imports the plan."""
+    paths = {_module_name(p): p for p in DPQ.rglob("*.py")}
+    known = set(paths)
+    for name in ("dpq.spec", "dpq.lane_devices"):
+        assert "dpq.plan" not in _imports(paths[name], name, known), name
+    assert "dpq.lane_devices" in _imports(paths["dpq.plan"], "dpq.plan", known)
 
 
 def test_phase_records_are_made_in_one_place():

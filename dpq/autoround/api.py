@@ -18,8 +18,9 @@ from auto_round.wrapper import unwrapper_block, wrapper_block
 
 from dpq import refusals, session
 from dpq.cost_model import AutoWorld
+from dpq.lane_devices import validate_world
 from dpq.mirror import tensors_in
-from dpq.plan import PlanRefused, validate_world
+from dpq.plan import PlanRefused
 from dpq.spec import ParallelSpec, overlap_setting
 
 from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
