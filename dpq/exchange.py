@@ -168,7 +168,8 @@ class GradBuckets:
         phases.notify.buckets_laid_out(self, cap)
 
     @property
-    def world(self) -> int:
+    def local_lanes(self) -> int:
+        """This process's lanes, one flat buffer each (the exchange's world may span more)."""
         return len(self.params)
 
     def flat_buffers(self, dtype: torch.dtype, *, zero: bool = False) -> list[Tensor]:
@@ -356,12 +357,12 @@ def bucket_cap(sizes: Sequence[int], cap: int | None) -> int:
     Note [overlap buckets as a share of the block]
     Overlapped, a bucket goes out once its last gradient is written, so the first must be small enough to
     be ready early; but each bucket costs the one issuing thread its ops and two collectives per lane, and
-    its pack and unpack kernels share each GPU with the backward. A fixed cap made every weight of a
-    70B-class block a bucket of its own (11 with the scales), where an eighth of the block (7 buckets)
-    hides more of the exchange: ``python -m benchmarks.timeline --table`` on 4 x RTX 3090, compile on,
-    70B-class, gave 2.32x with the fixed cap and 2.55x with the share, the 8B-class block 2.62x with
-    either (its 8 buckets; docs/PERFORMANCE.md). A share of the block keeps the count near eight
-    whatever the block's size.
+    its pack and unpack kernels share each GPU with the backward. A fixed cap makes every large weight a
+    bucket of its own (a 70B-class block: 11 buckets with the scales), so the issuing thread pays for many
+    buckets and the first ones carry little of the exchange; a share of the block keeps the count near
+    :data:`OVERLAP_BUCKETS` whatever the block's size, and the cap's floor keeps a small block from being
+    cut finer than helps. What either layout hides of the exchange is modeled by ``python -m
+    benchmarks.timeline --table`` (docs/PERFORMANCE.md gives its figures, their command and date).
 
     Note [buckets as large as the largest tensor]
     Without overlap every bucket is exchanged after the backward, so small buckets buy nothing and
@@ -467,8 +468,8 @@ class _Exchange:
         self.comm.wait()
 
     def _check(self, buckets: GradBuckets) -> None:
-        if buckets.world != len(self.comm.lanes):
-            raise ValueError(f"dpq: {buckets.world} gradient buffers for {len(self.comm.lanes)} lanes")
+        if buckets.local_lanes != len(self.comm.lanes):
+            raise ValueError(f"dpq: {buckets.local_lanes} gradient buffers for {len(self.comm.lanes)} lanes")
 
     exact_signs = False  # after exchange(): every grad element is exactly -1.0, +0.0 or +1.0 (dpq.sign_step)
 
@@ -532,20 +533,20 @@ class BackwardExchange:
 
     def __init__(self, policy: _Exchange, buckets: GradBuckets, lanes: Sequence[int] | None = None) -> None:
         self.policy, self.buckets = policy, buckets
-        self.active = list(range(buckets.world)) if lanes is None else sorted(set(lanes))
+        self.active = list(range(buckets.local_lanes)) if lanes is None else sorted(set(lanes))
         n = len(buckets.bucket_params)
         self.remaining = [len(ids) * len(self.active) for ids in buckets.bucket_params]
         self.issued = [False] * n
         self.issued_in_backward = 0  # buckets issued before backward returned (tests, benchmarks)
-        self._fired = [[False] * len(buckets.bucket_of) for _ in range(buckets.world)]  # [lane][param]
+        self._fired = [[False] * len(buckets.bucket_of) for _ in range(buckets.local_lanes)]  # [lane][param]
         self._handles: list = []
         self._lock = threading.Lock()
         self._thread = threading.get_ident()
         self._before = policy.total_wire_bytes
         self.deferred = policy.overlap and policy.comm.world > 1 and self._on_devices()  # the issuer issues
         # deferred: per bucket, per lane, the params still to come and the mark once they came
-        self._lane_left = [[len(ids)] * buckets.world for ids in buckets.bucket_params]
-        self._marks: list[list] = [[None] * buckets.world for _ in range(n)]
+        self._lane_left = [[len(ids)] * buckets.local_lanes for ids in buckets.bucket_params]
+        self._marks: list[list] = [[None] * buckets.local_lanes for _ in range(n)]
         self._complete: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.roots: list[Tensor] = []
         self.seeds: list[Tensor] = []

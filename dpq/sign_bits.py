@@ -35,7 +35,6 @@ __all__ = [
     "sign_padded_length",
     "sign_table",
     "take",
-    "unpack_by_shifts",
     "unpack_into",
     "unpack_signs",
     "unpack_views",
@@ -155,16 +154,6 @@ def unpack_signs(packed: Tensor, world: int, table: Tensor, idx: Tensor | None =
     element several times. ``idx`` (int32) and ``out`` (int64), W*c/8 each, may be given to reuse
     their memory."""
     return unpack_into(unpack_views(packed, world, table, idx, out))
-
-
-def unpack_by_shifts(packed: Tensor) -> Tensor:
-    """The same values as :func:`unpack_signs` computed bit position by bit position (a cross-check
-    of the table): uint8 (W * c/4,) byte pairs -> int8 (W*c,)."""
-    pairs = packed.view(-1, 2)
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    negative = ((pairs[:, 0].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
-    nonzero = ((pairs[:, 1].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
-    return nonzero.sub_(negative).sub_(negative).view(-1)  # negative implies nonzero: -1, +1 or 0
 
 
 SIGN_TABLE_BYTES = 65536 * 8  # :func:`sign_table`'s memory on each lane's device (what the plan prices)

@@ -459,9 +459,6 @@ class Lane:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def free_memory(self) -> int:
-        return self.backend.mem_get_info(self.device)[0]
-
 
 def device_key(device: torch.device) -> tuple[str, int]:
     """(type, index) with a missing index as 0: ``cuda`` and ``cuda:0`` are one device."""

@@ -203,17 +203,17 @@ class TuneEngine(Watched):
         self.optimizers, self.schedulers = _optimizers(replicas, make_optimizer)
         self.last = IterationStats()
         # The world is the global lanes: the exchange's communicator spans every process
-        # (dpq.process_group), so its world is P x L and this process's L lanes (``replicas.world``)
+        # (dpq.process_group), so its world is P x L and this process's L lanes (``replicas.local_lanes``)
         # start at global lane `lane_offset`.
         self.world = exchange.comm.world
         self.lane_offset = exchange.comm.lane_offset
-        if not 0 <= self.lane_offset <= self.world - replicas.world:
-            raise ValueError(f"dpq: local lanes {self.lane_offset}..{self.lane_offset + replicas.world - 1} are not "
-                             f"lanes of world {self.world}")
+        if not 0 <= self.lane_offset <= self.world - replicas.local_lanes:
+            last = self.lane_offset + replicas.local_lanes - 1
+            raise ValueError(f"dpq: local lanes {self.lane_offset}..{last} are not lanes of world {self.world}")
         # World 1 exchanges nothing, so it keeps serial's gradients: dropped before each backward
         # and taken from it by autograd as they are (no flat buffer to zero and add into, no second
         # copy of the tuned values' gradients in memory: the world-1 overhead).
-        self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)],
+        self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.local_lanes)],
                                    bucket_cap_elems=exchange.bucket_cap_elems,
                                    lanes=replicas.lanes) if self.world > 1 else None
         self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
@@ -505,7 +505,7 @@ class TuneEngine(Watched):
 
     def release_grads(self) -> None:
         """Every tuned ``.grad`` back to None (the run is over; or world 1's next backward)."""
-        for p in (p for k in range(self.replicas.world) for p in self.replicas.tuned_params(k)):
+        for p in (p for k in range(self.replicas.local_lanes) for p in self.replicas.tuned_params(k)):
             p.grad = None
 
     def step(self) -> None:

@@ -30,7 +30,8 @@ def test_the_engine_lets_go_before_the_cache_is_emptied(monkeypatch, fail):
     def init(engine, *a, **kw):
         real_init(engine, *a, **kw)
         held.extend(weakref.ref(x) for x in (*engine.optimizers, *engine.buckets.buffers))
-        held.extend(weakref.ref(p) for k in range(1, engine.replicas.world) for p in engine.replicas.tuned_params(k))
+        held.extend(weakref.ref(p) for k in range(1, engine.replicas.local_lanes)
+                    for p in engine.replicas.tuned_params(k))
 
     alive_at_release: list[int] = []
 

@@ -149,14 +149,14 @@ def test_a_task_without_home_is_planned_where_its_block_is(monkeypatch):
     """Seen on the H200 (2026-12-04): a BlockTask that names no home, its block on the CPU, lanes
     cpu,cpu, was planned with home = the machine's accelerator (cuda:0) and refused 'lane 0 is cpu,
     but the block is on cuda:0'. The block's own device is home."""
-    from dpq.session import SessionConfig, plan_for
+    from dpq.session import SessionConfig, block_plan
     from tests.test_distributed import make_task
 
     monkeypatch.setattr(plan_mod, "default_accelerator_type", lambda: "cuda")  # a machine with a GPU
     monkeypatch.setattr(lane_devices, "default_accelerator_type", lambda: "cuda")
     task = make_task("sign")
     assert task.home is None and next(task.block.parameters()).device.type == "cpu"
-    plan = plan_for(SessionConfig(ParallelSpec(2, ["cpu", "cpu"])), task)
+    plan = block_plan(SessionConfig(ParallelSpec(2, ["cpu", "cpu"])), task)
     assert [d.type for d in plan.devices] == ["cpu", "cpu"]
 
 

@@ -398,7 +398,7 @@ def parallel_tune(
             spec = ParallelSpec(validate_world(world, "api"), devices, bool(debug_identical), overlap_setting(overlap),
                                 float(timeout))
             config = session.SessionConfig(spec, auto_world=auto_world, caller="api")
-            plan = session.plan_for(config, task.describe())
+            plan = session.block_plan(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons
         except ValueError as err:  # the world itself
