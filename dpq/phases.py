@@ -154,9 +154,15 @@ def _phase(name: str, owner: object, lane: int | None) -> Iterator[None]:
         with ranged:
             yield
         return
-    watching = list(_OBSERVERS)
-    for observer in watching:
-        observer.phase_begin(name, owner, lane)
+    watching: list[Observer] = []
+    try:
+        for observer in list(_OBSERVERS):
+            observer.phase_begin(name, owner, lane)
+            watching.append(observer)
+    except BaseException as err:  # an observer failed the phase (fault injection): the others see it end
+        for observer in reversed(watching):
+            observer.phase_end(name, owner, lane, err)
+        raise
     try:
         with ranged:
             yield
