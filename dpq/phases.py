@@ -1,4 +1,6 @@
-"""The iteration's phases, and the observers through which tools see a run.
+"""The iteration's phases, and the observers through which tools see a run. (An iteration's phases, inside
+one block's tune; the adapter's phases of a quantization run, ``dpq.autoround.seams_common.run_phase``, are
+the passes around the tunes.)
 
 One data-parallel iteration is six phases, each a method of :class:`dpq.tune_loop.TuneEngine` that
 ``run_loop`` calls in order::
