@@ -13,7 +13,7 @@ Every part of each iteration is timed where it runs (wrappers around the engine'
   lane's graph, in parallel, while the issuing thread waits for the slowest);
 - ``exchange``: issuing every bucket's collectives (``exchange_bucket``; on CPU the sums too);
 - ``step``: every lane's optimizer step, zero_grad and lr schedule (``TuneEngine.step``);
-- ``other``: the rest of ``TuneEngine.backward`` (split, grad views, loss hand-off, readback).
+- ``other``: the rest of the engine's iteration (its phases split, readback queue and readback; the grad views).
 
 Per lane-iteration = per iteration / W. The issuing thread's share on a GPU machine is
 ``issue = forward+loss + exchange + step + other`` per lane (the backward runs on the device
@@ -41,8 +41,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from dpq import exchange as dpq_exchange  # noqa: E402
-from dpq import tune_loop  # noqa: E402
+from dpq import phases, tune_loop  # noqa: E402
 from dpq.cost_model import CostInputs, block_flops, predict  # noqa: E402
 
 # (name, hidden, intermediate, kv dim): Llama-3-8B, Qwen2.5-32B, Llama-3-70B blocks
@@ -83,60 +82,59 @@ def linear_params(hidden: int, intermediate: int, kv: int) -> int:
     return 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate
 
 
+# the engine's phases that make its iteration but the step (dpq.phases)
+ITERATION_PHASES = ("split", "forward", "readback queue", "backward", "exchange", "readback")
+
+
+class _PhaseTimes(phases.Observer):
+    """The engine's phases timed into ``parts`` (Note [observers, not patches] in ``dpq.phases``): each
+    lane's forward and loss, each bucket's exchange, the step, and the iteration's other phases."""
+
+    def __init__(self, parts: dict) -> None:
+        self.parts, self.started = parts, {}
+
+    def phase_begin(self, name, owner, lane):
+        self.started[(name, lane)] = time.perf_counter()
+
+    def phase_end(self, name, owner, lane, error):
+        took = time.perf_counter() - self.started.pop((name, lane))
+        if not isinstance(owner, tune_loop.TuneEngine):
+            return
+        if name == "forward" and lane is not None:
+            self.parts["forward+loss"] += took
+        elif name == "step":
+            self.parts["step"] += took
+            self.parts["iterations"] += 1
+        elif name in ITERATION_PHASES and lane is None:
+            self.parts["engine_iteration"] += took
+
+    def exchange_begin(self, policy, bucket, numel):
+        self.started[("bucket", bucket)] = time.perf_counter()
+
+    def exchange_end(self, policy, bucket, numel, error):
+        self.parts["exchange"] += time.perf_counter() - self.started.pop(("bucket", bucket))
+
+
 @contextlib.contextmanager
 def instrument(parts: dict):
-    """Time the engine's parts (module docstring) into ``parts[name]`` (seconds, summed)."""
-    real_backward, real_init = torch.autograd.backward, tune_loop.TuneEngine.__init__
-    real_step, real_ebwd = tune_loop.TuneEngine.step, tune_loop.TuneEngine.backward
-    real_bucket = dpq_exchange._Exchange.exchange_bucket
-    in_backward = [False]
+    """Time the engine's parts (module docstring) into ``parts[name]`` (seconds, summed): the engine's
+    phases through an observer, autograd's backward calls (torch's, less the exchange they ran) by a
+    wrapper."""
+    real_backward = torch.autograd.backward
 
     def backward(*a, **k):
         t0, ex0 = time.perf_counter(), parts["exchange"]
-        in_backward[0] = True
         try:
             real_backward(*a, **k)
         finally:
-            in_backward[0] = False
-        parts["backward"] += time.perf_counter() - t0 - (parts["exchange"] - ex0)
-
-    def exchange_bucket(self, buckets, i):
-        t0 = time.perf_counter()
-        real_bucket(self, buckets, i)
-        parts["exchange"] += time.perf_counter() - t0
-
-    def init(self, replicas, lane_loss, *a, **k):
-        def timed(lane, module, indices):
-            t0 = time.perf_counter()
-            out = lane_loss(lane, module, indices)
-            parts["forward+loss"] += time.perf_counter() - t0
-            return out
-
-        real_init(self, replicas, timed, *a, **k)
-
-    def step(self):
-        t0 = time.perf_counter()
-        real_step(self)
-        parts["step"] += time.perf_counter() - t0
-        parts["iterations"] += 1
-
-    def engine_backward(self, indices):
-        t0 = time.perf_counter()
-        out = real_ebwd(self, indices)
-        parts["engine_backward"] += time.perf_counter() - t0
-        return out
+            parts["backward"] += time.perf_counter() - t0 - (parts["exchange"] - ex0)
 
     torch.autograd.backward = backward
-    tune_loop.TuneEngine.__init__, tune_loop.TuneEngine.step = init, step
-    tune_loop.TuneEngine.backward = engine_backward
-    dpq_exchange._Exchange.exchange_bucket = exchange_bucket
     try:
-        yield
+        with phases.observing(_PhaseTimes(parts)):
+            yield
     finally:
         torch.autograd.backward = real_backward
-        tune_loop.TuneEngine.__init__, tune_loop.TuneEngine.step = real_init, real_step
-        tune_loop.TuneEngine.backward = real_ebwd
-        dpq_exchange._Exchange.exchange_bucket = real_bucket
 
 
 @contextlib.contextmanager
@@ -164,7 +162,7 @@ def measure(block, inputs, others, world: int, iters: int, one_op: bool = True) 
         dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, world=world,
                           devices=",".join(["cpu"] * world), iters=iters, batch_size=len(inputs), seed=0)
     n = parts.pop("iterations")
-    ebwd = parts.pop("engine_backward")
+    ebwd = parts.pop("engine_iteration")
     out = {k: v / n for k, v in parts.items()}
     out["other"] = ebwd / n - out["forward+loss"] - out["backward"] - out["exchange"]
     out["iteration"] = ebwd / n + out["step"]
@@ -182,9 +180,8 @@ def profile_forward(block, inputs, others, calls: int = 20) -> list[str]:
     import dpq
 
     out: list[str] = []
-    real_init = tune_loop.TuneEngine.__init__
 
-    def init(self, replicas, lane_loss, *a, **k):
+    def profiled_loss(lane_loss):
         def profiled(lane, module, indices):
             if out:
                 return lane_loss(lane, module, indices)
@@ -208,15 +205,18 @@ def profile_forward(block, inputs, others, calls: int = 20) -> list[str]:
                        f"{total / calls * 1e3:.2f} ms under cProfile, of it auto-round's wrapped Linear forwards "
                        f"{wrapped / calls * 1e3:.2f} ms (their weight quantize-dequantize {qdq / calls * 1e3:.2f} ms)")
             return lane_loss(lane, module, indices)
+        return profiled
 
-        real_init(self, replicas, profiled, *a, **k)
+    class Profiles(phases.Observer):
+        """The first engine's lane loss profiled (the engine's own attribute, set before its first forward)."""
 
-    tune_loop.TuneEngine.__init__ = init
-    try:
+        def phase_begin(self, name, owner, lane):
+            if name == "split" and not getattr(owner, "profiled", False):
+                owner.profiled, owner.lane_loss = True, profiled_loss(owner.lane_loss)
+
+    with phases.observing(Profiles()):
         dpq.parallel_tune(copy.deepcopy(block), inputs, input_others=others, world=1, devices="cpu", iters=2,
                           batch_size=len(inputs), seed=0)
-    finally:
-        tune_loop.TuneEngine.__init__ = real_init
     return out
 
 

@@ -378,7 +378,7 @@ def main(argv=None) -> int:
     if args.iters is not None and args.short_iters is not None and args.iters <= args.short_iters:
         p.error("--iters must be larger than --short-iters")
 
-    from dpq.plan import parse_device_spec
+    from dpq.lane_devices import parse_device_spec
 
     entries = parse_device_spec(args.devices)
     if errors := [e.error for e in entries if e.error]:

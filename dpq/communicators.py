@@ -22,7 +22,7 @@ from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator
 from dpq.streams import Lane, backend, device_key
 
 __all__ = ["COMMUNICATORS", "build_planned", "choose_communicator", "make_communicator", "pair_without_peer",
-           "select_communicator"]
+           "register_communicator", "select_communicator"]
 
 COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
     "local": LocalCommunicator,
@@ -32,6 +32,15 @@ COMMUNICATORS: dict[str, type[CommunicatorBase]] = {
     "cupy-nccl": CupyNcclCommunicator,
     "torch-nccl": TorchNcclCommunicator,
 }
+
+
+def register_communicator(name: str, kind: type[CommunicatorBase] | None) -> type[CommunicatorBase] | None:
+    """``kind`` is the communicator ``name`` from now on (None: ``name`` is gone); returns what it
+    replaces. The declared seam for a simulated communicator (the timeline model's NCCL)."""
+    before = COMMUNICATORS.pop(name, None)
+    if kind is not None:
+        COMMUNICATORS[name] = kind
+    return before
 
 
 def pair_without_peer(devices: Sequence[torch.device],
@@ -51,6 +60,10 @@ def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
     world = len(devices)
     if world == 1:
         return "local", "one lane: nothing to exchange"
+    if len({d.type for d in devices}) == 1:
+        named = backend(devices[0]).communicator_for(devices)  # a simulated backend's own (dpq.streams)
+        if named is not None:
+            return named
     keys = {device_key(d) for d in devices}
     if len(keys) == 1:
         return "local", f"all {world} lanes share {devices[0]}: sums stay on that device"

@@ -8,8 +8,12 @@ identical reduced gradient:
 
 * :class:`FullSumExchange` - all-reduce: every lane's grads become the sum over lanes
   (momentum, Adam, weight decay: anything that needs values).
-* :class:`SignExchange` - pure SignSGD needs only ``sign(sum)``: reduce-scatter in fp32,
-  each lane signs its own chunk, an all-gather of 2 bits per element.
+* :class:`SignExchange` - pure SignSGD needs only ``sign(sum)``: reduce-scatter of the gradients
+  cast to bf16 (Note [the summed gradient in bf16 on the wire]; fp32 on request), each lane signs
+  its own chunk, an all-gather of 2 bits per element.
+
+Both are the same three steps per bucket, reduce, update-owned and gather (Note [the exchange in
+three steps]).
 
 Stream order (rules in ``dpq.streams``): a lane's buffer and every scratch buffer of a lane
 (``dpq.sign_bits.SignBuffers``, kept across iterations) are allocated, zeroed, filled and read
@@ -37,7 +41,8 @@ that called ``backward``):
   on that thread (autograd orders ready nodes by sequence number, so the last lane's graph runs
   first and lane 0's last); a bucket completes during lane 0's backward, so only that part of
   the backward can hide the exchange.
-* Accelerator lanes (default: overlap off; ``overlap=True`` opts in). Autograd runs each
+* Accelerator lanes (the plan decides: ``--parallel_overlap auto`` turns overlap on where some
+  lane GPU pair has no peer access, ``dpq.plan.overlap_choice``; ``on`` everywhere). Autograd runs each
   device's backward on its own worker thread, so the hooks run there, several at once; they
   never issue a collective and queue nothing on any stream but one event. Under one lock a
   hook counts its bucket down; the hook that finishes a lane's part of bucket i records an
@@ -60,7 +65,7 @@ that called ``backward``):
   forwards, has the lowest sequence number and runs after every lane's backward. CuPy's NCCL
   groups hold the caching allocator's free mutex while they launch (``dpq.nccl_comm``), as
   torch's own do, since the device threads may free memory meanwhile. None of the accelerator
-  path has run on hardware; it is off by default there.
+  path has run on hardware.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dpq import phases
 from dpq.comm_base import Communicator
 from dpq.sign_bits import (
     PackViews,
@@ -145,7 +151,8 @@ class GradBuckets:
         self.offsets = _reverse_offsets(sizes)
         self._views: list | None = None  # per lane: (buffer, each parameter's slot view), made once
         self.numel = sum(sizes)
-        self.bucket_params = bucket_layout(sizes, bucket_cap(sizes, bucket_cap_elems))
+        cap = bucket_cap(sizes, phases.bucket_cap(sizes, bucket_cap_elems))  # an observer may ask for another
+        self.bucket_params = bucket_layout(sizes, cap)
         self.bucket_ranges = [_range_of(ids, self.offsets, sizes) for ids in self.bucket_params]
         self.bucket_of = [0] * len(sizes)  # parameter index -> its bucket
         for b, ids in enumerate(self.bucket_params):
@@ -158,9 +165,11 @@ class GradBuckets:
         self.buffers = self.flat_buffers(torch.float32, zero=True)
         self._by_copy = False  # attach_by_copy() was the last attach: finalize() has work
         self._copy_hooks: list = []
+        phases.notify.buckets_laid_out(self, cap)
 
     @property
-    def world(self) -> int:
+    def local_lanes(self) -> int:
+        """This process's lanes, one flat buffer each (the exchange's world may span more)."""
         return len(self.params)
 
     def flat_buffers(self, dtype: torch.dtype, *, zero: bool = False) -> list[Tensor]:
@@ -195,12 +204,13 @@ class GradBuckets:
         gradient keeps an exact zero (not None).
         """
         self._by_copy = False
-        for k, ((buf, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
-            with self._issue(k):
-                buf.zero_()
-            for p, v in zip(params, slots, strict=True):
-                if p.grad is not v:  # dropped (zero_grad) or replaced: the slot's view again
-                    p.grad = v
+        with phases.phase("grads", self):
+            for k, ((buf, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
+                with self._issue(k):
+                    buf.zero_()
+                for p, v in zip(params, slots, strict=True):
+                    if p.grad is not v:  # dropped (zero_grad) or replaced: the slot's view again
+                        p.grad = v
 
     def attach_by_copy(self, *, hooks: bool = True) -> None:
         """Before every backward, instead of :meth:`attach`: drop the grads; each parameter's
@@ -247,16 +257,18 @@ class GradBuckets:
         Does nothing after :meth:`attach`."""
         if not self._by_copy:
             return
-        for k, ((_, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
-            held = [(v, p.grad) for p, v in zip(params, slots, strict=True) if p.grad is not None and p.grad is not v]
-            with self._issue(k):
-                if held:
-                    torch._foreach_copy_([v for v, _ in held], [g for _, g in held])
+        with phases.phase("grads", self):
+            for k, ((_, slots), params) in enumerate(zip(self._slot_views(), self.params, strict=True)):
+                held = [(v, p.grad) for p, v in zip(params, slots, strict=True)
+                        if p.grad is not None and p.grad is not v]
+                with self._issue(k):
+                    if held:
+                        torch._foreach_copy_([v for v, _ in held], [g for _, g in held])
+                    for p, v in zip(params, slots, strict=True):
+                        if p.grad is None:
+                            v.zero_()
                 for p, v in zip(params, slots, strict=True):
-                    if p.grad is None:
-                        v.zero_()
-            for p, v in zip(params, slots, strict=True):
-                p.grad = v
+                    p.grad = v
         self._by_copy = False
 
     def slot_views(self, buffers: Sequence[Tensor]) -> list[list[Tensor]]:
@@ -345,12 +357,12 @@ def bucket_cap(sizes: Sequence[int], cap: int | None) -> int:
     Note [overlap buckets as a share of the block]
     Overlapped, a bucket goes out once its last gradient is written, so the first must be small enough to
     be ready early; but each bucket costs the one issuing thread its ops and two collectives per lane, and
-    its pack and unpack kernels share each GPU with the backward. A fixed cap made every weight of a
-    70B-class block a bucket of its own (11 with the scales), where an eighth of the block (7 buckets)
-    hides more of the exchange: ``python -m benchmarks.timeline --table`` on 4 x RTX 3090, compile on,
-    70B-class, gave 2.32x with the fixed cap and 2.55x with the share, the 8B-class block 2.62x with
-    either (its 8 buckets; docs/PERFORMANCE.md). A share of the block keeps the count near eight
-    whatever the block's size.
+    its pack and unpack kernels share each GPU with the backward. A fixed cap makes every large weight a
+    bucket of its own (a 70B-class block: 11 buckets with the scales), so the issuing thread pays for many
+    buckets and the first ones carry little of the exchange; a share of the block keeps the count near
+    :data:`OVERLAP_BUCKETS` whatever the block's size, and the cap's floor keeps a small block from being
+    cut finer than helps. What either layout hides of the exchange is modeled by ``python -m
+    benchmarks.timeline --table`` (docs/PERFORMANCE.md gives its figures, their command and date).
 
     Note [buckets as large as the largest tensor]
     Without overlap every bucket is exchanged after the backward, so small buckets buy nothing and
@@ -434,8 +446,19 @@ class _Exchange:
         """Bucket ``i``; ``marks``: per lane, the event after which its gradients are final (else
         everything queued on the lanes so far)."""
         before = self.comm.wire_bytes
-        self.comm.begin_bucket(marks)  # dpq.comm_streams: C1
-        self._exchange(buckets, i)
+        start, end = buckets.bucket_ranges[i]
+        watching = phases.observers()
+        if watching:
+            phases.notify.exchange_begin(self, i, end - start)
+        try:
+            self.comm.begin_bucket(marks)  # dpq.comm_streams: C1
+            self._exchange(buckets, i)
+        except BaseException as err:
+            if watching:
+                phases.notify.exchange_end(self, i, end - start, err)
+            raise
+        if watching:
+            phases.notify.exchange_end(self, i, end - start, None)
         self.total_wire_bytes += self.comm.wire_bytes - before
 
     def wait(self) -> None:
@@ -445,8 +468,8 @@ class _Exchange:
         self.comm.wait()
 
     def _check(self, buckets: GradBuckets) -> None:
-        if buckets.world != len(self.comm.lanes):
-            raise ValueError(f"dpq: {buckets.world} gradient buffers for {len(self.comm.lanes)} lanes")
+        if buckets.local_lanes != len(self.comm.lanes):
+            raise ValueError(f"dpq: {buckets.local_lanes} gradient buffers for {len(self.comm.lanes)} lanes")
 
     exact_signs = False  # after exchange(): every grad element is exactly -1.0, +0.0 or +1.0 (dpq.sign_step)
 
@@ -461,7 +484,35 @@ class _Exchange:
         return None
 
     def _exchange(self, buckets: GradBuckets, i: int) -> None:
+        """Bucket ``i`` in three steps.
+
+        Note [the exchange in three steps]
+        Every policy is the same three steps over a bucket whose elements are split into one chunk per
+        global lane (the chunk a lane *owns*): ``reduce`` (each lane gets the sum over lanes of its owned
+        chunk: a reduce-scatter), ``update_owned`` (what the policy makes of its chunk's sum: the sign
+        exchange signs and packs it), ``gather`` (every lane gets every chunk's result, the same bytes on
+        every lane: an all-gather, then what each lane writes from them). A policy whose update is the
+        identity may fuse reduce and gather into one all-reduce (:class:`FullSumExchange`). A sharded
+        update is a third ``update_owned``: the optimizer's step on the owned chunk, then the gather of
+        the updated values. The steps share the bucket's views (``plan``, made once: Note [views made
+        once])."""
+        plan = self._plan(buckets, i)
+        self.reduce(plan)
+        self.update_owned(plan)
+        self.gather(plan)
+
+    def _plan(self, buckets: GradBuckets, i: int):
         raise NotImplementedError
+
+    def reduce(self, plan) -> None:
+        """Each lane gets the sum over lanes of its owned chunk of the bucket (Note [the exchange in three steps])."""
+        raise NotImplementedError
+
+    def update_owned(self, plan) -> None:
+        """What the policy makes of each lane's summed chunk (Note [the exchange in three steps])."""
+
+    def gather(self, plan) -> None:
+        """Every lane gets every chunk's result (Note [the exchange in three steps])."""
 
 
 ISSUER_PATIENCE_S = 2.0  # the issuer's wait for the next bucket to complete before it leaves the rest for later
@@ -482,20 +533,20 @@ class BackwardExchange:
 
     def __init__(self, policy: _Exchange, buckets: GradBuckets, lanes: Sequence[int] | None = None) -> None:
         self.policy, self.buckets = policy, buckets
-        self.active = list(range(buckets.world)) if lanes is None else sorted(set(lanes))
+        self.active = list(range(buckets.local_lanes)) if lanes is None else sorted(set(lanes))
         n = len(buckets.bucket_params)
         self.remaining = [len(ids) * len(self.active) for ids in buckets.bucket_params]
         self.issued = [False] * n
         self.issued_in_backward = 0  # buckets issued before backward returned (tests, benchmarks)
-        self._fired = [[False] * len(buckets.bucket_of) for _ in range(buckets.world)]  # [lane][param]
+        self._fired = [[False] * len(buckets.bucket_of) for _ in range(buckets.local_lanes)]  # [lane][param]
         self._handles: list = []
         self._lock = threading.Lock()
         self._thread = threading.get_ident()
         self._before = policy.total_wire_bytes
         self.deferred = policy.overlap and policy.comm.world > 1 and self._on_devices()  # the issuer issues
         # deferred: per bucket, per lane, the params still to come and the mark once they came
-        self._lane_left = [[len(ids)] * buckets.world for ids in buckets.bucket_params]
-        self._marks: list[list] = [[None] * buckets.world for _ in range(n)]
+        self._lane_left = [[len(ids)] * buckets.local_lanes for ids in buckets.bucket_params]
+        self._marks: list[list] = [[None] * buckets.local_lanes for _ in range(n)]
         self._complete: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.roots: list[Tensor] = []
         self.seeds: list[Tensor] = []
@@ -565,6 +616,10 @@ class BackwardExchange:
         """The issuer (accelerator lanes; :class:`_Issuer` runs it on the thread that called ``backward``):
         issue each bucket once complete (module docstring), until every bucket is issued or none
         completed for :data:`ISSUER_PATIENCE_S`."""
+        with phases.phase("issuer", self):
+            self._serve()
+
+    def _serve(self) -> None:
         in_order = self.policy.comm.world > len(self.policy.comm.lanes)  # across processes: buffer order
         complete, nxt, n = set(), 0, len(self.issued)
         last = time.monotonic()
@@ -596,12 +651,13 @@ class BackwardExchange:
         self._remove_hooks()
         if exc_type is not None:
             return
-        self.buckets.finalize()
-        for b, done in enumerate(self.issued):  # parameters that got no gradient: their buckets now
-            if not done:
-                self._issue(b)
-        self.policy.last_wire_bytes = self.policy.total_wire_bytes - self._before
-        self.policy.wait()
+        with phases.phase("exchange finish", self):
+            self.buckets.finalize()
+            for b, done in enumerate(self.issued):  # parameters that got no gradient: their buckets now
+                if not done:
+                    self._issue(b)
+            self.policy.last_wire_bytes = self.policy.total_wire_bytes - self._before
+            self.policy.wait()
 
 
 class _Issuer(torch.autograd.Function):
@@ -628,8 +684,13 @@ class FullSumExchange(_Exchange):
 
     name = "full"
 
-    def _exchange(self, buckets: GradBuckets, i: int) -> None:
-        self.comm.all_reduce(buckets.bucket(i))
+    def _plan(self, buckets: GradBuckets, i: int) -> list[Tensor]:
+        return buckets.bucket(i)
+
+    def reduce(self, plan: list[Tensor]) -> None:
+        """The update is the identity, so reduce and gather are one all-reduce: every lane gets the whole
+        sum (Note [the exchange in three steps])."""
+        self.comm.all_reduce(plan)
 
 
 @dataclass
@@ -731,12 +792,15 @@ class SignExchange(_Exchange):
         return cached
 
     def _exchange(self, buckets: GradBuckets, i: int) -> None:
-        comm, world = self.comm, self.comm.world
-        if world == 1:
-            with comm.lanes[0].issue():
+        if self.comm.world == 1:
+            with self.comm.lanes[0].issue():
                 buckets.bucket(i)[0].sign_()
             return
-        plan = self._plan(buckets, i)
+        super()._exchange(buckets, i)
+
+    def reduce(self, plan: _BucketPlan) -> None:
+        """Each lane's gradients (zero-padded to the padded length, cast to the wire dtype) reduce-scattered:
+        lane k holds the sum of chunk k."""
         for group, lane in zip(plan.groups, plan.lanes, strict=True):
             if group.pad_copies:
                 with lane.issue():
@@ -744,11 +808,17 @@ class SignExchange(_Exchange):
                         dst.copy_(src)
                     if group.pad_tail is not None:
                         group.pad_tail.zero_()
-        comm.reduce_scatter(plan.send, plan.recv)
+        self.comm.reduce_scatter(plan.send, plan.recv)
+
+    def update_owned(self, plan: _BucketPlan) -> None:
+        """The sign of each lane's summed chunk, packed in two bit planes."""
         for group, lane in zip(plan.groups, plan.lanes, strict=True):
             with lane.issue():
                 pack_into(group.pack)
-        comm.all_gather(plan.packed, plan.gathered)
+
+    def gather(self, plan: _BucketPlan) -> None:
+        """The packed chunks all-gathered; every lane unpacks them into its grads (or the signs kept apart)."""
+        self.comm.all_gather(plan.packed, plan.gathered)
         for group, lane in zip(plan.groups, plan.lanes, strict=True):
             with lane.issue():
                 # Every lane gathered the same bytes: a group of lanes without streams unpacks once.

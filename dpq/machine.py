@@ -103,7 +103,7 @@ def device_name(device: torch.device) -> str:
 def device_names(devices: object) -> dict[str, str]:
     """The names of the lane devices ``devices`` (a lane device list as given; None: the CPU and every
     visible accelerator), by device."""
-    from dpq.plan import parse_device_spec
+    from dpq.lane_devices import parse_device_spec
 
     if devices is None:
         kind = Machine.detect().accelerator

@@ -154,7 +154,8 @@ class ReplicaSet:
         return [named[n] for n in self.tuned_names]
 
     @property
-    def world(self) -> int:
+    def local_lanes(self) -> int:
+        """This process's lanes (the exchange's world may span more: ``TuneEngine.world``)."""
         return len(self.lanes)
 
     @property
@@ -169,7 +170,7 @@ class ReplicaSet:
         """Raise ReplicaMismatchError unless every lane's tuned parameters equal home's bit for bit."""
         for lane in self.lanes[1:]:
             lane.current_waits_for_me()  # R2: the lanes' steps may still be queued
-        for k in range(1, self.world):
+        for k in range(1, self.local_lanes):
             for name, ref, p in zip(self.tuned_names, self._tuned[0], self._tuned[k], strict=True):
                 other = p.detach().to(ref.device)
                 if ref.dtype.is_floating_point and ref.element_size() in (2, 4, 8):

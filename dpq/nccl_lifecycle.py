@@ -18,7 +18,6 @@ __all__ = [
     "NcclCollectiveError",
     "NcclCommSet",
     "NcclInitFailed",
-    "aborted_comm_set",
     "close_communicators",
     "fail_group",
     "failed_comm_sets",
@@ -118,12 +117,6 @@ def shared_comm_set(
     made = NcclCommSet(kind, device_ids, comms, library)
     _SETS[key] = made
     return made
-
-
-def aborted_comm_set(kind: str, device_ids: Sequence[int]) -> NcclCommSet | None:
-    """The cached set for (kind, device_ids) when an NCCL error aborted it in this run, else None."""
-    cached = _SETS.get((kind, tuple(device_ids)))
-    return cached if cached is not None and cached.state == "aborted" else None
 
 
 def failed_comm_sets(device_ids: Sequence[int]) -> list[NcclCommSet]:

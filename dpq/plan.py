@@ -18,7 +18,6 @@ which ones apply.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -27,12 +26,12 @@ import torch
 from dpq import refusals
 from dpq.communicators import COMMUNICATORS, choose_communicator, pair_without_peer
 from dpq.exchange import SHARE_CAP, WHOLE_BLOCK_CAP, bucket_cap
+from dpq.lane_devices import DeviceEntry, entry_problem, parse_device_spec, validate_world
 from dpq.sign_bits import SIGN_TABLE_BYTES
-from dpq.streams import backend, check_device_exists, default_accelerator_type
+from dpq.streams import backend, default_accelerator_type
 
-__all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "DeviceEntry", "Plan", "PlanRefused", "PlanRequest",
-           "default_devices", "device_spec_errors", "lane_device_errors", "overlap_choice", "parse_device_spec",
-           "price_home", "price_mirror", "price_runtime", "resolve", "validate_world"]
+__all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "Plan", "PlanRefused", "PlanRequest", "default_devices",
+           "overlap_choice", "price_home", "price_mirror", "price_runtime", "resolve"]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -120,10 +119,39 @@ def _exchange(pure_sign: bool) -> tuple[str, str]:
     return "full", "the update needs the summed gradient itself (momentum, weight decay or another optimizer)"
 
 
-def _finish(plan: Plan, request: PlanRequest) -> Plan:
+class _Choices:
+    """One :func:`resolve`'s communicator and overlap decisions, each made once per lane list: the memory
+    check prices the lanes with them and the plan then says them, so both read the same decision (a
+    lane list 'auto' shortened is a new one)."""
+
+    def __init__(self, request: PlanRequest) -> None:
+        self.request = request
+        self._made: dict[tuple, tuple[object, Exception | None]] = {}
+
+    def _once(self, what: str, devices: Sequence[torch.device], decide: Callable[[], object]):
+        key = (what, tuple(str(d) for d in devices))
+        if key not in self._made:
+            try:
+                self._made[key] = (decide(), None)
+            except Exception as err:  # raised again, to each asker, as the first call raised it
+                self._made[key] = (None, err)
+        value, err = self._made[key]
+        if err is not None:
+            raise err
+        return value
+
+    def communicator(self, devices: Sequence[torch.device]) -> tuple[str, str]:
+        return self._once("communicator", devices, lambda: choose_communicator(devices))
+
+    def overlap(self, devices: Sequence[torch.device]) -> tuple[bool, str]:
+        request = self.request
+        return self._once("overlap", devices, lambda: overlap_choice(request.overlap, devices, request.processes))
+
+
+def _finish(plan: Plan, request: PlanRequest, choices: _Choices) -> Plan:
     """``plan`` with the communicator and the exchange policy for its lanes."""
     try:
-        communicator, reason = choose_communicator(plan.devices)
+        communicator, reason = choices.communicator(plan.devices)
     except ValueError as err:  # lanes no communicator can join (e.g. hpu with other devices)
         raise PlanRefused([str(err).removeprefix("dpq: ")]) from None
     except Exception as err:  # a device query failed: the session chooses on the lanes it makes
@@ -132,8 +160,8 @@ def _finish(plan: Plan, request: PlanRequest) -> Plan:
     if kind is not None and not kind.canonical_order:  # contract 3: the plan says when the bits depend on it
         reason += f"; {kind.order_note}"
     exchange, exchange_reason = _exchange(request.pure_sign)
-    buckets, buckets_reason = _bucket_choice(plan.devices, request)
-    overlap, overlap_reason = overlap_choice(request.overlap, plan.devices, request.processes)
+    buckets, buckets_reason = _bucket_choice(plan.devices, request, choices)
+    overlap, overlap_reason = choices.overlap(plan.devices)
     return replace(plan, communicator=communicator, communicator_reason=reason, exchange=exchange,
                    exchange_reason=exchange_reason, buckets=buckets, buckets_reason=buckets_reason,
                    overlap=overlap, overlap_reason=overlap_reason)
@@ -176,7 +204,7 @@ def overlap_choice(setting: bool | None, devices: Sequence[torch.device], proces
                   f"forward uncompiled")
 
 
-def _bucket_choice(devices: list[torch.device], request: PlanRequest) -> tuple[str, str]:
+def _bucket_choice(devices: list[torch.device], request: PlanRequest, choices: _Choices) -> tuple[str, str]:
     """("block" | "largest", why): how large the gradient buckets of an exchange that runs after the
     backward are (``dpq.exchange.bucket_cap``; an overlapping exchange keeps its small cap).
 
@@ -197,27 +225,13 @@ def _bucket_choice(devices: list[torch.device], request: PlanRequest) -> tuple[s
                            "processes the ranks lay their buckets out alike without comparing their free memory")
     whole = replace(request, price=replace(request.price, bucket_cap_elems=WHOLE_BLOCK_CAP))
     explicit = validate_world(request.world, request.caller) != "auto"
-    short = list(dict.fromkeys(str(devices[k]) for k, _ in _memory_refusals(devices, whole, _home(request), explicit,
-                                                                           [])))
+    refused = _memory_refusals(devices, whole, _home(request), explicit, choices, [])
+    short = list(dict.fromkeys(str(devices[k]) for k, _ in refused))
     if short:
         return "largest", (f"an exchange after the backward runs buckets as large as the largest tensor: one "
                            f"bucket for the whole block does not fit {', '.join(short)}")
     return "block", ("an exchange after the backward runs one gradient bucket for the whole block (its scratch fits "
                      "every lane)")
-
-
-def validate_world(world: object, caller: str = "cli") -> int | str:
-    """'off' | 'auto' | int >= 1 (ints may come as strings from a CLI). ``caller``: how the error's
-    fix names the world (:attr:`PlanRequest.caller`)."""
-    if isinstance(world, str):
-        w = world.strip().lower()
-        if w in ("off", "auto"):
-            return w
-        if re.fullmatch(r"[0-9]+", w):  # ASCII digits only: '²'.isdigit() is True but int('²') fails
-            world = int(w)
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"dpq: {refusals.bad_world(world, caller)}")
-    return world
 
 
 def _block_terms(block: torch.nn.Module, inputs: Sequence[torch.Tensor], samples_per_iter: int, world: int,
@@ -428,76 +442,6 @@ class BlockPrice:
                           compute_dtype=self.compute_dtype, detail=detail)
 
 
-_DEVICE_RE = re.compile(r"(cuda|xpu|hpu|cpu)(?::([0-9]+))?|([0-9]+)")
-MAX_DEVICE_INDEX = 127  # torch.device stores its index in 8 bits: 'cuda:256' becomes cuda:0
-
-
-@dataclass
-class DeviceEntry:
-    """One entry of a lane device list as written. ``device`` is None when it is malformed
-    (``error`` says why); ``bare_index`` when it was a bare integer (an accelerator index)."""
-
-    raw: str
-    device: torch.device | None
-    error: str | None = None
-    bare_index: bool = False
-
-
-def parse_device_spec(spec: str | Sequence[str | int | torch.device], caller: str = "cli") -> list[DeviceEntry]:
-    """Every entry of ``'0,1' / 'cuda:0,cuda:1' / 'cpu,cpu' / [0, 'cpu', torch.device(...)]``,
-    each parsed on its own, so that every malformed one can be named at once. An empty list
-    comes back as one malformed entry. ``cpu:0`` is ``cpu``; accelerator entries without an
-    index are index 0. Bare integers name an index of the first available accelerator type
-    (cuda, xpu, hpu), as auto-round's ``--device_map 0,1`` does; with none, they stay indices
-    with ``device`` on the CPU and ``bare_index`` set, so that :func:`resolve` can say so."""
-    if isinstance(spec, str):
-        items = spec.split(",")
-    elif isinstance(spec, (int, torch.device)):  # one lane's device, not in a list
-        items = [spec]
-    else:
-        try:
-            items = list(spec)
-        except TypeError:  # not a list of devices at all (a float, an object)
-            return [DeviceEntry(str(spec), None, refusals.malformed_device_entry(spec, spec, caller))]
-    if not items or (isinstance(spec, str) and not spec.strip()):
-        return [DeviceEntry("", None, refusals.empty_device_list(caller))]  # no entry to name
-    out = []
-    for item in items:
-        index = item if isinstance(item, int) and not isinstance(item, bool) else None
-        if isinstance(item, str) and (m := _DEVICE_RE.fullmatch(item.strip())):
-            index = int(m.group(2) or m.group(3) or 0)
-        if index is not None and index > MAX_DEVICE_INDEX:
-            out.append(DeviceEntry(str(item), None, refusals.device_index_too_large(spec, str(item).strip(), index,
-                                                                                    MAX_DEVICE_INDEX, caller)))
-            continue
-        if isinstance(item, torch.device):
-            dev = item
-        elif isinstance(item, int) and not isinstance(item, bool) and item >= 0:
-            dev = torch.device(default_accelerator_type(), item)
-            out.append(DeviceEntry(str(item), dev, bare_index=True))
-            continue
-        elif isinstance(item, str) and (m := _DEVICE_RE.fullmatch(item.strip())):
-            if m.group(3) is not None:
-                out.append(DeviceEntry(item.strip(), torch.device(default_accelerator_type(), int(m.group(3))),
-                                       bare_index=True))
-                continue
-            dev = torch.device(m.group(1), int(m.group(2))) if m.group(2) else torch.device(m.group(1))
-        else:
-            out.append(DeviceEntry(str(item), None, refusals.malformed_device_entry(spec, item, caller)))
-            continue
-        if dev.type == "cpu" and dev.index == 0:
-            dev = torch.device("cpu")
-        elif dev.type != "cpu" and dev.index is None:
-            dev = torch.device(dev.type, 0)
-        out.append(DeviceEntry(str(item), dev))
-    return out
-
-
-def device_spec_errors(spec) -> list[str]:
-    """What is malformed in a lane device list (empty: its syntax is fine). Cheap: for argument parsing."""
-    return [e.error for e in parse_device_spec(spec) if e.error]
-
-
 def _home(request: PlanRequest) -> torch.device:
     home = torch.device(request.home) if request.home is not None else torch.device(default_accelerator_type())
     if home.type != "cpu" and home.index is None:
@@ -519,35 +463,8 @@ def default_devices(world: int | str, home: torch.device, samples_per_iter: int)
     return devices if world == "auto" else devices[: int(world)]
 
 
-def lane_device_errors(spec) -> list[str]:
-    """Why entries of a lane device list cannot be used on this machine (malformed, or no such
-    device here), in the plan's words; empty: every one exists. Needs no model, so a launcher can
-    refuse before it binds a device or starts a process group; that lane 0 is the block's own
-    device is the plan's check (it needs the block)."""
-    problems: dict = {}
-    return list(dict.fromkeys(p for e in parse_device_spec(spec) if (p := _entry_problem(0, e, None, problems))))
-
-
-def _entry_problem(k: int, e: DeviceEntry, home: torch.device | None, problems: dict,
-                   caller: str = "cli") -> str | None:
-    """Why lane ``k`` (entry ``e``) cannot be used, or None (``home`` None: lane 0 is not checked against it)."""
-    if e.error:
-        return e.error
-    dev = e.device
-    if e.bare_index and dev.type == "cpu":
-        return refusals.no_accelerator_for_index(e.raw)
-    if dev.type == "cpu" and dev.index is not None and dev.index >= backend(dev).device_count():
-        return refusals.not_a_cpu_index(str(dev))  # (a backend of logical CPU devices counts more than one)
-    if dev not in problems:
-        problems[dev] = check_device_exists(dev)
-    if problems[dev]:
-        return refusals.device_missing(problems[dev], caller)
-    if k == 0 and home is not None and dev != home:
-        return refusals.lane0_not_home(str(dev), str(home), caller)
-    return None
-
-
-def _lane_prices(devices: list[torch.device], request: PlanRequest, home: torch.device, explicit: bool):
+def _lane_prices(devices: list[torch.device], request: PlanRequest, home: torch.device, explicit: bool,
+                 choices: _Choices):
     """The bytes each lane needs (None: not checked), lazily, lane by lane: with ``request.price`` home's
     and each mirror's at the planned world (``explicit``; under 'auto' at world 2, the largest share a
     kept mirror gets) plus the runtime's on accelerator lanes; else ``mirror_bytes`` per mirror."""
@@ -558,11 +475,11 @@ def _lane_prices(devices: list[torch.device], request: PlanRequest, home: torch.
         return
     world = n if explicit else 2
     try:
-        communicator = choose_communicator(devices)[0] if n > 1 else "local"
+        communicator = choices.communicator(devices)[0] if n > 1 else "local"
     except Exception:  # (the plan's own choice reports it)
         communicator = ""
     elsewhere = sum(d != home for d in devices[1:])
-    overlap = overlap_choice(request.overlap, devices, request.processes)[0] if n > 1 else False
+    overlap = choices.overlap(devices)[0] if n > 1 else False
     if overlap:  # the overlapped exchange's buckets (dpq.exchange.bucket_cap): scratch for the largest
         price = replace(price, bucket_cap_elems=SHARE_CAP)
     for k, dev in enumerate(devices):
@@ -574,7 +491,7 @@ def _lane_prices(devices: list[torch.device], request: PlanRequest, home: torch.
 
 
 def _memory_refusals(devices: list[torch.device], request: PlanRequest, home: torch.device,
-                     explicit: bool, lane_bytes: list[int]) -> list[tuple[int, str]]:
+                     explicit: bool, choices: _Choices, lane_bytes: list[int]) -> list[tuple[int, str]]:
     """(lane, reason) for each lane whose price does not fit (:func:`_lane_prices`; appended to
     ``lane_bytes``); lanes sharing a device add up.
 
@@ -582,7 +499,7 @@ def _memory_refusals(devices: list[torch.device], request: PlanRequest, home: to
     there, so that no device the run will not use is queried (a free-memory query makes a CUDA
     context, several hundred MB, on a device that had none)."""
     out, used = [], {}
-    for k, (dev, need) in enumerate(zip(devices, _lane_prices(devices, request, home, explicit), strict=True)):
+    for k, (dev, need) in enumerate(zip(devices, _lane_prices(devices, request, home, explicit, choices), strict=True)):
         if need is None:
             continue  # home with a flat mirror price: it already holds the block
         lane_bytes.append(need)
@@ -602,8 +519,9 @@ def resolve(request: PlanRequest) -> Plan:
     lanes that can be served and puts every reason a lane was dropped for in ``Plan.reasons``."""
     world = validate_world(request.world, request.caller)
     home = _home(request)
+    choices = _Choices(request)
     if world == "off":
-        return _finish(Plan([home], [refusals.PARALLEL_OFF]), request)
+        return _finish(Plan([home], [refusals.PARALLEL_OFF]), request, choices)
     reasons = list(request.extra_reasons)
     notes: list[str] = []
     if home.type not in SUPPORTED_HOME_TYPES:
@@ -616,7 +534,7 @@ def resolve(request: PlanRequest) -> Plan:
         notes.append(refusals.unused_devices(world, len(entries), unused, request.caller))
     listed = entries if world == "auto" else entries[:world]
     problems: dict = {}
-    lane_problems = [(k, p) for k, e in enumerate(listed) if (p := _entry_problem(k, e, home, problems,
+    lane_problems = [(k, p) for k, e in enumerate(listed) if (p := entry_problem(k, e, home, problems,
                                                                                    request.caller))]
     reasons += [p for _, p in lane_problems]
     reasons += [e.error for e in entries[len(listed):] if e.error]  # malformed anywhere is said too
@@ -636,16 +554,16 @@ def resolve(request: PlanRequest) -> Plan:
         n = 1
     lane0_ok = bool(devices) and devices[0] == home
     lane_bytes: list[int] = []
-    mem = _memory_refusals(devices[:n], request, home, world != "auto", lane_bytes)
+    mem = _memory_refusals(devices[:n], request, home, world != "auto", choices, lane_bytes)
     reasons += [r for _, r in mem]
     reasons = list(dict.fromkeys(reasons))  # the same sentence once (e.g. '0,0' on a machine without GPUs)
     if world != "auto":
         if reasons:
             raise PlanRefused(reasons)
-        return _finish(Plan(devices[:n], notes=notes, lane_bytes=lane_bytes), request)
+        return _finish(Plan(devices[:n], notes=notes, lane_bytes=lane_bytes), request, choices)
     # auto: keep the lanes before the first one that does not fit; serial when a feature forbids it
     if mem:
         n = min(n, mem[0][0])
     if request.extra_reasons or home.type not in SUPPORTED_HOME_TYPES or n <= 1 or not lane0_ok:
-        return _finish(Plan([home], reasons or [refusals.ONE_LANE], notes), request)
-    return _finish(Plan(devices[:n], reasons, notes, lane_bytes=lane_bytes[:n]), request)
+        return _finish(Plan([home], reasons or [refusals.ONE_LANE], notes), request, choices)
+    return _finish(Plan(devices[:n], reasons, notes, lane_bytes=lane_bytes[:n]), request, choices)

@@ -3,7 +3,7 @@
 ::
 
     run(config, task)
-      plan     plan_for: dpq.plan.resolve -> Plan(lanes, communicator, exchange, reasons), frozen
+      plan     block_plan: dpq.plan.resolve -> Plan(lanes, communicator, exchange, reasons), frozen
       ran      LaneRun: what the block's lanes run, read by the task and the records (the plan stays
                as resolved): the lanes and their Topology (P = 1 in one process) as agreed across
                processes, then as 'auto' kept them; the communicator as built; the optimizer step
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dpq import cancel, refusals
+from dpq import cancel, phases, refusals
 from dpq.comm_streams import CommStreams, comm_lanes
 from dpq.communicators import build_planned, select_communicator
 from dpq.compiles import CompileWatch
@@ -61,8 +61,8 @@ from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LanesHung, LoopOutcome, TuneEngine, TuneSpec, run_loop
 from dpq.watchdog import GRACE_S
 
-__all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "LaneRun", "SessionConfig", "agree_plan", "lanes_for",
-           "plan_for", "release_run", "run"]
+__all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "LaneRun", "SessionConfig", "agree_plan", "block_plan",
+           "lanes_for", "release_run", "run"]
 
 
 DEFAULT_TIMEOUT_S = 600.0  # auto-round-dp's --parallel_timeout default
@@ -241,7 +241,7 @@ def block_device(block: torch.nn.Module) -> torch.device | None:
     return None if first is None else first.device
 
 
-def plan_for(config: SessionConfig, task: BlockTask) -> Plan:
+def block_plan(config: SessionConfig, task: BlockTask) -> Plan:
     """The block's plan (raises :class:`dpq.plan.PlanRefused` for an explicit world it cannot serve)."""
     return resolve(PlanRequest(world=config.world, devices=config.devices, samples_per_iter=task.samples_per_iter,
                                pool_samples=task.pool_samples, asked_samples=task.asked_samples, caller=config.caller,
@@ -268,7 +268,7 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
         if not ran.topology.several:
             procs = None  # serial on every rank: each runs the block alone, the same way
     else:
-        ran = LaneRun.planned(plan if plan is not None else plan_for(config, task))  # PlanRefused: nothing started
+        ran = LaneRun.planned(plan if plan is not None else block_plan(config, task))  # PlanRefused: nothing started
     if ran.world == 1 and task.serial is not None and (config.world != 1 or ran.plan.reasons):
         return BlockRun(ran, task.serial(), None, time.perf_counter() - t0, serial=True)
     rng = (random.getstate(), torch.get_rng_state())
@@ -322,7 +322,7 @@ def _stop_every_rank(procs: ProcessSet, err: BaseException, lost: bool) -> None:
 def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet, plan: Plan | None) -> LaneRun:
     """The task's plan (``plan``, or planned here) agreed with every other rank's (:func:`agree_plan`)."""
     return agree_plan(config, procs, task.samples_per_iter, bool(task.extra_reasons),
-                      lambda: plan if plan is not None else plan_for(config, task), task.pool_samples or 0,
+                      lambda: plan if plan is not None else block_plan(config, task), task.pool_samples or 0,
                       task.asked_samples or 0)
 
 
@@ -360,6 +360,7 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
     """Everything between the plan and the result, and the lanes as they ran. Its frame and those
     below hold the run (mirrors, wrappers, optimizers): on failure ``run`` clears them from the traceback."""
     lanes = make_lanes(ran.devices)
+    phases.notify.lanes_made(lanes)
     # the plan's choice (Note [overlap where the wire is slow]) on lanes that have streams, known before
     # the task starts: the adapter then gives the lanes a block forward whose backward fills the buckets
     # as it runs (Note [overlap needs gradients during the backward])
@@ -450,7 +451,9 @@ def _exchange_communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane
     backward (dpq.comm_streams), in one process and across processes alike (the process-group
     communicator over the communication lanes: its legs inside the process and its transfers across)."""
     comm, ran = _communicator(config, ran, comm_lanes(lanes) if ran.overlap else lanes, procs)
-    return (CommStreams(comm, lanes) if ran.overlap else comm), ran
+    comm = CommStreams(comm, lanes) if ran.overlap else comm
+    phases.notify.communicator_made(comm, ran.in_process_reason)
+    return comm, ran
 
 
 def _communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],

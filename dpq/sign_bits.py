@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dpq import phases
 from dpq.streams import Lane
 
 __all__ = [
@@ -34,7 +35,6 @@ __all__ = [
     "sign_padded_length",
     "sign_table",
     "take",
-    "unpack_by_shifts",
     "unpack_into",
     "unpack_signs",
     "unpack_views",
@@ -156,16 +156,6 @@ def unpack_signs(packed: Tensor, world: int, table: Tensor, idx: Tensor | None =
     return unpack_into(unpack_views(packed, world, table, idx, out))
 
 
-def unpack_by_shifts(packed: Tensor) -> Tensor:
-    """The same values as :func:`unpack_signs` computed bit position by bit position (a cross-check
-    of the table): uint8 (W * c/4,) byte pairs -> int8 (W*c,)."""
-    pairs = packed.view(-1, 2)
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    negative = ((pairs[:, 0].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
-    nonzero = ((pairs[:, 1].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
-    return nonzero.sub_(negative).sub_(negative).view(-1)  # negative implies nonzero: -1, +1 or 0
-
-
 SIGN_TABLE_BYTES = 65536 * 8  # :func:`sign_table`'s memory on each lane's device (what the plan prices)
 
 
@@ -178,7 +168,9 @@ def sign_table(device: torch.device | str = "cpu") -> Tensor:
     bits = ((byte.unsqueeze(1) >> torch.arange(8, dtype=torch.int16, device=device)) & 1).to(torch.int8)
     table = bits.unsqueeze(1) - 2 * bits.unsqueeze(0)  # [nz, neg, b]: nz - 2*neg
     table.clamp_(-1, 1)  # neg without nz cannot occur
-    return table.view(65536, 8).view(torch.int64).view(-1)
+    table = table.view(65536, 8).view(torch.int64).view(-1)
+    phases.notify.constant_made(table)
+    return table
 
 
 class SignBuffers:

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dpq import refusals
+from dpq.lane_devices import parse_device_spec, validate_world
 from dpq.machine import Machine
-from dpq.plan import parse_device_spec, validate_world
 from dpq.streams import backend
 
 __all__ = ["FLAGS", "OVERLAP_SETTINGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "SpecSettings",

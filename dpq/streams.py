@@ -94,8 +94,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["Backend", "HostCopy", "Lane", "WaitExpired", "backend", "copy_between", "device_key", "join", "make_lanes",
-           "map_tensors", "release_run_streams", "unique_lanes", "wait_events"]
+__all__ = ["Backend", "HostCopy", "Lane", "WaitExpired", "backend", "copy_between", "device_key", "install_backend",
+           "join", "make_lanes", "map_tensors", "release_run_streams", "unique_lanes", "wait_events"]
 
 
 class Backend:
@@ -127,6 +127,12 @@ class Backend:
         return 1
 
     def new_stream(self, device: torch.device):
+        return None
+
+    def communicator_for(self, devices: Sequence[torch.device]) -> tuple[str, str] | None:
+        """(communicator name, reason) where this backend names the communicator for several lanes on
+        ``devices`` (all of its type), before ``dpq.communicators.choose_communicator``'s own rules;
+        None (every real backend): those rules decide. A simulated backend (the timeline model's) names its own."""
         return None
 
     def run_stream(self, device: torch.device, role: tuple):
@@ -260,6 +266,16 @@ _BACKENDS: dict[str, Backend] = {
     "xpu": _TorchAcceleratorBackend("xpu"),
     "hpu": _HpuBackend(),
 }
+
+
+def install_backend(type_: str, be: Backend) -> Backend | None:
+    """``be`` answers for device type ``type_`` from now on; returns the backend it replaces (install
+    that again to undo). The declared seam through which a simulated device (the timeline model's
+    logical accelerators) takes the runtime's accelerator path (Note [observers, not patches] in
+    ``dpq.phases``)."""
+    before = _BACKENDS.get(type_)
+    _BACKENDS[type_] = be
+    return before
 
 
 def backend(device: torch.device | str) -> Backend:
@@ -442,9 +458,6 @@ class Lane:
         """Host waits for this lane's queued work (the host-staged communicator's one sync)."""
         if self.stream is not None:
             self.stream.synchronize()
-
-    def free_memory(self) -> int:
-        return self.backend.mem_get_info(self.device)[0]
 
 
 def device_key(device: torch.device) -> tuple[str, int]:

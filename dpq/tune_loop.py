@@ -5,19 +5,21 @@ best-iteration snapshot, early stop) around the engine; the tuner's specifics (i
 its best-parameter snapshot, its optimizer and loss) come in a :class:`TuneSpec` that the
 adapter (``dpq/autoround/``) fills. This module knows nothing of auto-round.
 
-One iteration (``TuneEngine.backward`` then ``TuneEngine.step``)::
+One iteration: the engine's phases (``dpq.phases``), which :func:`run_loop` calls in order::
 
-    split      the serial run's global indices into W contiguous slices (sizes differ by <= 1)
-    micro-step each lane cuts its slice into chunks of ``micro_batch`` (gradient accumulation
-               inside the lane); for micro-step m:
+    split      the serial run's global indices into W contiguous slices (sizes differ by <= 1),
+               each cut into chunks of ``micro_batch`` (gradient accumulation inside the lane)
+    for each micro-step m:
       forward  lane 0 .. W-1, issued by this one thread, each under its own stream
+      (readback queue: before the last backward, each lane's losses copied to the host on its stream)
       backward ONE torch.autograd.backward over every lane's weighted loss: autograd's
-               per-device threads run the lanes' backwards concurrently
-    exchange   grads -> identical reduced grads on every lane
-    readback   one host sync for the iteration's micro-step losses (each lane's copied to the host
-               on its own stream, folded on the host in global lane order)
-    step       (separate call, so the caller can snapshot best params first) every lane
-               applies the same update; the mirrors stay bitwise identical
+               per-device threads run the lanes' backwards concurrently (the last one exchanging
+               buckets as they fill, where the exchange overlaps)
+    exchange   grads -> identical reduced grads on every lane (what the backward did not exchange)
+    readback   one host sync for the iteration's micro-step losses (folded on the host in global
+               lane order)
+    step       (after the loop's best-iteration snapshot) every lane applies the same update; the
+               mirrors stay bitwise identical
 
 Loss weighting, so that the *sum* of lane gradients is the serial gradient:
 ``reduction="mean"``: a lane's loss is the mean over its chunk, weighted by the chunk's share
@@ -72,12 +74,14 @@ from dpq import refusals
 from dpq.comm_base import Communicator
 from dpq.exchange import GradBuckets
 from dpq.mirror import ReplicaSet
+from dpq.phases import Watched, phase
 from dpq.sign_step import foreach_sign_step, step_choice
 from dpq.split import chunks, contiguous_ranges
 from dpq.streams import HostCopy, Lane, WaitExpired, wait_events
 from dpq.watchdog import IterationWatchdog
 
-__all__ = ["LaneLoss", "LanesHung", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec", "run_loop"]
+__all__ = ["Iteration", "LaneLoss", "LanesHung", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec",
+           "iteration", "run_loop"]
 
 
 class LaneLoss(Protocol):
@@ -133,6 +137,24 @@ class Exchange(Protocol):
 
 
 @dataclass
+class Iteration:
+    """One iteration's work as :meth:`TuneEngine.split` decided it (from the global split, so the same on
+    every rank), and what each phase leaves for the next."""
+
+    indices: list[int]
+    slices: list[list[int]]  # per global lane
+    per_lane: list[list[list[int]]]  # per global lane, its micro-steps' chunks
+    steps: int  # micro-steps: the longest lane's
+    ref_numel: int  # elements of the serial micro-batch (mean reduction's weights)
+    step_losses: list[dict[int, torch.Tensor]] = field(default_factory=list)  # per micro-step: global lane -> loss
+    roots: list[torch.Tensor] = field(default_factory=list)  # the micro-step's weighted losses ...
+    seeds: list[torch.Tensor] = field(default_factory=list)  # ... and their gradients, for its backward
+    during: DuringBackward | None = None  # the exchange the last backward runs, where it overlaps
+    readback: list[HostCopy] = field(default_factory=list)
+    wire_before: int = 0  # the communicator's wire bytes before the last backward
+
+
+@dataclass
 class IterationStats:
     """What one iteration did: for benchmarks and the run report."""
 
@@ -141,7 +163,7 @@ class IterationStats:
     wire_bytes: int = 0
 
 
-class TuneEngine:
+class TuneEngine(Watched):
     """Runs the per-iteration work of a data-parallel tune over a :class:`ReplicaSet`."""
 
     def __init__(
@@ -170,7 +192,7 @@ class TuneEngine:
             raise ValueError("dpq: gradient accumulation (micro_batch) needs reduction='sum', as in auto-round")
         self.replicas = replicas
         self.lane_loss = lane_loss
-        self.exchange = exchange
+        self.policy = exchange  # the exchange policy (dpq.exchange)
         self.reduction = reduction
         self.micro_batch = micro_batch
         self.loss_scale = loss_scale
@@ -178,27 +200,20 @@ class TuneEngine:
         self.debug_identical = debug_identical
         self.timeout_s = timeout_s  # the readback's deadline (module docstring: the watchdog); None: none
         self.name = name  # what is tuned, for the watchdog's error
-        self.optimizers, self.schedulers = [], []
-        for lane, module in zip(replicas.lanes, replicas.modules, strict=True):
-            # Built on the lane's stream (lr tensors, scheduler state): every later use is a
-            # step queued there, so no crossing is created.
-            with lane.issue():
-                opt, sched = make_optimizer(module)
-            self.optimizers.append(opt)
-            self.schedulers.append(sched)
+        self.optimizers, self.schedulers = _optimizers(replicas, make_optimizer)
         self.last = IterationStats()
         # The world is the global lanes: the exchange's communicator spans every process
-        # (dpq.process_group), so its world is P x L and this process's L lanes (``replicas.world``)
+        # (dpq.process_group), so its world is P x L and this process's L lanes (``replicas.local_lanes``)
         # start at global lane `lane_offset`.
         self.world = exchange.comm.world
         self.lane_offset = exchange.comm.lane_offset
-        if not 0 <= self.lane_offset <= self.world - replicas.world:
-            raise ValueError(f"dpq: local lanes {self.lane_offset}..{self.lane_offset + replicas.world - 1} are not "
-                             f"lanes of world {self.world}")
+        if not 0 <= self.lane_offset <= self.world - replicas.local_lanes:
+            last = self.lane_offset + replicas.local_lanes - 1
+            raise ValueError(f"dpq: local lanes {self.lane_offset}..{last} are not lanes of world {self.world}")
         # World 1 exchanges nothing, so it keeps serial's gradients: dropped before each backward
         # and taken from it by autograd as they are (no flat buffer to zero and add into, no second
         # copy of the tuned values' gradients in memory: the world-1 overhead).
-        self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.world)],
+        self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.local_lanes)],
                                    bucket_cap_elems=exchange.bucket_cap_elems,
                                    lanes=replicas.lanes) if self.world > 1 else None
         self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
@@ -254,7 +269,7 @@ class TuneEngine:
 
     def _expired(self, waited_s: float) -> str:
         """The iteration watchdog's expiry, in its thread: the communicator aborted, and what hung where."""
-        comm = self.exchange.comm
+        comm = self.policy.comm
         name = comm.name
         reason = f"the watchdog (the issuing thread passed --parallel_timeout {self.timeout_s:g} s)"
         ended = bool(comm.abort(reason))
@@ -268,91 +283,111 @@ class TuneEngine:
             return 1.0
         return sum(self.sample_numel(i) for i in chunk) / serial_chunk_numel
 
-    def backward(self, indices: Sequence[int]) -> list[float]:
-        """Forward, backward and exchange for one iteration of the serial run's ``indices``.
+    # -- the phases (dpq.phases), in the order run_loop calls them --------------------------------
 
-        Returns the loss of each serial micro-batch (what serial would read with ``.item()``,
-        the sum over every global lane), from a single host readback; the same bits on every rank.
+    def split(self, indices: Sequence[int]) -> Iteration:
+        """The serial run's ``indices`` split over the *global* lanes (``self.world``) and cut into
+        micro-steps, so every rank agrees on the work (local lane k is global lane ``lane_offset + k``);
+        the gradient buffers made ready for the iteration's first backward."""
+        with phase("split", self), self._issuing():
+            indices = list(indices)
+            slices = [indices[a:b] for a, b in contiguous_ranges(len(indices), self.world)]
+            per_lane = [chunks(s, self.micro_batch) for s in slices]  # global lanes
+            # Mean reduction: a lane's chunk weighs its share of the elements of the serial
+            # micro-batch (the whole iteration batch; see __init__).
+            ref_numel = sum(self.sample_numel(i) for i in indices) if self.world > 1 else 0
+            self._fresh_grads()
+            return Iteration(indices, slices, per_lane, max(len(c) for c in per_lane), ref_numel)
 
-        Everything that decides work (slices, micro-steps, weights, the lanes each backward
-        reaches) is computed from the *global* split of ``indices`` over ``self.world`` lanes,
-        so every rank agrees; local lane k is global lane ``self.lane_offset + k``.
-        """
-        t_start = time.perf_counter()
-        world, offset = self.world, self.lane_offset
-        indices = list(indices)
-        slices = [indices[a:b] for a, b in contiguous_ranges(len(indices), world)]
-        per_lane = [chunks(s, self.micro_batch) for s in slices]  # global lanes
-        steps = max(len(c) for c in per_lane)
-        # Mean reduction: a lane's chunk weighs its share of the elements of the serial
-        # micro-batch (the whole iteration batch; see __init__).
-        ref_numel = sum(self.sample_numel(i) for i in indices) if world > 1 else 0
-        self._fresh_grads()
-        step_losses: list[dict[int, torch.Tensor]] = []  # per micro-step: global lane -> its loss
-        for m in range(steps):
-            roots, seeds, lane_losses = [], [], {}
-            reached = [g for g in range(world) if m < len(per_lane[g])]
-            during = None
-            if m == steps - 1 and self._overlaps(reached):
-                # made before the forwards: on accelerator lanes its issuer node must come first (dpq.exchange)
+    def forward(self, it: Iteration, m: int) -> None:
+        """Micro-step ``m``'s forwards, each local lane's under its own stream, each loss weighted so
+        that the lanes' gradients sum to the serial one (module docstring). Before the last micro-step's
+        forwards, the exchange that runs during its backward, where it overlaps (on accelerator lanes
+        its issuer node must come first: dpq.exchange)."""
+        with phase("forward", self), self._issuing():
+            world, offset = self.world, self.lane_offset
+            it.roots, it.seeds, losses = [], [], {}
+            reached = [g for g in range(world) if m < len(it.per_lane[g])]
+            if m == it.steps - 1 and self._overlaps(reached):
                 local = [g - offset for g in reached if 0 <= g - offset < len(self.lanes)]
-                during = self.exchange.during_backward(self.buckets, local)
+                it.during = self.policy.during_backward(self.buckets, local)
             for k, lane in enumerate(self.lanes):
-                if m >= len(per_lane[offset + k]):
+                if m >= len(it.per_lane[offset + k]):
                     continue
-                chunk = per_lane[offset + k][m]
-                self.doing = ("forward", offset + k)
-                with lane.issue():
+                chunk = it.per_lane[offset + k][m]
+                with lane.issue(), phase("forward", self, lane=offset + k):
                     loss = self.lane_loss(lane, self.replicas.modules[k], chunk)
-                    w = self._weight(chunk, ref_numel) if world > 1 else 1.0
+                    w = self._weight(chunk, it.ref_numel) if world > 1 else 1.0
                     if w != 1.0:
                         loss = loss * w
-                    roots.append(loss * self.loss_scale)
+                    it.roots.append(loss * self.loss_scale)
                     # the root's gradient made on the lane's stream: autograd would make it on the
                     # device's current stream at backward(), reading a lane tensor there (R2)
-                    seeds.append(torch.ones_like(roots[-1]))
-                lane_losses[offset + k] = loss.detach()
-            step_losses.append(lane_losses)
-            if m < steps - 1:
-                self._backward(roots, seeds)
-                continue
-            # R6: queued now, before the last backward and the exchange, so the readback waits
-            # for the losses only. (Earlier micro-steps' backwards precede it on each lane's stream.)
-            readback = self._queue_readback(step_losses, indices)
-            before = self._wire_bytes()
-            if during is not None:
-                # The last backward exchanges buckets as they fill (exchange.py: overlap);
-                # lanes with fewer micro-steps have final gradients already.
-                with during:  # its extra roots: the issuer's node on accelerator lanes (dpq.exchange)
-                    self._backward(roots + list(during.roots), seeds + list(during.seeds))
+                    it.seeds.append(torch.ones_like(it.roots[-1]))
+                losses[offset + k] = loss.detach()
+            it.step_losses.append(losses)
+
+    def queue_readback(self, it: Iteration) -> None:
+        """R6: every lane's micro-step losses copied to the host on the lane's own stream, queued
+        before the last backward and the exchange, so the readback waits for the losses only (earlier
+        micro-steps' backwards precede it on each lane's stream). No crossing between lanes: a copy
+        into lane 0's device would join lane 0 and the lane. Across processes, one copy of the
+        gathered table instead (its last column: each global lane's checksum of the indices)."""
+        with phase("readback queue", self), self._issuing():
+            if self.world > len(self.lanes):
+                it.readback = [self._gather_losses(it.step_losses, it.indices)]
+                return
+            it.readback = []
+            for k, lane in enumerate(self.lanes):
+                g = self.lane_offset + k
+                mine = [s[g] for s in it.step_losses if g in s]
+                with lane.issue():
+                    it.readback.append(HostCopy(torch.stack(mine)))
+
+    def backward(self, it: Iteration) -> None:
+        """One backward over every local lane's loss of the micro-step just forwarded (autograd's
+        device threads run the lanes' backwards concurrently on accelerators). The last micro-step's
+        exchanges buckets as they fill, where it overlaps (exchange.py: overlap); lanes with fewer
+        micro-steps have final gradients already."""
+        with phase("backward", self), self._issuing():
+            roots, seeds = it.roots, it.seeds
+            if len(it.step_losses) == it.steps:
+                it.wire_before = self._wire_bytes()
+            if it.during is not None:
+                with it.during:  # its extra roots: the issuer's node on accelerator lanes (dpq.exchange)
+                    self._autograd_backward(roots + list(it.during.roots), seeds + list(it.during.seeds))
             else:
-                self._backward(roots, seeds)
-                if world > 1:  # world 1: one lane already holds the full gradient
-                    self.doing = ("exchange", None)
-                    self.exchange.exchange(self.buckets)
-        self.last = IterationStats(slices=slices, micro_steps=steps, wire_bytes=self._wire_bytes() - before)
-        self.issue_s += time.perf_counter() - t_start  # the backward calls took theirs off
-        return self._read_losses(readback, per_lane)  # the one host sync of the iteration
+                self._autograd_backward(roots, seeds)
+
+    def exchange(self, it: Iteration) -> None:
+        """The reduced gradient on every lane, where the last backward did not already exchange it
+        (world 1: one lane already holds the full gradient)."""
+        with phase("exchange", self), self._issuing():
+            if it.during is None and self.world > 1:
+                self.policy.exchange(self.buckets)
+            self.last = IterationStats(slices=it.slices, micro_steps=it.steps,
+                                       wire_bytes=self._wire_bytes() - it.wire_before)
+
+    def readback(self, it: Iteration) -> list[float]:
+        """The loss of each serial micro-batch (what serial would read with ``.item()``, the sum over
+        every global lane), from the iteration's one host sync; the same bits on every rank."""
+        with phase("readback", self):
+            return self._read_losses(it.readback, it.per_lane)
+
+    @contextlib.contextmanager
+    def _issuing(self) -> Iterator[None]:
+        """The issuing thread's host time in the phase, added to ``issue_s`` (less the backward calls)."""
+        t_start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.issue_s += time.perf_counter() - t_start
 
     def _overlaps(self, reached: list[int]) -> bool:
         """The last backward exchanges buckets as they fill. Across processes only when every rank's
         lanes all run this backward (the same graphs on every rank: the buckets complete alike); else
         the exchange follows it, in buffer order."""
         return self.world > 1 and (self.world == len(self.lanes) or len(reached) == self.world)
-
-    def _queue_readback(self, step_losses: list[dict[int, torch.Tensor]], indices: list[int]) -> list[HostCopy]:
-        """R6: every lane's micro-step losses copied to the host on the lane's own stream (no
-        crossing between lanes: a copy into lane 0's device would join lane 0 and the lane);
-        across processes, one copy of the gathered table instead (its last column: each global
-        lane's checksum of the indices)."""
-        if self.world > len(self.lanes):
-            return [self._gather_losses(step_losses, indices)]
-        copies = []
-        for k, lane in enumerate(self.lanes):
-            mine = [s[self.lane_offset + k] for s in step_losses if self.lane_offset + k in s]
-            with lane.issue():
-                copies.append(HostCopy(torch.stack(mine)))
-        return copies
 
     def _read_losses(self, readback: list[HostCopy], per_lane: list[list[list[int]]]) -> list[float]:
         """Each micro-step's loss: the sum of the global lanes' losses in global lane order, folded
@@ -383,7 +418,7 @@ class TuneEngine:
     def _wait(self, readback: list[HostCopy]) -> None:
         """The watchdog (module docstring): the readback's copies, polled against ``timeout_s`` (the
         iteration watchdog suspended meanwhile: this wait checks its own deadline)."""
-        comm = self.exchange.comm
+        comm = self.policy.comm
         events = [copy.event for copy in readback]
         try:
             with self.watch.waiting() if self.watch is not None else contextlib.nullcontext():
@@ -434,16 +469,16 @@ class TuneEngine:
                 check = torch.full((1,), drawn, dtype=torch.float64, device=lane.device)
                 send.append(torch.cat([torch.stack(mine), check]).view(torch.uint8))
                 recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
-        comm = self.exchange.comm
-        self.doing = ("loss gather", None)
-        comm.begin_bucket()  # communication streams (dpq.comm_streams): C1 ...
-        comm.all_gather(send, recv)
-        comm.join()  # ... and C2: the lanes' streams wait for the gather
+        comm = self.policy.comm
+        with phase("loss gather", self):
+            comm.begin_bucket()  # communication streams (dpq.comm_streams): C1 ...
+            comm.all_gather(send, recv)
+            comm.join()  # ... and C2: the lanes' streams wait for the gather
         steps = len(step_losses)  # the same on every rank: counted from the global split
         return HostCopy(recv[0].view(torch.float64).view(self.world, steps + 1))
 
     def _wire_bytes(self) -> int:
-        return int(self.exchange.comm.wire_bytes)
+        return int(self.policy.comm.wire_bytes)
 
     def _fresh_grads(self) -> None:
         """Before an iteration's first backward: the grads dropped, each parameter's first gradient
@@ -452,7 +487,7 @@ class TuneEngine:
         if self.buckets is None:
             self.release_grads()
         else:  # hooks only where buckets are exchanged as the backward fills them (Note [one copy per lane])
-            self.buckets.attach_by_copy(hooks=self.exchange.overlap)
+            self.buckets.attach_by_copy(hooks=self.policy.overlap)
 
     def close(self) -> None:
         """Let go of what the run allocated beside the replicas, in place (a failed run's frames may
@@ -470,37 +505,50 @@ class TuneEngine:
 
     def release_grads(self) -> None:
         """Every tuned ``.grad`` back to None (the run is over; or world 1's next backward)."""
-        for p in (p for k in range(self.replicas.world) for p in self.replicas.tuned_params(k)):
+        for p in (p for k in range(self.replicas.local_lanes) for p in self.replicas.tuned_params(k)):
             p.grad = None
 
     def step(self) -> None:
         """Every lane applies the same update (optimizer step, lr schedule); the grads are zeroed
         (or dropped) before the next backward, not here."""
-        t_start = time.perf_counter()
-        self.doing = ("step", None)
-        if self.one_op_sign_step:
-            signs = self.exchange.signs_apart(self.buckets) if self.buckets is not None else None
-            foreach_sign_step(self.optimizers, self.lanes, sign_first=self._sign_first, signs=signs)
-        for lane, opt, sched in zip(self.lanes, self.optimizers, self.schedulers, strict=True):
-            with lane.issue():
-                if not self.one_op_sign_step:
-                    opt.step()
-                if sched is not None:
-                    sched.step()
-        self.issue_s += time.perf_counter() - t_start
-        if self.debug_identical:
-            self.replicas.check_identical()
+        with phase("step", self):
+            with self._issuing():
+                if self.one_op_sign_step:
+                    signs = self.policy.signs_apart(self.buckets) if self.buckets is not None else None
+                    foreach_sign_step(self.optimizers, self.lanes, sign_first=self._sign_first, signs=signs)
+                for lane, opt, sched in zip(self.lanes, self.optimizers, self.schedulers, strict=True):
+                    with lane.issue():
+                        if not self.one_op_sign_step:
+                            opt.step()
+                        if sched is not None:
+                            sched.step()
+            if self.debug_identical:
+                with phase("identical check", self.replicas):
+                    self.replicas.check_identical()
 
-    def _backward(self, roots: list[torch.Tensor], seeds: list[torch.Tensor]) -> None:
+    def _autograd_backward(self, roots: list[torch.Tensor], seeds: list[torch.Tensor]) -> None:
         if roots:  # across processes, a rank's lanes may all have fewer micro-steps than the longest lane
-            self.doing = ("backward", None)
             t_start = time.perf_counter()
             torch.autograd.backward(roots, seeds)  # on accelerators autograd's device threads run it
             self.issue_s -= time.perf_counter() - t_start
 
 
+def _optimizers(replicas: ReplicaSet, make_optimizer: OptimizerFactory) -> tuple[list, list]:
+    """Every lane's optimizer and lr schedule, each built on the lane's stream (lr tensors, scheduler
+    state): every later use is a step queued there, so no crossing is created."""
+    optimizers, schedulers = [], []
+    for lane, module in zip(replicas.lanes, replicas.modules, strict=True):
+        with lane.issue():
+            opt, sched = make_optimizer(module)
+        optimizers.append(opt)
+        schedulers.append(sched)
+    return optimizers, schedulers
+
+
 # what the issuing thread does, in the watchdog's words (a lane's forward is "lane N's forward")
 _DOING = {"loop": "the loop's own work (the sampler, the best-value snapshot)", "backward": "the backward",
+          "split": "the batch's split", "forward": "the forwards", "readback": "the loss readback",
+          "readback queue": "the losses' copies to the host",
           "exchange": "the gradient exchange", "loss gather": "the gather of the lanes' losses",
           "step": "the optimizer step"}
 
@@ -568,22 +616,64 @@ class LoopOutcome:
     issue_s: float = 0.0  # the issuing thread's host time per lane-iteration (TuneEngine.issue_s)
 
 
+def iteration(engine: TuneEngine, indices: Sequence[int]) -> list[float]:
+    """One iteration's phases but the step, as :func:`run_loop` calls them (tests and benchmarks drive
+    the engine with it): each serial micro-batch's loss, read back in the iteration's one host sync."""
+    it = engine.split(indices)
+    for m in range(it.steps):
+        engine.forward(it, m)
+        if m == it.steps - 1:
+            engine.queue_readback(it)  # R6: before the last backward and the exchange
+        engine.backward(it)
+    engine.exchange(it)
+    return engine.readback(it)
+
+
+class _Progress:
+    """Serial SignRound's bookkeeping across iterations: the losses, the best iteration and its snapshot
+    of the tuned values, early stop."""
+
+    def __init__(self, spec: TuneSpec, home: torch.nn.Module) -> None:
+        self.spec, self.home = spec, home
+        self.best_loss = torch.finfo(torch.float).max
+        self.best_params: dict = {}
+        self.last_best_iter, self.init_loss, self.total_loss = 0, None, 0
+        self.losses: list[float] = []
+
+    def record(self, i: int, total_loss: float) -> bool:
+        """Iteration ``i``'s loss; True when the run stops here (early stop), before its step."""
+        spec = self.spec
+        self.total_loss = total_loss
+        self.losses.append(total_loss)
+        if i == 0:
+            self.init_loss = total_loss
+        if spec.progress is not None:
+            spec.progress(i, total_loss)
+        if total_loss < self.best_loss:
+            self.best_loss = total_loss
+            # The snapshot reads home (lane 0) on the current stream, which is lane 0's stream
+            # (R0): lane 0's step below is queued after it, so it cannot overwrite what is read.
+            if not spec.not_use_best_mse:
+                self.best_params = spec.best_params(self.home)
+                self.last_best_iter = i
+        if spec.not_use_best_mse and i == spec.iters - 1:
+            self.best_params = spec.best_params(self.home)
+        return not spec.not_use_best_mse and 0 < spec.dynamic_max_gap <= i - self.last_best_iter
+
+
 def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
-    """Serial SignRound's bookkeeping around ``engine.backward`` / ``engine.step``: the same
-    draws, the same loss normalisation (masked and unmasked), best iteration and early stop."""
+    """Serial SignRound's loop around the engine's phases (dpq.phases): the same draws, the same loss
+    normalisation (masked and unmasked), best iteration and early stop."""
     t0 = time.perf_counter()
-    block = engine.replicas.home
-    nsamples = spec.nsamples
-    global_batch_size = min(nsamples, spec.batch_size * spec.gradient_accumulate_steps)
+    global_batch_size = min(spec.nsamples, spec.batch_size * spec.gradient_accumulate_steps)
     num_elm = 1
     if spec.gradient_accumulate_steps != 1 and not spec.token_counts:
         num_elm = sum(spec.sample_numel(i) for i in range(global_batch_size))
-    index_sampler = spec.sampler(nsamples, global_batch_size)
-    best_loss = torch.finfo(torch.float).max
-    best_params: dict = {}
-    last_best_iter, init_loss, total_loss = 0, None, 0
-    losses, drawn, wire = [], [], 0
-    with engine.deadlines():  # each iteration's deadline, held by the iteration watchdog (dpq.watchdog)
+    index_sampler = spec.sampler(spec.nsamples, global_batch_size)
+    progress = _Progress(spec, engine.replicas.home)
+    drawn, wire = [], 0
+    # each iteration's deadline, held by the iteration watchdog (dpq.watchdog)
+    with phase("loop", engine, doing=False), engine.deadlines():
         for i in range(spec.iters):
             engine.begin_iteration(i)
             if spec.on_iteration is not None:
@@ -593,32 +683,29 @@ def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
             if spec.token_counts:
                 num_elm = sum(spec.token_counts[j] for j in global_indices)
             num_elm = 1 if num_elm <= 0 else num_elm
+            it = engine.split(global_indices)
+            for m in range(it.steps):
+                engine.forward(it, m)
+                if m == it.steps - 1:
+                    engine.queue_readback(it)  # R6: before the last backward and the exchange
+                engine.backward(it)
+            engine.exchange(it)
             total_loss = 0
-            for step_loss in engine.backward(global_indices):
+            for step_loss in engine.readback(it):  # the iteration's one host sync
                 total_loss += step_loss / num_elm
-            engine.doing = ("loop", None)
             wire += engine.last.wire_bytes
-            losses.append(total_loss)
-            if i == 0:
-                init_loss = total_loss
-            if spec.progress is not None:
-                spec.progress(i, total_loss)
-            if total_loss < best_loss:
-                best_loss = total_loss
-                # The snapshot reads home (lane 0) on the current stream, which is lane 0's stream
-                # (R0): lane 0's step below is queued after it, so it cannot overwrite what is read.
-                if not spec.not_use_best_mse:
-                    best_params = spec.best_params(block)
-                    last_best_iter = i
-            if spec.not_use_best_mse and i == spec.iters - 1:
-                best_params = spec.best_params(block)
-            if not spec.not_use_best_mse and 0 < spec.dynamic_max_gap <= i - last_best_iter:
+            if progress.record(i, total_loss):
                 break
             engine.step()
     engine.release_grads()  # the grads (world > 1: views of the buffers) go with the run
-    best_iter = spec.iters if spec.not_use_best_mse else last_best_iter
-    reported = total_loss if spec.not_use_best_mse else best_loss
-    return LoopOutcome(best_params=best_params, losses=losses, best_iter=best_iter, best_loss=float(reported),
-                       init_loss=init_loss, iters_run=len(losses), wire_bytes=wire, indices=drawn,
-                       seconds=time.perf_counter() - t0,
-                       issue_s=engine.issue_s / max(1, len(losses) * len(engine.lanes)))
+    return _outcome(engine, spec, progress, drawn, wire, time.perf_counter() - t0)
+
+
+def _outcome(engine: TuneEngine, spec: TuneSpec, progress: _Progress, drawn: list[list[int]], wire: int,
+             seconds: float) -> LoopOutcome:
+    best_iter = spec.iters if spec.not_use_best_mse else progress.last_best_iter
+    reported = progress.total_loss if spec.not_use_best_mse else progress.best_loss
+    return LoopOutcome(best_params=progress.best_params, losses=progress.losses, best_iter=best_iter,
+                       best_loss=float(reported), init_loss=progress.init_loss, iters_run=len(progress.losses),
+                       wire_bytes=wire, indices=drawn, seconds=seconds,
+                       issue_s=engine.issue_s / max(1, len(progress.losses) * len(engine.lanes)))

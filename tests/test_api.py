@@ -372,7 +372,7 @@ def test_error_does_not_keep_mirrors_wrappers_or_optimizers_alive(tiny_block, mo
             super().__init__(*a, **k)
             refs.append(weakref.ref(self))
             refs.extend(weakref.ref(m) for m in self.modules[1:])
-            refs.extend(weakref.ref(p) for k in range(self.world) for p in self.tuned_params(k))
+            refs.extend(weakref.ref(p) for k in range(self.local_lanes) for p in self.tuned_params(k))
             if how == "lane forward":
                 self.modules[-1].register_forward_pre_hook(ForwardFault(after=2))
 

@@ -10,7 +10,7 @@ from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
 from dpq.streams import make_lanes
-from dpq.tune_loop import TuneEngine
+from dpq.tune_loop import TuneEngine, iteration
 from tests.stream_checker import StreamOrderChecker, StreamOrderError
 
 NAMES = ["l1.weight", "l1.bias", "l2.weight", "l2.bias", "l3.weight"]
@@ -58,7 +58,7 @@ def _tune(chk, world, policy, streams, overlap, iters):
                                          lanes=lanes)  # several buckets
             g = torch.Generator().manual_seed(3)
             for _ in range(iters):
-                engine.backward(torch.randperm(12, generator=g)[:6].tolist())
+                iteration(engine, torch.randperm(12, generator=g)[:6].tolist())
                 engine.step()
             out = [p.detach().clone() for p in rs.tuned_params(0)]
         finally:

@@ -26,7 +26,7 @@ def fill_grads(buckets: GradBuckets, seed: int) -> list[torch.Tensor]:
     """Random lane gradients with the zeros the sign path must keep: scattered exact zeros, an
     all-zero lane (W >= 3), elements zero on every lane, and elements whose lane sum cancels to 0."""
     gen = torch.Generator().manual_seed(seed)
-    world, n = buckets.world, buckets.numel
+    world, n = buckets.local_lanes, buckets.numel
     grads = [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-4, 3, (n,), generator=gen) for _ in range(world)]
     for g in grads:
         g[torch.rand(n, generator=gen) < 0.25] = 0.0
@@ -360,7 +360,7 @@ def test_sign_buffers_follow_the_lanes():
 def test_pack_and_unpack_signs_are_torch_sign(world):
     """pack_signs over rows, then the table and, as a cross-check of it, the bit-by-bit shifts: both
     exactly torch.sign (NaN -> 0, +-inf -> +-1, -0.0 -> 0, subnormals -> +-1)."""
-    from dpq.sign_bits import pack_signs, sign_table, take, unpack_by_shifts, unpack_signs
+    from dpq.sign_bits import pack_signs, sign_table, take, unpack_signs
 
     c = 8 * 37
     gen = torch.Generator().manual_seed(world)
@@ -405,7 +405,7 @@ def test_pack_gives_every_byte_and_issues_five_ops():
 def test_unpack_looks_up_each_pair_in_two_ops():
     """unpack_into: the byte pairs widened to int32 indices, the table's gather; every (negative,
     nonzero) pair that can occur gives torch.sign's values (the unpack it replaced issued four ops)."""
-    from dpq.sign_bits import sign_table, unpack_by_shifts, unpack_into, unpack_views
+    from dpq.sign_bits import sign_table, unpack_into, unpack_views
 
     neg, nz = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
     possible = (neg & nz) == neg  # negative implies nonzero
@@ -415,6 +415,16 @@ def test_unpack_looks_up_each_pair_in_two_ops():
     assert views == [] and [op.split(" at ")[0] for op in others] == ["aten::copy_", "aten::index_select"], others
     assert torch.equal(v.signs, unpack_by_shifts(pairs))
     assert set(v.signs.tolist()) == {-1, 0, 1}
+
+
+def unpack_by_shifts(packed: torch.Tensor) -> torch.Tensor:
+    """The same values as :func:`dpq.sign_bits.unpack_signs` computed bit position by bit position (a cross-check
+    of the table): uint8 (W * c/4,) byte pairs -> int8 (W*c,)."""
+    pairs = packed.view(-1, 2)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    negative = ((pairs[:, 0].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
+    nonzero = ((pairs[:, 1].unsqueeze(-1) >> shifts) & 1).view(torch.int8)
+    return nonzero.sub_(negative).sub_(negative).view(-1)  # negative implies nonzero: -1, +1 or 0
 
 
 def _ops_of(fn) -> tuple[list[str], list[str]]:

@@ -282,9 +282,9 @@ def test_refusal_hpu_multi_lane(monkeypatch):
     from dpq import streams
 
     monkeypatch.setattr(streams, "check_device_exists", lambda d: None)
-    import dpq.plan as plan_mod
+    import dpq.lane_devices as lane_devices
 
-    monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)
+    monkeypatch.setattr(lane_devices, "check_device_exists", lambda d: None)
     reasons = _refusal(world=2, devices="hpu:0,hpu:1", home="hpu:0")
     assert any("Gaudi's bridge allows one device per process" in r for r in reasons)
 

@@ -30,7 +30,8 @@ def test_the_engine_lets_go_before_the_cache_is_emptied(monkeypatch, fail):
     def init(engine, *a, **kw):
         real_init(engine, *a, **kw)
         held.extend(weakref.ref(x) for x in (*engine.optimizers, *engine.buckets.buffers))
-        held.extend(weakref.ref(p) for k in range(1, engine.replicas.world) for p in engine.replicas.tuned_params(k))
+        held.extend(weakref.ref(p) for k in range(1, engine.replicas.local_lanes)
+                    for p in engine.replicas.tuned_params(k))
 
     alive_at_release: list[int] = []
 
@@ -103,7 +104,7 @@ def _four_fake_gpus(monkeypatch, free_bytes, *, total: int, queried: list | None
     """cuda:0..3 on a fake backend for the plan (every pair peer-capable unless ``peer`` is False, every
     device existing): ``mem_get_info`` answers ``(free_bytes(index), total)`` and appends each queried
     index to ``queried``."""
-    import dpq.plan as plan_mod
+    import dpq.lane_devices as lane_devices
     import dpq.streams as dpq_streams
 
     class Gpus(dpq_streams.Backend):
@@ -124,7 +125,7 @@ def _four_fake_gpus(monkeypatch, free_bytes, *, total: int, queried: list | None
             return peer or a == b
 
     monkeypatch.setitem(dpq_streams._BACKENDS, "cuda", Gpus())
-    monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)
+    monkeypatch.setattr(lane_devices, "check_device_exists", lambda d: None)
 
 
 def test_auto_queries_no_device_it_drops(monkeypatch):

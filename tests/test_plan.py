@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+import dpq.lane_devices as lane_devices
 import dpq.plan as plan_mod
-from dpq.plan import PlanRefused, PlanRequest, resolve, validate_world
+from dpq.lane_devices import validate_world
+from dpq.plan import PlanRefused, PlanRequest, resolve
 from dpq.spec import ParallelSpec
 from dpq.spec import problems as check_arguments
 
@@ -33,7 +35,7 @@ def test_explicit_world_lists_every_reason_at_once():
 
 
 def test_lane0_must_be_the_blocks_device(monkeypatch):
-    monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)  # pretend cuda:0..1 exist
+    monkeypatch.setattr(lane_devices, "check_device_exists", lambda d: None)  # pretend cuda:0..1 exist
     reasons = refusal(world=2, devices="cuda:1,cuda:0", home="cuda:0")
     assert has(reasons, "lane 0 is cuda:1, but the block is on cuda:0", "list cuda:0 first"), reasons
     auto = resolve(PlanRequest(world="auto", devices="cuda:1,cuda:0", home="cuda:0"))
@@ -73,6 +75,7 @@ def test_world_accepts_ascii_digits_only():
 def test_bare_indices_without_an_accelerator_are_said(monkeypatch):
     """'0,0' on a machine without GPUs silently became cpu twice."""
     monkeypatch.setattr(plan_mod, "default_accelerator_type", lambda: "cpu")
+    monkeypatch.setattr(lane_devices, "default_accelerator_type", lambda: "cpu")
     reasons = refusal(world=2, devices="0,0", home="cpu")
     assert len(reasons) == 1 and has(reasons, "'0' names accelerator 0", "write cpu"), reasons
     auto = resolve(PlanRequest(world="auto", devices="0,0", home="cpu"))
@@ -146,13 +149,14 @@ def test_a_task_without_home_is_planned_where_its_block_is(monkeypatch):
     """Seen on the H200 (2026-12-04): a BlockTask that names no home, its block on the CPU, lanes
     cpu,cpu, was planned with home = the machine's accelerator (cuda:0) and refused 'lane 0 is cpu,
     but the block is on cuda:0'. The block's own device is home."""
-    from dpq.session import SessionConfig, plan_for
+    from dpq.session import SessionConfig, block_plan
     from tests.test_distributed import make_task
 
     monkeypatch.setattr(plan_mod, "default_accelerator_type", lambda: "cuda")  # a machine with a GPU
+    monkeypatch.setattr(lane_devices, "default_accelerator_type", lambda: "cuda")
     task = make_task("sign")
     assert task.home is None and next(task.block.parameters()).device.type == "cpu"
-    plan = plan_for(SessionConfig(ParallelSpec(2, ["cpu", "cpu"])), task)
+    plan = block_plan(SessionConfig(ParallelSpec(2, ["cpu", "cpu"])), task)
     assert [d.type for d in plan.devices] == ["cpu", "cpu"]
 
 
@@ -201,3 +205,28 @@ def test_overlap_settings(value, held):
 def test_an_unknown_overlap_setting_is_refused_with_the_fix():
     assert has(check_arguments(2, overlap="sometimes"), "--parallel_overlap 'sometimes' is not a setting",
                "Fix: auto")
+
+
+def test_the_plan_decides_the_communicator_and_overlap_once(monkeypatch):
+    """One resolve asks choose_communicator and overlap_choice once for its lanes: the memory check (twice:
+    the whole block's bucket, then the lanes) prices the lanes with the same decision the plan then says."""
+    import torch
+
+    calls = {"communicator": 0, "overlap": 0}
+    real_choose, real_overlap = plan_mod.choose_communicator, plan_mod.overlap_choice
+
+    def choose(devices):
+        calls["communicator"] += 1
+        return real_choose(devices)
+
+    def overlap(*args, **kwargs):
+        calls["overlap"] += 1
+        return real_overlap(*args, **kwargs)
+
+    monkeypatch.setattr(plan_mod, "choose_communicator", choose)
+    monkeypatch.setattr(plan_mod, "overlap_choice", overlap)
+    block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    price = plan_mod.BlockPrice(block, [torch.randn(1, 16, 64)], 8)
+    plan = resolve(PlanRequest(world=2, devices="cpu,cpu", samples_per_iter=8, home="cpu", price=price))
+    assert plan.local_lanes == 2 and plan.communicator == "local"
+    assert calls == {"communicator": 1, "overlap": 1}

@@ -420,12 +420,12 @@ def test_iters0_world2_saves_serial_tensors(tmp_path, kw):
 def test_signround_v2_init_scale_searches_mapped():
     """SignRoundV2 (enable_alg_ext): each layer's wrap-time init-scale search runs once on one lane
     before the block is wrapped, and the wrapper takes the result: tuned model bitwise serial's."""
-    from dpq.autoround import shard_seams
+    from dpq.autoround import seams_common
 
     kw = dict(iters=2, enable_alg_ext=True)
     serial_state, _ = _run(None, **kw)
     state, recs = _run(2, **kw)
-    assert shard_seams.last_run().seams.init_scale_hits == 14  # 7 layers x 2 blocks, none searched again
+    assert seams_common.reported().seams.init_scale_hits == 14  # 7 layers x 2 blocks, none searched again
     maps = [r for r in recs if r.nested and "init-scale" in r.detail]
     assert len(maps) == 2 and all(r.world == 2 for r in maps)
     assert all(bitwise(serial_state[k], state[k]) for k in state)
@@ -559,7 +559,7 @@ def test_awq_grid_and_clip_searches_world2(tmp_path, awq_recorder, smooth_batch_
     offloaded to the CPU), still one loss term per micro call in serial's order."""
     from auto_round.algorithms.transforms.awq.config import AWQConfig
 
-    from dpq.autoround import shard_seams
+    from dpq.autoround import seams_common
 
     kw = dict(alg_configs=AWQConfig(apply_clip=True, n_grid=6, clip_n_grid=4, clip_n_sample_token=64,
                                     smooth_batch_size=smooth_batch_size))
@@ -567,7 +567,7 @@ def test_awq_grid_and_clip_searches_world2(tmp_path, awq_recorder, smooth_batch_
     serial = list(awq_recorder)
     awq_recorder.clear()
     _, recs = _run(2, save_dir=tmp_path / "two", **kw)
-    hits = shard_seams.last_run().seams.awq_clip_hits
+    hits = seams_common.reported().seams.awq_clip_hits
     kinds = {k: sum(c[0] == k for c in serial) for k in ("loss", "scales", "clip")}
     assert kinds["loss"] > 0 and kinds["scales"] > 0 and kinds["clip"] > 0, kinds
     assert _same_calls(serial, awq_recorder)  # losses equal as floats, scales and clips bitwise

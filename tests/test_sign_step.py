@@ -12,7 +12,7 @@ from dpq.exchange import FullSumExchange, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
 from dpq.streams import make_lanes
-from dpq.tune_loop import TuneEngine
+from dpq.tune_loop import TuneEngine, iteration
 
 pytest.importorskip("auto_round")
 from auto_round.algorithms.quantization.sign_round.sign_sgd import SignSGD
@@ -59,7 +59,7 @@ def run(world, one_op, *, exchange_cls=SignExchange, iters=12, optimizer=make_op
     g = torch.Generator().manual_seed(1)
     history = []
     for _ in range(iters):
-        engine.backward(torch.randperm(12, generator=g)[:6].tolist())
+        iteration(engine, torch.randperm(12, generator=g)[:6].tolist())
         engine.step()
         history.append([p.detach().clone() for p in rs.tuned_params(0)])
     rs.close()

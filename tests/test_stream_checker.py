@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dpq
-from dpq import shard
+from dpq import phases, shard
 from dpq import tune_loop as tl
 from dpq.autoround import tune as ar_tune
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
@@ -54,19 +54,15 @@ def _tune(tiny, world: int, **kw):
     return block, res
 
 
-class _Probe:
-    """Host syncs and scalar reads inside each TuneEngine.backward call, and what the readback waited for."""
+class _Probe(phases.Observer):
+    """Host syncs and scalar reads in each iteration's phases from its split to its readback (the step
+    aside), and what the readback waited for."""
 
     def __init__(self, chk: StreamOrderChecker, monkeypatch) -> None:
         self.chk, self.per_call, self.readback_waits_for_all = chk, [], []
-        real_backward, real_copy = tl.TuneEngine.backward, tl.HostCopy
+        self._at_split = (0, 0)
+        real_copy = tl.HostCopy
         probe = self
-
-        def backward(engine, indices):
-            syncs, reads = chk.host_syncs, chk.scalar_reads
-            out = real_backward(engine, indices)
-            probe.per_call.append((chk.host_syncs - syncs, chk.scalar_reads - reads))
-            return out
 
         class HostCopy(real_copy):
             def tolist(self):
@@ -78,8 +74,17 @@ class _Probe:
                         any(self._event.vc.get(s.sid, 0) >= s.vc[s.sid] for s in lanes))
                 return super().tolist()
 
-        monkeypatch.setattr(tl.TuneEngine, "backward", backward)
+        monkeypatch.setattr(phases, "_OBSERVERS", [*phases.observers(), self])  # gone at the test's end
         monkeypatch.setattr(tl, "HostCopy", HostCopy)
+
+    def phase_begin(self, name, owner, lane):
+        if name == "split":
+            self._at_split = (self.chk.host_syncs, self.chk.scalar_reads)
+
+    def phase_end(self, name, owner, lane, error):
+        if name == "readback" and error is None:
+            syncs, reads = self._at_split
+            self.per_call.append((self.chk.host_syncs - syncs, self.chk.scalar_reads - reads))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -333,7 +338,7 @@ MUTATIONS = {
     "identical-check-without-wait": (
         lambda mp: _only_during(mp, ReplicaSet, "check_identical", Lane, "current_waits_for_me"), "tune"),
     # R6: the lanes' losses copied to the host on the current stream instead of each lane's own
-    "loss-readback-on-current": (lambda mp: _outside_lanes_during(mp, tl.TuneEngine, "_queue_readback"), "tune"),
+    "loss-readback-on-current": (lambda mp: _outside_lanes_during(mp, tl.TuneEngine, "queue_readback"), "tune"),
     # item 1 (block end) / R5: teardown on the failure path without joining the lanes
     "teardown-without-join": (lambda mp: mp.setattr(ReplicaSet, "join_lanes", lambda self: None), "failure"),
     # item 5: collection outputs handed home without record_stream (home uses them after the pass)

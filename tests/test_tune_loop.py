@@ -12,7 +12,7 @@ from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
 from dpq.split import contiguous_ranges
 from dpq.streams import make_lanes
-from dpq.tune_loop import TuneEngine
+from dpq.tune_loop import TuneEngine, iteration
 
 
 def contiguous_slices(indices, world):
@@ -72,7 +72,7 @@ class ToyReference:
 
 
 def toy_reference(indices, reduction, world) -> ToyReference:
-    """Error analysis of fp32 ``TuneEngine.backward`` on the Toy, against exact arithmetic.
+    """Error analysis of fp32 ``tune_loop.iteration`` on the Toy, against exact arithmetic.
 
     Each fp32 op rounds by at most U32 relative to its result (a length-n dot product or sum by
     n U32 times the sum of its absolute terms). Propagated through the forward
@@ -154,7 +154,7 @@ def test_sum_of_lane_grads_is_serial_grad(world, reduction, micro):
     happened to pass on one CPU: kernels differ between AVX-512, AVX2 and default)."""
     engine, rs = make_engine(world, reduction, micro_batch=micro)
     idx = [3, 9, 1, 14, 0, 7, 5, 11]
-    losses = engine.backward(idx)
+    losses = iteration(engine, idx)
     ref = toy_reference(idx, reduction, world)
     grads = [rs.tuned_params(k)[0].grad for k in range(world)]
     for g in grads[1:]:
@@ -176,14 +176,14 @@ def test_one_backward_per_micro_step(monkeypatch):
     orig = torch.autograd.backward
     monkeypatch.setattr(torch.autograd, "backward", lambda roots, *a, **k: (calls.append(len(roots)), orig(roots))[1])
     engine, _ = make_engine(3, "sum", micro_batch=2)
-    engine.backward([0, 1, 2, 3, 4, 5, 6, 7])  # lane slices 3,3,2 -> chunks (2,1),(2,1),(2)
+    iteration(engine, [0, 1, 2, 3, 4, 5, 6, 7])  # lane slices 3,3,2 -> chunks (2,1),(2,1),(2)
     assert calls == [3, 2]
 
 
 def test_sign_exchange_gives_sign_of_sum():
     engine, rs = make_engine(3, "mean", exchange_cls=SignExchange)
     idx = [2, 4, 6, 8, 10, 12]
-    engine.backward(idx)
+    iteration(engine, idx)
     expected = torch.sign(serial_grad(idx, "mean"))
     for k in range(3):
         assert torch.equal(rs.tuned_params(k)[0].grad, expected)
@@ -222,7 +222,7 @@ def test_gradient_bound_catches_mutants(monkeypatch, mutant):
         monkeypatch.setattr(tl, "contiguous_slices", lambda idx, w: [s := real_cs(idx, w), [s[0], s[0]]][1])
     engine, rs = make_engine(2, "mean")
     idx = [3, 9, 1, 14, 0, 7, 5, 11]
-    losses = engine.backward(idx)
+    losses = iteration(engine, idx)
     ref = toy_reference(idx, "mean", 2)
     err = (rs.tuned_params(0)[0].grad.double() - ref.grad).abs()
     grad_ok = bool((err <= ref.grad_bound).all())
@@ -238,11 +238,11 @@ def test_world1_keeps_serials_gradients():
     engine, rs = make_engine(1)
     assert engine.buckets is None
     p = rs.tuned_params(0)[0]
-    engine.backward([3, 9, 1])
+    iteration(engine, [3, 9, 1])
     first = p.grad
     assert first is not None and first._base is None
     engine.step()
-    engine.backward([0, 7])
+    iteration(engine, [0, 7])
     assert p.grad is not first  # a fresh gradient, not accumulated into the last one
     assert torch.equal(p.grad, serial_grad_at(rs.home, [0, 7]))
     engine.release_grads()
@@ -289,7 +289,7 @@ def test_issue_time_leaves_out_the_backward():
                         FullSumExchange(LocalCommunicator(lanes)), sample_numel=lambda i: DATA[i].numel())
     t0 = time.perf_counter()
     for _ in range(3):
-        engine.backward([3, 9, 1, 14])
+        iteration(engine, [3, 9, 1, 14])
         engine.step()
     wall = time.perf_counter() - t0
     slept = 3 * 2 * 0.05  # 3 iterations x 2 lanes' backward

@@ -165,6 +165,11 @@ class _Marks:
     def step(self, call):
         with self.record(trace.STEP):
             out = call()
+        self.stepped()
+        return out
+
+    def stepped(self) -> None:
+        """A step ended: its time kept; the profiler started and stopped at the iterations the spec says."""
         self.step_ends.append(time.perf_counter())
         self.cpu_ends.append((time.thread_time(), self.aside, time.process_time()))
         n = len(self.step_ends)
@@ -173,7 +178,6 @@ class _Marks:
                 self._start_profiler()
             elif n == self.spec.iters and self.prof is not None:
                 self._stop_profiler()
-        return out
 
     def _start_profiler(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -219,10 +223,11 @@ def _patched(obj, name: str, make) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _instrument(quantizer, spec: RunSpec, marks: _Marks, identical: dict) -> Iterator[None]:
-    """The marks on the loop that runs: auto-round's (serial) or dpq's (``TuneEngine``)."""
+    """The marks on the loop that runs: auto-round's (serial: its quantizer's methods wrapped) or dpq's
+    (the engine's phases, seen by an observer: Note [observers, not patches] in ``dpq.phases``)."""
     from auto_round.wrapper import WrapperLinear
 
-    from dpq import mirror, tune_loop
+    from dpq import phases
 
     with contextlib.ExitStack() as stack:
         if spec.world is None:
@@ -231,14 +236,7 @@ def _instrument(quantizer, spec: RunSpec, marks: _Marks, identical: dict) -> Ite
             stack.enter_context(_patched(quantizer, "_scale_loss_and_backward", lambda real: marks.aside_cpu(
                 trace.BACKWARD, real)))
         else:
-            stack.enter_context(_patched(tune_loop.TuneEngine, "step", lambda real: lambda self: marks.step(
-                lambda: real(self))))
-            stack.enter_context(_patched(tune_loop.TuneEngine, "_backward", lambda real: marks.aside_cpu(
-                trace.BACKWARD, real)))
-            stack.enter_context(_patched(tune_loop.TuneEngine, "_wait", lambda real: marks.aside_cpu(trace.WAIT, real)))
-            stack.enter_context(_patched(tune_loop.TuneEngine, "__init__", lambda real: _forward_marked(marks, real)))
-            stack.enter_context(_patched(mirror.ReplicaSet, "check_identical", lambda real: _counted(
-                real, identical)))
+            stack.enter_context(phases.observing(_engine_marks(marks, identical)))
         if not spec.compile:  # eager only: a mark inside a compiled region would break its graph
             stack.enter_context(_patched(WrapperLinear, "_qdq_weight", lambda real: _marked(marks, trace.QDQ, real)))
         yield
@@ -251,23 +249,46 @@ def _marked(marks: _Marks, name: str, real):
     return call
 
 
-def _forward_marked(marks: _Marks, real_init):
-    """TuneEngine's lane loss (each lane's forward and loss, issued under the lane's stream) inside a
-    ``FORWARD`` mark."""
-    def init(engine, replicas, lane_loss, *a, **k):
-        real_init(engine, replicas, _marked(marks, trace.FORWARD, lane_loss), *a, **k)
-    return init
+def _engine_marks_class():
+    from dpq.phases import Observer
+
+    class EngineMarks(Observer):
+        """dpq's phases as the trace's marks: each lane's forward (``FORWARD``), the backward calls
+        (``BACKWARD``), the readback's wait (``WAIT``) and the step (``STEP``, which also counts the
+        iterations and starts and stops the profiler); ``--parallel_debug``'s checks counted."""
+
+        def __init__(self, marks: _Marks, identical: dict) -> None:
+            self.marks, self.identical, self.open = marks, identical, []
+            self.names = {"backward": trace.BACKWARD, "readback": trace.WAIT}
+
+        def phase_begin(self, name, owner, lane):
+            mark = trace.FORWARD if name == "forward" and lane is not None else \
+                trace.STEP if name == "step" else self.names.get(name)
+            if mark is not None:
+                rec = self.marks.record(mark)
+                rec.__enter__()  # the backward's and the readback's CPU on this thread set apart (Note above)
+                self.open.append((name, lane, rec, time.thread_time() if name in self.names else None))
+
+        def phase_end(self, name, owner, lane, error):
+            if name == "identical check":
+                if error is not None:
+                    self.identical["mismatch"] = f"{type(error).__name__}: {error}"[:400]
+                else:
+                    self.identical["checked"] += 1
+            if self.open and self.open[-1][:2] == (name, lane):
+                _, _, rec, cpu0 = self.open.pop()
+                rec.__exit__(None, None, None)
+                if cpu0 is not None:
+                    self.marks.aside += time.thread_time() - cpu0
+                if name == "step" and error is None:
+                    self.marks.stepped()
+
+    return EngineMarks
 
 
-def _counted(real, identical: dict):
-    def check(self):
-        try:
-            real(self)
-        except Exception as e:
-            identical["mismatch"] = f"{type(e).__name__}: {e}"[:400]
-            raise
-        identical["checked"] += 1
-    return check
+def _engine_marks(marks: _Marks, identical: dict):
+    """The observer (its class made on first use: this module imports torch and dpq late)."""
+    return _engine_marks_class()(marks, identical)
 
 
 def tune_block(model_template, shape: BlockShape, spec: RunSpec, device: str,

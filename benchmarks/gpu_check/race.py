@@ -41,10 +41,8 @@ def producer_sleeps(cycles: int = CYCLES):
     before the readback (lane 0's; home's snapshot and the next iteration read it)."""
     import torch
 
-    from dpq import exchange, tune_loop
+    from dpq import phases
 
-    real_backward, real_bucket, real_read = (tune_loop.TuneEngine._backward, exchange._Exchange.exchange_bucket,
-                                             tune_loop.TuneEngine._read_losses)
     slept = {"backward": 0, "bucket": 0, "readback": 0}
 
     def on(lanes):
@@ -52,63 +50,45 @@ def producer_sleeps(cycles: int = CYCLES):
             with lane.issue():
                 torch.cuda._sleep(cycles)
 
-    def backward(engine, roots, seeds):
-        on(engine.lanes)
-        slept["backward"] += 1
-        return real_backward(engine, roots, seeds)
+    class Sleeps(phases.Observer):  # Note [observers, not patches] in dpq.phases
+        def phase_begin(self, name, owner, lane):
+            if name == "backward":
+                on(owner.lanes)
+                slept["backward"] += 1
+            elif name == "readback":
+                torch.cuda._sleep(cycles)  # the current stream: the default one, lane 0's
+                slept["readback"] += 1
 
-    def bucket(policy, buckets, i, *marks):
-        on(policy.comm.lanes)  # the communication streams with --parallel_overlap, else the lanes'
-        slept["bucket"] += 1
-        return real_bucket(policy, buckets, i, *marks)
+        def exchange_begin(self, policy, bucket, numel):
+            on(policy.comm.lanes)  # the communication streams with --parallel_overlap, else the lanes'
+            slept["bucket"] += 1
 
-    def read(engine, readback, per_lane):
-        torch.cuda._sleep(cycles)  # the current stream: the default one, lane 0's
-        slept["readback"] += 1
-        return real_read(engine, readback, per_lane)
-
-    tune_loop.TuneEngine._backward, exchange._Exchange.exchange_bucket = backward, bucket
-    tune_loop.TuneEngine._read_losses = read
-    try:
+    with phases.observing(Sleeps()):
         yield slept
-    finally:
-        tune_loop.TuneEngine._backward, exchange._Exchange.exchange_bucket = real_backward, real_bucket
-        tune_loop.TuneEngine._read_losses = real_read
 
 
 @contextlib.contextmanager
 def issuing_threads():
     """Which threads issue the exchange's collectives, and how many buckets the overlap's issuer sent
     during the backward (with small buckets, so that a block has several)."""
-    from dpq import comm_base, exchange
+    from dpq import phases
 
     seen = {"threads": set(), "issued_in_backward": []}
-    cls = comm_base.CommunicatorBase
-    real = {m: getattr(cls, m) for m in ("all_reduce", "reduce_scatter", "all_gather")}
-    real_serve, real_cap = exchange.BackwardExchange.serve, exchange.GradBuckets.__init__.__defaults__
 
-    def wrap(m):
-        def call(self, *a, **kw):
+    class Issuers(phases.Observer):  # Note [observers, not patches] in dpq.phases
+        def exchange_begin(self, policy, bucket, numel):  # a bucket's collectives come from this thread
             seen["threads"].add("main" if threading.current_thread() is threading.main_thread()
                                 else threading.current_thread().name)
-            return real[m](self, *a, **kw)
-        return call
 
-    def serve(bx):
-        real_serve(bx)
-        seen["issued_in_backward"].append(bx.issued_in_backward)
+        def phase_end(self, name, owner, lane, error):
+            if name == "issuer" and error is None:
+                seen["issued_in_backward"].append(owner.issued_in_backward)
 
-    for m in real:
-        setattr(cls, m, wrap(m))
-    exchange.BackwardExchange.serve = serve
-    exchange.GradBuckets.__init__.__defaults__ = (2**14, None)  # bucket_cap_elems: several buckets per block
-    try:
+        def bucket_cap(self, sizes, cap):
+            return 2**14  # several buckets per block
+
+    with phases.observing(Issuers()):
         yield seen
-    finally:
-        for m, f in real.items():
-            setattr(cls, m, f)
-        exchange.BackwardExchange.serve = real_serve
-        exchange.GradBuckets.__init__.__defaults__ = real_cap
 
 
 SANITIZED = {"plain": (None, False), "overlap": (True, False),

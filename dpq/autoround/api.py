@@ -411,7 +411,7 @@ def parallel_tune(
             if auto_world is None and spec.world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
             config = session.SessionConfig(spec, auto_world=auto_world, caller="api")
-            plan = session.plan_for(config, task.describe())
+            plan = session.block_plan(config, task.describe())
         except PlanRefused as refused:
             problems += refused.reasons
     if problems or plan is None:

@@ -89,7 +89,7 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str 
     found = problems(world, ours.parallel_devices, debug=ours.parallel_debug, overlap=ours.parallel_overlap,
                      timeout=ours.parallel_timeout, timeout_given=isinstance(ours.parallel_timeout, str))
     try:
-        from dpq.plan import validate_world
+        from dpq.lane_devices import validate_world
 
         machine, valid = Machine.detect(), validate_world(world)
         home = "cpu" if theirs is not None and str(theirs.device_map).strip().lower() == "cpu" else None
@@ -134,7 +134,7 @@ def _device_map_problems(world: int | str, devices: object, theirs: argparse.Nam
     them on the CPU)."""
     if world == "off" or devices is not None or theirs is None:
         return []
-    from dpq.plan import parse_device_spec
+    from dpq.lane_devices import parse_device_spec
     from dpq.spec import machine_problems
 
     typed = [e.raw.strip() for e in parse_device_spec(str(theirs.device_map))
@@ -309,7 +309,8 @@ def _run_processes(spec, ours: argparse.Namespace, recipe: str | None, rest: lis
     from dpq.autoround.job import settings
     from dpq.autoround.process_setup import SETUPS, process_lanes, start_group
     from dpq.distributed import JobMismatch, ProcessSet, agree_job, peer_lost
-    from dpq.plan import PlanRefused, lane_device_errors
+    from dpq.lane_devices import lane_device_errors
+    from dpq.plan import PlanRefused
     from dpq.streams import default_accelerator_type
 
     devices, rest, kind = process_lanes(spec.world, spec.devices, rest, int(os.environ.get("LOCAL_RANK", "0")),

@@ -271,7 +271,7 @@ def _tuner_request(run: Run, q, block, fp_inputs) -> PlanRequest:
                        **task_plan_fields(q, block, fp_inputs, run.processes))
 
 
-def _plan_for(run: Run, q, block, fp_inputs, block_ctx) -> Plan:
+def _block_plan(run: Run, q, block, fp_inputs, block_ctx) -> Plan:
     plan = resolve(_tuner_request(run, q, block, fp_inputs))
     _log_plan(run, plan.devices, Topology.alone(plan.local_lanes), plan.said, block, block_ctx)
     return plan
@@ -304,7 +304,7 @@ def _delegated_quantize_block(run: Run | None, self, block, fp_inputs, input_oth
     run.at = block_ctx.block_name  # a failure from here on stopped in this block (the report's "where")
     # PlanRefused propagates: nothing started. Several processes: the session plans and agrees
     # on every rank (a refusal anywhere stops every rank there, with every rank's reasons).
-    plan = _plan_for(run, self, block, fp_inputs, block_ctx) if run.processes is None else None
+    plan = _block_plan(run, self, block, fp_inputs, block_ctx) if run.processes is None else None
 
     def serial():
         return _ORIGINAL(self, block, fp_inputs, input_others, fp_outputs, q_inputs, block_ctx, input_ids, **kwargs)

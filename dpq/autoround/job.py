@@ -125,7 +125,7 @@ def _by_meaning(dest: str, value: object) -> str:
     are one world; ``AUTO`` is ``auto``), the others as given. A world dpq rejects is left as
     written (the argument check refuses it on its own rank)."""
     if dest == "parallel_quantization":
-        from dpq.plan import validate_world
+        from dpq.lane_devices import validate_world
 
         try:
             return repr(validate_world(value))

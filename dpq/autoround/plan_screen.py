@@ -24,7 +24,8 @@ import torch
 
 from dpq import refusals
 from dpq.cost_model import ACHIEVABLE_FLOPS, CostInputs, choose_world, predict, probe_link
-from dpq.plan import BlockPrice, PlanRefused, PlanRequest, default_devices, parse_device_spec, price_runtime, resolve
+from dpq.lane_devices import parse_device_spec
+from dpq.plan import BlockPrice, PlanRefused, PlanRequest, default_devices, price_runtime, resolve
 from dpq.streams import backend, default_accelerator_type
 
 __all__ = ["LanePrice", "PlanScreen", "WorldRow", "plan_for", "show_for_command"]

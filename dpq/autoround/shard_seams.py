@@ -16,7 +16,7 @@ from . import patches
 from .run import Run
 from .seams_common import reported
 
-__all__ = ["install", "installed", "last_run", "reset", "uninstall"]
+__all__ = ["install", "installed", "reset", "uninstall"]
 
 
 def install(run: Run) -> None:
@@ -32,12 +32,6 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return patches.installed()
-
-
-def last_run() -> Run:
-    """The run of the innermost install, or after the run, the last one (phase records, the seams'
-    counters in ``seams``)."""
-    return reported()
 
 
 def reset() -> None:

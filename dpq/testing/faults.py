@@ -2,12 +2,13 @@
 
 Tests make a lane fail where they want (a block's lane loss, one lane of a no-grad pass, or the
 whole process, as a killed or hung rank) to check that a failure mid-run loses nothing already
-done. Nothing in ``dpq/`` outside this package knows of it: while a fault is injected, the
-callable a run looks up at its seam is replaced (and put back when the last fault of that seam
-is removed):
+done. Nothing in ``dpq/`` outside this package knows of it. A tune fault is an observer of the
+runtime (``dpq.phases``: Note [observers, not patches]) that raises as a lane's forward begins; an
+adapter pass's fault replaces the callable the adapter looks up at its seam (the adapter's, never
+the runtime's; put back when the last fault of that seam is removed):
 
-    kind                   replaced                                    what fails
-    tune, exit, hang       ``dpq.session.TuneEngine``                  the engine's lane loss
+    kind                   seen at / replaced                          what fails
+    tune, exit, hang       a lane's forward phase (an observer)        the engine's lane forward
     collection             ``dpq.autoround.seams_collection``'s        a collection pass's forward
                            ``sharded_collection``                      on the lane
     awq_grid               ``dpq.autoround.seams_awq``'s               an AWQ grid search's reference
@@ -29,13 +30,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dpq import phases
+
 __all__ = ["ENV", "inject_fault", "inject_from_environment"]
 
 ENV = "DPQ_TEST_FAULT"
 _TUNE_KINDS = ("tune", "exit", "hang")
 # seam -> (module, the name that module looks the callable up by)
 _SEAMS = {
-    "tune": ("dpq.session", "TuneEngine"),
     "collection": ("dpq.autoround.seams_collection", "sharded_collection"),
     "awq_grid": ("dpq.autoround.seams_awq", "shard_forward"),
 }
@@ -120,50 +122,51 @@ def inject_from_environment() -> Fault | None:
 def _install(seam: str) -> None:
     if seam in _ORIGINALS:
         return
+    if seam == "tune":
+        _ORIGINALS[seam] = phases.register(_LaneForwardFaults())
+        return
     module, name = _SEAMS[seam]
     target = importlib.import_module(module)
     original = getattr(target, name)
     _ORIGINALS[seam] = original
-    setattr(target, name, _faulty_engine(original) if seam == "tune" else _faulty_pass(seam, original))
+    setattr(target, name, _faulty_pass(seam, original))
 
 
 def _uninstall_unused() -> None:
     for seam in [s for s in _ORIGINALS if not any(_seam(f.kind) == s for f in _FAULTS)]:
+        if seam == "tune":
+            _ORIGINALS.pop(seam)()  # the observer unregistered
+            continue
         module, name = _SEAMS[seam]
         setattr(sys.modules[module], name, _ORIGINALS.pop(seam))
 
 
-def _faulty_engine(engine: Callable) -> Callable:
-    """``engine`` built with its lane loss (the second argument) failing as the faults injected for
-    its block (``name=``) say."""
+class _LaneForwardFaults(phases.Observer):
+    """The tune faults: a lane's forward (phase ``forward`` of a global lane, run by ``dpq.tune_loop.
+    TuneEngine`` on the lane's stream) fails as the faults injected for the engine's block (its ``name``)
+    and the lane (its index in this process) say."""
 
-    def build(replicas, lane_loss, *args, **kwargs):
-        return engine(replicas, _failing_loss(lane_loss, kwargs.get("name", "")), *args, **kwargs)
-
-    return build
-
-
-def _failing_loss(lane_loss: Callable, name: str) -> Callable:
-    faults = [f for f in _FAULTS if f.kind in _TUNE_KINDS and f.matches_block(name)]
-    if not faults:
-        return lane_loss
-
-    def failing(lane, module, indices):
-        for fault in faults:
-            if fault.lane in (None, lane.index):
+    def phase_begin(self, name: str, owner: object, lane: int | None) -> None:
+        if name != "forward" or lane is None:
+            return
+        block = getattr(owner, "name", "")
+        local = lane - getattr(owner, "lane_offset", 0)
+        for fault in [f for f in _FAULTS if f.kind in _TUNE_KINDS and f.matches_block(block)]:
+            if fault.lane in (None, local):
                 fault.calls += 1
                 if fault.calls > fault.after:
-                    if fault.kind == "exit":  # the process dies there, as a killed rank does
-                        os._exit(9)
-                    if fault.kind == "hang":  # it never returns, as a hung rank does (its peers wait in a collective)
-                        print(f"dpq test hook: rank {os.environ.get('RANK', '0')} hangs in block "
-                              f"{name.rsplit('.', 1)[-1]}", file=sys.stderr, flush=True)
-                        while True:
-                            time.sleep(60)
-                    raise RuntimeError("injected lane failure (dpq test hook)")
-        return lane_loss(lane, module, indices)
+                    _fail(fault, block)
 
-    return failing
+
+def _fail(fault: Fault, block: str) -> None:
+    if fault.kind == "exit":  # the process dies there, as a killed rank does
+        os._exit(9)
+    if fault.kind == "hang":  # it never returns, as a hung rank does (its peers wait in a collective)
+        print(f"dpq test hook: rank {os.environ.get('RANK', '0')} hangs in block "
+              f"{block.rsplit('.', 1)[-1]}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
+    raise RuntimeError("injected lane failure (dpq test hook)")
 
 
 def _faulty_pass(kind: str, run: Callable) -> Callable:

@@ -93,6 +93,7 @@ from torch.utils.flop_counter import flop_registry
 
 import dpq.streams as dpq_streams
 from dpq.comm_base import CommunicatorBase, ordered_sum
+from dpq.phases import Observer
 from dpq.testing.timeline.shapes import TensorMeta
 from dpq.testing.timeline.work import attention_flops, is_view_schema, named_args, work_of
 
@@ -334,6 +335,12 @@ class ModelBackend(dpq_streams.Backend):
 
     def can_access_peer(self, a: torch.device, b: torch.device) -> bool:
         return True
+
+    def communicator_for(self, devices: Sequence[torch.device]) -> tuple[str, str] | None:
+        places = [place_of_device(d) for d in devices]
+        if len(set(places)) == len(places) and HOST not in places:
+            return "model-nccl", f"{len(places)} logical GPUs: NCCL semantics (timeline model)"
+        return None
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.model.is_pinned(tensor):
@@ -921,111 +928,24 @@ class TimelineModel:
     # -- install -----------------------------------------------------------------------------------
 
     def _patch(self, owner, name: str, value) -> None:
+        """Replace a torch attribute while recording (autograd's backward, torch.distributed: never dpq's,
+        which the model sees through its observer, Note [observers, not patches] in ``dpq.phases``)."""
         real = getattr(owner, name)
         setattr(owner, name, value)
         self._restore.append(lambda: setattr(owner, name, real))
 
     def __enter__(self) -> TimelineModel:
-        from dpq import communicators, plan, session
-        from dpq import exchange as dpq_exchange
-        from dpq import sign_bits as dpq_sign_bits
-        from dpq import tune_loop as tl
+        from dpq import communicators, phases
 
         TimelineModel.active = self
-        real_cpu = dpq_streams._BACKENDS["cpu"]
-        dpq_streams._BACKENDS["cpu"] = ModelBackend(self)
-        self._restore.append(lambda: dpq_streams._BACKENDS.__setitem__("cpu", real_cpu))
+        real_cpu = dpq_streams.install_backend("cpu", ModelBackend(self))
+        self._restore.append(lambda: dpq_streams.install_backend("cpu", real_cpu))
+        communicators.register_communicator("model-nccl", ModelNccl)
+        self._restore.append(lambda: communicators.register_communicator("model-nccl", None))
+        self._observing = phases.observing(_Observer(self))
+        self._observing.__enter__()
+        self._restore.append(lambda: self._observing.__exit__(None, None, None))
         model = self
-
-        def choose(devices):
-            places = [place_of_device(d) for d in devices]
-            if len(places) > 1 and len(set(places)) == len(places) and HOST not in places:
-                return "model-nccl", f"{len(places)} logical GPUs: NCCL semantics (timeline model)"
-            return real_choose(devices)
-
-        real_choose = communicators.choose_communicator
-        self._patch(communicators, "choose_communicator", choose)
-        self._patch(plan, "choose_communicator", choose)
-        communicators.COMMUNICATORS["model-nccl"] = ModelNccl
-        self._restore.append(lambda: communicators.COMMUNICATORS.pop("model-nccl", None))
-
-        real_make_lanes = session.make_lanes
-
-        def make_lanes(devices):
-            lanes = real_make_lanes(devices)
-            model.lanes = lanes
-            return lanes
-
-        self._patch(session, "make_lanes", make_lanes)
-
-        real_backward = tl.TuneEngine.backward
-
-        def engine_backward(engine, indices):
-            model._iteration += 1
-            model.marker(f"iteration {model._iteration}")
-            with model.phase_of("forward"):
-                return real_backward(engine, indices)
-
-        self._patch(tl.TuneEngine, "backward", engine_backward)
-
-        real_run_loop = session.run_loop
-
-        def run_loop(engine, spec):
-            try:
-                return real_run_loop(engine, spec)
-            finally:
-                model.marker("loop end")
-                model._iteration = -1  # what follows (teardown, unwrap) belongs to no iteration
-
-        self._patch(session, "run_loop", run_loop)
-        for owner, meth, phase in ((tl.TuneEngine, "step", "step"), (tl.TuneEngine, "_queue_readback", "readback"),
-                                   (dpq_exchange.GradBuckets, "attach", "grads"),
-                                   (dpq_exchange.GradBuckets, "finalize", "grads"),
-                                   (tl.TuneEngine, "_read_losses", "readback"),
-                                   (dpq_exchange._Exchange, "exchange", "exchange"),
-                                   (dpq_exchange.BackwardExchange, "__exit__", "exchange")):
-            self._patch(owner, meth, _in_phase(self, getattr(owner, meth), phase))
-
-        # Autograd runs nodes (hooks, custom Functions) without the caller's torch function modes, so
-        # Tensor.device would answer the real cpu inside the overlap's issuer (dpq.exchange): put the
-        # places back for it. (The hooks only count and record events: no tensor op.)
-        real_serve = dpq_exchange.BackwardExchange.serve
-
-        def serve(bx):
-            with _Places(model):
-                return real_serve(bx)
-
-        self._patch(dpq_exchange.BackwardExchange, "serve", serve)
-
-        real_sign_table = dpq_sign_bits.sign_table
-
-        def sign_table(device="cpu"):
-            table = real_sign_table(device)
-            model.mark_constant(table)
-            return table
-
-        self._patch(dpq_sign_bits, "sign_table", sign_table)
-        real_buckets_init = dpq_exchange.GradBuckets.__init__
-
-        def buckets_init(buckets, params_per_lane, bucket_cap_elems=dpq_exchange.OVERLAP_BUCKET_CAP, lanes=None):
-            # recorded with one tuned tensor per bucket (each bucket's ops then wait for exactly its
-            # tensor's gradients), the cap dpq asked for kept for laying out the target's buckets
-            # (None: dpq.exchange.bucket_cap of the target's own tensors)
-            real_buckets_init(buckets, params_per_lane, 1, lanes)
-            model.bucket_layout = ([p.numel() for p in buckets.params[0]], bucket_cap_elems)
-
-        self._patch(dpq_exchange.GradBuckets, "__init__", buckets_init)
-        real_exchange_bucket = dpq_exchange._Exchange.exchange_bucket
-
-        def exchange_bucket(policy, buckets, i, marks=None):
-            start, end = buckets.bucket_ranges[i]
-            outer, model._bucket = model._bucket, (i, end - start)
-            try:
-                return real_exchange_bucket(policy, buckets, i, marks)
-            finally:
-                model._bucket = outer
-
-        self._patch(dpq_exchange._Exchange, "exchange_bucket", exchange_bucket)
 
         real_autograd_backward = torch.autograd.backward
 
@@ -1115,9 +1035,66 @@ class TimelineModel:
         TimelineModel.active = None
 
 
-def _in_phase(model: TimelineModel, real, phase: str):
-    @functools.wraps(real)
-    def call(*args, **kwargs):
-        with model.phase_of(phase):
-            return real(*args, **kwargs)
-    return call
+# the runtime's phases (dpq.phases) as the record labels them (Op.phase); None: the label stays
+_LABELS = {"split": "forward", "forward": "forward", "backward": "forward", "readback": "readback",
+           "readback queue": "readback", "identical check": None,
+           "loss gather": "readback", "exchange": "exchange", "exchange finish": "exchange", "grads": "grads",
+           "step": "step", "issuer": None, "loop": None}
+
+
+class _Observer(Observer):
+    """What the model needs of a run (Note [observers, not patches] in ``dpq.phases``): iteration
+    markers, each op's phase label, the lanes, the buckets' layout (recorded one tuned tensor per
+    bucket) and the bucket each exchange op belongs to, the constant tables, and the places put back
+    for the overlapped exchange's issuer (autograd runs nodes without the caller's torch function
+    modes, so ``Tensor.device`` would answer the real cpu there; the hooks only count and record
+    events: no tensor op)."""
+
+    def __init__(self, model: TimelineModel) -> None:
+        self.model = model
+        self._labels: list[str] = []
+        self._places: list[contextlib.ExitStack] = []
+        self._buckets: list[tuple[int, int] | None] = []
+
+    def phase_begin(self, name: str, owner: object, lane: int | None) -> None:
+        model = self.model
+        if name == "split":
+            model._iteration += 1
+            model.marker(f"iteration {model._iteration}")
+        if name == "issuer":
+            stack = contextlib.ExitStack()
+            stack.enter_context(_Places(model))
+            self._places.append(stack)
+        self._labels.append(model._phase)
+        label = _LABELS.get(name)
+        if label is not None:
+            model._phase = label
+
+    def phase_end(self, name: str, owner: object, lane: int | None, error: BaseException | None) -> None:
+        model = self.model
+        model._phase = self._labels.pop()
+        if name == "issuer":
+            self._places.pop().close()
+        if name == "loop":
+            model.marker("loop end")
+            model._iteration = -1  # what follows (teardown, unwrap) belongs to no iteration
+
+    def lanes_made(self, lanes: Sequence) -> None:
+        self.model.lanes = list(lanes)
+
+    def bucket_cap(self, sizes: Sequence[int], cap: int) -> int:
+        # recorded with one tuned tensor per bucket (each bucket's ops then wait for exactly its tensor's
+        # gradients), the cap dpq asked for kept for laying out the target's buckets (None:
+        # dpq.exchange.bucket_cap of the target's own tensors)
+        self.model.bucket_layout = (list(sizes), cap)
+        return 1
+
+    def exchange_begin(self, policy: object, bucket: int, numel: int) -> None:
+        self._buckets.append(self.model._bucket)
+        self.model._bucket = (bucket, numel)
+
+    def exchange_end(self, policy: object, bucket: int, numel: int, error: BaseException | None) -> None:
+        self.model._bucket = self._buckets.pop()
+
+    def constant_made(self, tensor: torch.Tensor) -> None:
+        self.model.mark_constant(tensor)
