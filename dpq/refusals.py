@@ -514,6 +514,11 @@ OVERLAP_ON_CPU = ("--parallel_overlap has no effect on CPU lanes: it puts the ex
                   "--parallel_overlap (auto), or GPU lanes (--parallel_devices 0,1)")
 
 
+def bad_order(value: object) -> str:
+    return (f"--parallel_order {value!r} is not a setting. Fix: canonical (the default: the bits depend on the "
+            f"world alone) or native (NCCL's own sums) (Python: parallel_order='canonical' or 'native')")
+
+
 def bad_overlap(value: object) -> str:
     return (f"--parallel_overlap {value!r} is not a setting. Fix: auto (the default: on where the lane GPUs "
             f"have no peer access), on, or off (Python: parallel_overlap='auto', 'on' or 'off')")

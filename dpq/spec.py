@@ -22,7 +22,7 @@ from dpq.plan import parse_device_spec, validate_world
 from dpq.streams import backend
 
 __all__ = ["FLAGS", "OVERLAP_SETTINGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "SpecSettings",
-           "machine_problems", "overlap_setting", "problems"]
+           "machine_problems", "order_setting", "overlap_setting", "problems"]
 
 TIMEOUT_RANGE_S = (10.0, 604800.0)  # the process group's start waits that long for every rank; a week
 
@@ -63,6 +63,12 @@ FLAGS: tuple[Flag, ...] = (
          "of lane GPUs has no peer access (the exchange then goes through host memory and dominates; modeled, "
          "docs/PERFORMANCE.md), off elsewhere; on (or the bare flag); off. CPU lanes overlap anyway, so 'on' is "
          "refused there as having no effect", "{auto,on,off}", ("auto", "on", "off"), "on"),
+    Flag("parallel_order", "canonical",
+         "the order the lanes' gradients are summed in. canonical (default): dpq's own fold in global lane order, "
+         "so the bits depend on the world alone (torchrun 2x1 == 1x2 bitwise), at the price of NCCL send/recv "
+         "and a fold kernel per lane (docs/PERFORMANCE.md); native: NCCL's own reduce-scatter (in-process NCCL "
+         "only): every lane still gets the same bits, but they depend on NCCL's algorithm and the lane layout",
+         "{canonical,native}", ("canonical", "native")),
     Flag("parallel_report", None,
          "write the run's report as JSON at every end of the run (success, failure, cancel): the schema, "
          "versions, devices, command line, start and end time, exit status, a structured error, and per block "
@@ -101,6 +107,7 @@ class ParallelSpec:
     overlap: bool | None = None
     timeout: float = DEFAULTS["parallel_timeout"]
     report: str | None = DEFAULTS["parallel_report"]
+    order: str = DEFAULTS["parallel_order"]  # --parallel_order: "canonical" or "native" (dpq.plan.ORDERS)
 
     @classmethod
     def build(cls, parallel_quantization: object = DEFAULTS["parallel_quantization"],
@@ -109,18 +116,20 @@ class ParallelSpec:
               parallel_overlap: bool | str | None = DEFAULTS["parallel_overlap"],
               parallel_timeout: object = DEFAULTS["parallel_timeout"],
               parallel_report: str | None = DEFAULTS["parallel_report"],
+              parallel_order: str = DEFAULTS["parallel_order"],
               machine: Machine | None = None, home: str | None = None) -> ParallelSpec:
         """The spec, or :class:`SpecError` with every problem (:func:`problems`; with ``machine``, also
         :func:`machine_problems`, ``home`` the block's device type when known: ``--device_map``'s)."""
         found = problems(parallel_quantization, parallel_devices, debug=parallel_debug, overlap=parallel_overlap,
-                         timeout=parallel_timeout)
+                         timeout=parallel_timeout, order=parallel_order)
         if machine is not None and not found:
             found = machine_problems(validate_world(parallel_quantization), parallel_devices, machine,
                                      overlap=parallel_overlap, home=home)
         if found:
             raise SpecError(found)
         return cls(validate_world(parallel_quantization), parallel_devices, bool(parallel_debug),
-                   overlap_setting(parallel_overlap), float(parallel_timeout), parallel_report)
+                   overlap_setting(parallel_overlap), float(parallel_timeout), parallel_report,
+                   order_setting(parallel_order))
 
 
 class SpecSettings:
@@ -148,6 +157,11 @@ class SpecSettings:
         """Exchange buckets during the backward on GPU lanes: None = auto (the plan's choice), True = on
         (a second stream per lane, dpq.comm_streams), False = off. CPU lanes overlap unless off."""
         return self.spec.overlap
+
+    @property
+    def order(self) -> str:
+        """--parallel_order: the order the sums fold in ("canonical" or "native"; dpq.plan.ORDERS)."""
+        return self.spec.order
 
     @property
     def timeout(self) -> float:
@@ -180,8 +194,16 @@ def overlap_setting(value: object) -> bool | None:
     raise ValueError(f"dpq: {refusals.bad_overlap(value)}")
 
 
+def order_setting(value: object) -> str:
+    """--parallel_order's value: 'canonical' or 'native' (any case); ValueError for anything else."""
+    if isinstance(value, str) and value.strip().lower() in ("canonical", "native"):
+        return value.strip().lower()
+    raise ValueError(f"dpq: {refusals.bad_order(value)}")
+
+
 def problems(world: object, devices: object = None, *, debug: bool = False, overlap: object = None,
-             timeout: object = DEFAULTS["parallel_timeout"], timeout_given: bool = False) -> list[str]:
+             timeout: object = DEFAULTS["parallel_timeout"], timeout_given: bool = False,
+             order: object = DEFAULTS["parallel_order"]) -> list[str]:
     """Every problem visible in the settings alone (module docstring), each once. ``timeout_given``:
     the timeout was asked for (a command line's flag), not left at its default."""
     found = []
@@ -209,6 +231,10 @@ def problems(world: object, devices: object = None, *, debug: bool = False, over
         found.append(refusals.OVERLAP_WHILE_OFF)
     if overlap is True and w != "off" and devices is not None and _no_accelerator_lane(devices):
         found.append(refusals.OVERLAP_ON_CPU)
+    try:
+        order_setting(order)
+    except ValueError as e:
+        found.append(str(e).removeprefix("dpq: "))
     if (problem := _timeout_problem(timeout)) is not None:
         found.append(problem)
     elif timeout_given and w == "off":

@@ -20,7 +20,7 @@ from dpq import refusals, session
 from dpq.cost_model import AutoWorld
 from dpq.mirror import tensors_in
 from dpq.plan import PlanRefused, validate_world
-from dpq.spec import ParallelSpec, overlap_setting
+from dpq.spec import ParallelSpec, order_setting, overlap_setting
 
 from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
 
@@ -330,6 +330,7 @@ def parallel_tune(
     auto_world: AutoWorld | None = None,
     overlap: bool | str | None = None,
     timeout: float = session.DEFAULT_TIMEOUT_S,
+    order: str = "canonical",
 ) -> ParallelTuneResult:
     """SignRound-tune ``block`` data-parallel and apply the best rounding/scales to it.
 
@@ -359,7 +360,9 @@ def parallel_tune(
     for stream order on CPU; on one H200's lanes bitwise the plain run, not yet on several GPUs),
     False or 'off'.
     ``timeout``: seconds the host waits for an iteration's work on the lanes before the run stops as
-    hung (``dpq.tune_loop``: the watchdog).
+    hung (``dpq.tune_loop``: the watchdog). ``order``: 'canonical' (the sums in dpq's lane order: the
+    bits depend on the world alone) or 'native' (NCCL's own reduce-scatter on distinct GPUs: the same bits
+    on every lane, which depend on NCCL's algorithm; Note [canonical or native order] in ``dpq.plan``).
 
     Bad arguments (block, pool, settings, lanes) raise one ``ValueError`` listing every problem
     with its fix, before the block is touched. Any later failure (an exception or out-of-memory
@@ -395,7 +398,7 @@ def parallel_tune(
             if auto_world is None and world == "auto":
                 auto_world = AutoWorld()  # one per call: the link probed once, the world by predicted time
             spec = ParallelSpec(validate_world(world, "api"), devices, bool(debug_identical), overlap_setting(overlap),
-                                float(timeout))
+                                float(timeout), order=order_setting(order))
             config = session.SessionConfig(spec, auto_world=auto_world, caller="api")
             plan = session.plan_for(config, task.describe())
         except PlanRefused as refused:

@@ -192,7 +192,8 @@ def spec_of(ours: argparse.Namespace):
     return ParallelSpec.build(_screen_world(ours) if ours.parallel_plan else ours.parallel_quantization,
                               ours.parallel_devices, parallel_debug=ours.parallel_debug,
                               parallel_overlap=ours.parallel_overlap,
-                              parallel_timeout=ours.parallel_timeout, parallel_report=ours.parallel_report)
+                              parallel_timeout=ours.parallel_timeout, parallel_report=ours.parallel_report,
+                              parallel_order=ours.parallel_order)
 
 
 def hands_over(argv: list[str], recipe: str | None) -> bool:

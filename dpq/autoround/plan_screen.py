@@ -177,14 +177,16 @@ def _calibration() -> str:
 
 def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devices=None, home: str | None = None,
              iters: int = 200, batch_size: int = 8, gradient_accumulate_steps: int = 1, nsamples: int = 128,
-             seqlen: int = 2048, model_dtype: str | None = None, parallel_overlap: object = "auto") -> PlanScreen:
+             seqlen: int = 2048, model_dtype: str | None = None, parallel_overlap: object = "auto",
+             parallel_order: str = "canonical") -> PlanScreen:
     """The plan screen (module docstring) for ``model``: a model folder or hub id (its config alone
     is read), or a model object. The settings are auto-round's and auto-round-dp's, with their
     defaults; ``home``: the block's device (default: the first lane's, else the CPU). An explicit
     ``parallel_quantization`` N marks the rows above N as not asked for."""
     from dpq.spec import ParallelSpec
 
-    spec = ParallelSpec.build(parallel_quantization, parallel_devices, parallel_overlap=parallel_overlap)
+    spec = ParallelSpec.build(parallel_quantization, parallel_devices, parallel_overlap=parallel_overlap,
+                              parallel_order=parallel_order)
     source = "model" if isinstance(model, torch.nn.Module) else "config"
     built = model if source == "model" else _meta_model(str(model), model_dtype)
     name, block, blocks = _first_block(built)
@@ -213,7 +215,8 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
         buckets = overlap = ""
         try:
             plan = resolve(PlanRequest(world=w, devices=[str(d) for d in lanes[:w]], samples_per_iter=samples,
-                                       home=home_dev, price=price, pool_samples=nsamples, overlap=spec.overlap))
+                                       home=home_dev, price=price, pool_samples=nsamples, overlap=spec.overlap,
+                                       order=spec.order))
             buckets, overlap = plan.buckets_reason, plan.overlap_reason
         except PlanRefused as err:
             refused = err.reasons
@@ -278,6 +281,6 @@ def show_for_command(parsed, spec) -> int:
                       batch_size=parsed.batch_size or recipe["batch_size"],
                       gradient_accumulate_steps=getattr(parsed, "gradient_accumulate_steps", None) or 1,
                       nsamples=parsed.nsamples or recipe["nsamples"], seqlen=parsed.seqlen or recipe["seqlen"],
-                      model_dtype=parsed.model_dtype, parallel_overlap=spec.overlap)
+                      model_dtype=parsed.model_dtype, parallel_overlap=spec.overlap, parallel_order=spec.order)
     print(screen, flush=True)
     return 0

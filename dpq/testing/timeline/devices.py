@@ -53,6 +53,7 @@ class HostCosts:
     graph_launch_s: float  # replaying a captured CUDA graph: cudaGraphLaunch from the host (Pricing.graphs)
     graph_tree_s: float  # torch.compile's CUDA graph trees (mode="reduce-overhead"): their checks per replay
     wait_s: float  # recording an event or making a stream wait for one
+    nccl_call_s: float  # one call into NCCL inside a group (CuPy's binding, ncclSend/ncclRecv enqueueing)
     host_copy_bw: float  # host memcpy (pinning, host-side work on host memory), B/s
     compile_s: float  # compiling the block (forward + backward) for the first lane device, host seconds
     recompile_s: float  # for each further lane device or slice shape (dynamo guards on both): Triton's cache hits
@@ -122,7 +123,7 @@ _GRAPHS = ("pytorch/pytorch#150488 (B. Feng, 2025-04): one compiled graph replay
            "fullgraph, broken down per call")
 HOST = HostCosts(
     eager_op_s=6.5e-6, view_op_s=1.0e-6, compiled_kernel_s=8e-6, compiled_extern_s=6.5e-6, region_call_s=40e-6,
-    graph_launch_s=41e-6, graph_tree_s=128e-6, wait_s=1.5e-6,
+    graph_launch_s=41e-6, graph_tree_s=128e-6, wait_s=1.5e-6, nccl_call_s=3e-6,
     host_copy_bw=10e9, compile_s=60.0, recompile_s=15.0,
     sources={
         "eager_op_s": "published breakdowns of one eager CUDA op's CPU path (Python ~1 us, binding ~1 us, autograd "
@@ -140,6 +141,8 @@ HOST = HostCosts(
         "graph_tree_s": _GRAPHS + ": the CUDA graph trees' runtime checks 128 us per replay (beside it, dynamo's "
                         "cache lookup 176 us, which region_call_s prices)",
         "wait_s": "assumed: cudaEventRecord / cudaStreamWaitEvent are ~1-2 us of host time",
+        "nccl_call_s": "assumed: a CuPy NcclCommunicator method is a thin Cython call, and inside a group "
+                       "ncclSend/ncclRecv only enqueue (the kernels launch at groupEnd, priced as one op per rank)",
         "host_copy_bw": "assumed: a single-threaded host memcpy",
         "compile_s": "assumed 60 s for a block's forward + backward (inductor + Triton on a server CPU); a GPU "
                      "check measures it",

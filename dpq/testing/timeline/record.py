@@ -93,10 +93,14 @@ from torch.utils.flop_counter import flop_registry
 
 import dpq.streams as dpq_streams
 from dpq.comm_base import CommunicatorBase, ordered_sum
+from dpq.nccl_comm import CupyNcclCommunicator
+from dpq.nccl_lifecycle import NcclCommSet
+from dpq.testing.fake_cupy_nccl import ITEMSIZE, FakeNccl
 from dpq.testing.timeline.shapes import TensorMeta
 from dpq.testing.timeline.work import attention_flops, is_view_schema, named_args, work_of
 
-__all__ = ["HOST", "ModelNccl", "Op", "TimelineModel", "device_of_place", "lead_of", "place_of_device", "without_modes"]
+__all__ = ["HOST", "ModelCupyNccl", "ModelNccl", "Op", "TimelineModel", "device_of_place", "lead_of", "place_of_device",
+           "without_modes"]
 
 HOST = None  # the place of host memory; devices are 1..N
 _DEVICE = torch.Tensor.device  # the getset descriptor whose __get__ the function mode answers
@@ -152,6 +156,7 @@ class Op:
     phase: str = ""
     group: int | None = None  # collective: members of one group end together
     group_size: int = 1
+    in_communicator: bool = False  # issued by the communicator's own code (ModelCupyNccl: staging, folds, calls)
 
 
 def lead_of(shape: tuple[int, ...], seqlen: int) -> int:
@@ -359,6 +364,7 @@ class ModelNccl(CommunicatorBase):
     def __init__(self, lanes, model: TimelineModel | None = None) -> None:
         super().__init__(lanes)
         self.model = model if model is not None else TimelineModel.active
+        self.model.communicators.append(self.name)
 
     def _group(self, op: str, bufs_per_lane: list[list[torch.Tensor]], wire_factor: float,
                compute: Callable[[], None]) -> None:
@@ -400,6 +406,74 @@ class ModelNccl(CommunicatorBase):
     def _reduce(self, bufs, root):
         self._group("reduce", [[b] for b in bufs], 1.0,
                     lambda: ordered_sum(list(bufs), bufs[root]))
+
+
+class _ModelNcclLibrary(FakeNccl):
+    """``cupy.cuda.nccl`` for :class:`ModelCupyNccl`: the fake's data movement (:mod:`dpq.testing.fake_cupy_nccl`)
+    and, per call, the host's call into NCCL; at ``groupEnd`` each rank's calls of the group as one NCCL
+    kernel on the stream it named (NCCL runs a group's work of one rank as one kernel launch), every
+    member of the group ending together, the rank's wire bytes its sends (a collective's: its ring's)."""
+
+    def __init__(self, model: TimelineModel, lanes) -> None:
+        super().__init__()
+        self.model, self.lanes = model, lanes
+
+    def groupEnd(self):
+        pending = list(self.pending)
+        super().groupEnd()
+        self.model.nccl_group(pending, self.lanes)
+
+
+class ModelCupyNccl(CupyNcclCommunicator):
+    """dpq's CuPy NCCL communicator (what the plan picks for distinct GPUs where CuPy's NCCL imports, as
+    ``auto-round-dp[cuda12]`` installs it) running its own code on the logical devices: its staging
+    allocations, ``ordered_sum`` folds and host calls are recorded as they are issued, its NCCL calls by
+    :class:`_ModelNcclLibrary`. ``available`` answers True: the machine presets the model prices have it."""
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    def __init__(self, lanes, *, shared: bool = False, allow_shared_gpu: bool | None = None,
+                 order: str = "canonical") -> None:
+        CommunicatorBase.__init__(self, lanes)
+        self._set_order(order)
+        self.model = TimelineModel.active
+        self.model.communicators.append(self.name if order == "canonical" else f"{self.name} ({order})")
+        places = [place_of_device(lane.device) for lane in self.lanes]
+        self._nccl = _ModelNcclLibrary(self.model, self.lanes)
+        self.shared = False
+        self._set = NcclCommSet(self.name, places, self._nccl.NcclCommunicator.initAll(places), self._nccl)
+
+    def _stream(self, k: int) -> int:
+        return k  # the handle NCCL is given: the model maps it back to lane k's stream
+
+    def _issue(self, collective: Callable, *args) -> None:
+        with self.model.communicator_code():
+            collective(self, *args)
+
+    def _all_reduce(self, bufs) -> None:
+        self._issue(CupyNcclCommunicator._all_reduce, bufs)
+
+    def _reduce_scatter(self, send, recv) -> None:
+        self._issue(CupyNcclCommunicator._reduce_scatter, send, recv)
+
+    def _all_gather(self, send, recv) -> None:
+        self._issue(CupyNcclCommunicator._all_gather, send, recv)
+
+    def _broadcast(self, bufs, root) -> None:
+        self._issue(CupyNcclCommunicator._broadcast, bufs, root)
+
+    def _reduce(self, bufs, root) -> None:
+        self._issue(CupyNcclCommunicator._reduce, bufs, root)
+
+
+def _wire_elems(call, world: int) -> float:
+    """Elements one rank's NCCL call puts on the wire: a send its count, a receive none, a collective
+    its ring's (an all-gather sends every other rank's chunk on, a reduce-scatter (W-1)/W of its input)."""
+    ring = {"send": 1.0, "recv": 0.0, "broadcast": 1.0, "allGather": world - 1.0, "reduceScatter": world - 1.0,
+            "allReduce": 2 * (world - 1) / world, "reduce": (world - 1) / world}
+    return call.count * ring[call.op]
 
 
 # -- the recorder ---------------------------------------------------------------------------------
@@ -486,6 +560,8 @@ class TimelineModel:
         self.streams: list[ModelStream] = []
         self.violations: list[str] = []
         self.lanes: list = []
+        self.communicators: list[str] = []  # the name of every communicator the run made, in order
+        self._in_communicator = 0
         self._places: dict[int, int | None] = {}
         self._sizes: dict[int, tuple[int | None, int]] = {}  # storage -> (place, bytes) counted in live
         self.live: dict[int | None, int] = defaultdict(int)
@@ -661,7 +737,17 @@ class TimelineModel:
         s = self._node_stream()
         return f"autograd dev{s.place}" if s is not None else "main"
 
+    @contextlib.contextmanager
+    def communicator_code(self):
+        """Ops recorded meanwhile are the communicator's own (``Op.in_communicator``)."""
+        self._in_communicator += 1
+        try:
+            yield
+        finally:
+            self._in_communicator -= 1
+
     def _add(self, op: Op) -> Op:
+        op.in_communicator = self._in_communicator > 0
         if self._bucket is not None and op.kind != "marker":
             op.bucket, op.bucket_numel = self._bucket
         phase = op.phase or self._phase
@@ -768,6 +854,25 @@ class TimelineModel:
             self._add(self._new(f"nccl {name}", "collective", stream=stream, link="nccl", tensors=self.metas(bufs[:1]),
                                 wire_factor=wire_factor, group=gid,
                                 group_size=len(members)))
+
+    def nccl_group(self, calls, lanes) -> None:
+        """One NCCL group of :class:`ModelCupyNccl` (``calls``: the fake's records, rank = lane index):
+        each call a host call into NCCL, then each rank's calls as one kernel on its lane's stream,
+        every member ending together, each putting its sends (a collective: its ring's bytes) on the wire."""
+        if self.paused_now or not calls:
+            return
+        world, by_rank = len(lanes), defaultdict(list)
+        for c in calls:
+            self._add(self._new(f"nccl {c.op} (host call)", "nccl_call"))
+            by_rank[c.rank].append(c)
+        gid = next(self._groups)
+        for rank, mine in by_rank.items():
+            lane = lanes[rank]
+            stream = lane.stream if lane.stream is not None else self.current_stream(place_of_device(lane.device))
+            sent = sum(_wire_elems(c, world) for c in mine)
+            self._add(self._new(f"nccl {'+'.join(dict.fromkeys(c.op for c in mine))}", "collective", stream=stream,
+                                link="nccl", tensors=((round(sent), round(sent * ITEMSIZE[mine[0].dtype]), 0),),
+                                wire_factor=1.0, group=gid, group_size=len(by_rank)))
 
     def on_op(self, func, args, kwargs, out) -> None:
         schema = func._schema
@@ -940,14 +1045,17 @@ class TimelineModel:
         def choose(devices):
             places = [place_of_device(d) for d in devices]
             if len(places) > 1 and len(set(places)) == len(places) and HOST not in places:
-                return "model-nccl", f"{len(places)} logical GPUs: NCCL semantics (timeline model)"
+                # the plan's choice for as many distinct GPUs (whose NCCL kinds are the model's below)
+                return real_choose([torch.device("cuda", p) for p in places])
             return real_choose(devices)
 
         real_choose = communicators.choose_communicator
         self._patch(communicators, "choose_communicator", choose)
         self._patch(plan, "choose_communicator", choose)
-        communicators.COMMUNICATORS["model-nccl"] = ModelNccl
-        self._restore.append(lambda: communicators.COMMUNICATORS.pop("model-nccl", None))
+        registry = communicators.COMMUNICATORS
+        saved = dict(registry)
+        registry.update({"model-nccl": ModelNccl, "cupy-nccl": ModelCupyNccl})
+        self._restore.append(lambda: (registry.clear(), registry.update(saved)))
 
         real_make_lanes = session.make_lanes
 

@@ -120,6 +120,8 @@ class Pricing:
             return host.eager_op_s + self.scaled_bytes(op) / host.host_copy_bw
         if op.kind == "view":
             return host.view_op_s
+        if op.kind == "nccl_call":
+            return host.nccl_call_s
         if op.kind == "kernel" and op.region:
             if self.graphs == "regions":
                 return 0.0
@@ -328,7 +330,7 @@ def _host_pass(ops: list[Op], cost: dict[int, float], device_end: dict[int, floa
         begin = gil.place(host[th], cost[op.id]) if op.gil else host[th]
         host[th] = begin + cost[op.id]
         issue[op.id] = host[th]
-        if op.kind in ("host", "call", "view"):
+        if op.kind in ("host", "call", "view", "nccl_call"):
             host_end[op.id] = host[th]
         else:
             issued_end = max(issued_end, device_end.get(op.id, 0.0))

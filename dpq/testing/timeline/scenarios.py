@@ -138,7 +138,7 @@ def lane_devices(world: int) -> list[str]:
 
 
 def run_adapter(rec, world: int, *, pool: str = "home", cache: str | None = None, iters: int = 4,
-                mutations: Sequence[str] = (), overlap: bool | None = None) -> TimelineModel:
+                mutations: Sequence[str] = (), overlap: bool | None = None, order: str = "canonical") -> TimelineModel:
     """``rec``'s block through ``dpq.autoround.enable(world)`` on logical GPUs; the model's record.
     Under torchrun (a process group initialised), ``world`` is this rank's lanes. ``cache``: where
     auto-round keeps the best iteration's values (default: the host for a host pool, else the device)."""
@@ -150,7 +150,7 @@ def run_adapter(rec, world: int, *, pool: str = "home", cache: str | None = None
             _mutated(model, mutations):
         model.place(block, "cpu:1")
         _place_pool(model, rec, pool, world)
-        dpq_ar.enable(world, lane_devices(world), parallel_overlap=overlap)
+        dpq_ar.enable(world, lane_devices(world), parallel_overlap=overlap, parallel_order=order)
         try:
             rec.restore_rng()
             rec.serial_quantize_block(block)
