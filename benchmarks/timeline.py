@@ -249,7 +249,13 @@ class Row:
     overlap: tuple[bool, str] = (False, "")  # what --parallel_overlap auto takes on this machine, and why
     other: Timeline | None = None  # all lanes with the other overlap setting
     native: Timeline | None = None  # all lanes with --parallel_order native (compile path)
+    # all lanes spread over P processes of lanes/P lanes each (torchrun; Pricing.processes), P > 1, compile path
+    spread: dict[int, Timeline] = dataclasses.field(default_factory=dict)
 
+    def spread_speedup(self, processes: int) -> float:
+        """Over 1 lane: the lanes in ``processes`` processes (1: one process, as recorded)."""
+        tl = self.timelines[self.lanes] if processes == 1 else self.spread[processes]
+        return self.per_iter[1] / tl.seconds_per_iteration()
 
     def compile_s(self, world: int) -> float:
         n = self.compiles[world]
@@ -309,17 +315,20 @@ def table(records: dict[tuple[str, int], TimelineModel], cal: Calibration | None
                 other = _priced(ran(top, not on), bkey, gpu_key, gpu, host_k, top) if top > 1 else None
                 nkey = (path + NATIVE + (OVERLAPPED if on else ""), top)
                 native = _priced(records[nkey], bkey, gpu_key, gpu, host_k, top) if nkey in records else None
+                spread = ({p: _priced(ran(top, on), bkey, gpu_key, gpu, host_k, top, processes=p)
+                           for p in range(2, top + 1) if top % p == 0} if path == "compile" and top > 1 else {})
                 rows.append(Row(mname, gpu_key, lanes, bkey, path, {w: tl.seconds_per_iteration() for w, tl in
                                                                       tls.items()}, tls,
                                 {w: compiles_per_run(records[(path, w)]) if path == "compile" else 0 for w in worlds},
-                                host_k, roofline(block, gpu), graphed, overlap, other, native))
+                                host_k, roofline(block, gpu), graphed, overlap, other, native, spread))
     return rows, notes
 
 
 def _priced(model: TimelineModel, bkey: str, gpu_key: str, gpu, host: HostCosts, world: int,
-            graphs: str | None = None) -> Timeline:
-    """``model`` replayed on a ``bkey`` block on ``gpu`` with the buckets the plan takes there."""
-    return simulate(model, Pricing(RECORDED, BLOCKS[bkey], gpu, host, graphs=graphs,
+            graphs: str | None = None, processes: int = 1) -> Timeline:
+    """``model`` replayed on a ``bkey`` block on ``gpu`` with the buckets the plan takes there (in
+    ``processes`` processes: Note [P processes x 1 lane] in dpq/testing/timeline/replay.py)."""
+    return simulate(model, Pricing(RECORDED, BLOCKS[bkey], gpu, host, graphs=graphs, processes=processes,
                                    buckets=plan_buckets(bkey, gpu_key, world)))
 
 
@@ -481,11 +490,32 @@ def order_lines(rows: list[Row]) -> list[str]:
     return out
 
 
+def spread_lines(rows: list[Row]) -> list[str]:
+    """P x L priced (Note [P processes x 1 lane] in dpq/testing/timeline/replay.py): all lanes in one process
+    (as built), in one process per lane (torchrun --nproc-per-node W ... --parallel_quantization 1), and the
+    best spread; each process its own issuing thread and GIL."""
+    sel = [r for r in rows if r.spread]
+    if not sel:
+        return []
+    out = ["", "P processes x L lanes at all lanes (torch.compile on; each process its own issuing thread and GIL; "
+               "the exchange as recorded in one process; speedup over 1 lane):", "",
+           "| machine | block | 1 process x W lanes | W processes x 1 lane | best P x L | host/lane-iter, ms: 1 x W | "
+           "W x 1 |", "|---|---|---:|---:|---|---:|---:|"]
+    for r in sel:
+        best = max([1, *r.spread], key=r.spread_speedup)
+        hosts = [tl.breakdown()["host_per_lane_iteration"] * 1e3 for tl in (r.timelines[r.lanes], r.spread[r.lanes])]
+        out.append(f"| {r.machine} | {BLOCKS[r.block].name} | {r.speedup():.2f}x | {r.spread_speedup(r.lanes):.2f}x | "
+                   f"{best} x {r.lanes // best} ({r.spread_speedup(best):.2f}x) | {hosts[0]:.2f} | {hosts[1]:.2f} |")
+    return out
+
+
 def final_line(rows: list[Row], cal: Calibration | None, communicator: str) -> str:
     pick = {(r.gpu, r.lanes, r.block): r for r in rows if r.path == "compile"}
     return (f"timeline_table path=compile speedup_3090_w4_70b={pick[('3090', 4, '70b')].speedup():.2f} "
             f"speedup_h100_w8_70b={pick[('h100', 8, '70b')].speedup():.2f} "
             f"speedup_h100_w8_8b={pick[('h100', 8, '8b')].speedup():.2f} "
+            f"torchrun_h100_w8_8b={pick[('h100', 8, '8b')].spread_speedup(8):.2f} "
+            f"torchrun_h100_w8_70b={pick[('h100', 8, '70b')].spread_speedup(8):.2f} "
             f"calibrated={cal.label if cal else 'no'} communicator={communicator}")
 
 
@@ -560,8 +590,8 @@ def main(argv=None) -> int:
         rows, notes = table(records, cal, host, paths)
         for n in notes:
             print(f"calibrated: {n}")
-        print("\n".join(table_lines(rows) + overlap_lines(rows) + order_lines(rows) + graphs_lines(rows)
-                        + bucket_price_lines()))
+        print("\n".join(table_lines(rows) + overlap_lines(rows) + order_lines(rows) + spread_lines(rows)
+                        + graphs_lines(rows) + bucket_price_lines()))
         print(f"({time.perf_counter() - t0:.0f} s)")
         print(final_line(rows, cal, communicator_of(records)) if "compile" in paths else "timeline_table path=eager")
         return 0

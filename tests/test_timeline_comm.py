@@ -51,3 +51,29 @@ def test_timeline_replays_cupy_nccls_canonical_order():
     folds = [op for op in ops if op.kind == "kernel" and op.name in ("aten::add", "aten::add_")
              and op.stream.sid in lane_streams and op.phase == "exchange"]
     assert len(folds) == len(buckets) * world * (world - 1)
+
+
+def test_timeline_prices_one_process_per_lane():
+    """Note [P processes x 1 lane]: the same record replayed with each lane issued by a process of its own
+    (its own main thread and GIL): where the host is the bound (every host cost x 50) the iteration is
+    shorter than one thread issuing both lanes, by at most the lane count, and each process's thread issues
+    the ops of its lane only (every device op goes to the process of its stream's lane)."""
+    from dpq.testing.timeline.devices import GPUS, HOST
+    from dpq.testing.timeline.replay import Pricing, _process_threads, simulate
+    from dpq.testing.timeline.shapes import BLOCKS, RECORDED
+
+    world = 2
+    model = recorded_run(False, world, ITERS)
+    slow = HOST.rebased(**{k: getattr(HOST, k) * 50 for k in ("eager_op_s", "view_op_s", "compiled_kernel_s",
+                                                              "compiled_extern_s", "region_call_s", "wait_s")})
+    one, spread = (simulate(model, Pricing(RECORDED, BLOCKS["8b"], GPUS["h100"], slow, processes=p))
+                   for p in (1, world))
+    assert one.seconds_per_iteration() / world <= spread.seconds_per_iteration() < 0.9 * one.seconds_per_iteration()
+    # the same ops, each issued once: the host time per lane-iteration is unchanged
+    assert spread.breakdown()["host_per_lane_iteration"] == pytest.approx(one.breakdown()["host_per_lane_iteration"],
+                                                                          rel=0.05)
+    threads = _process_threads(model.ops, model, world)
+    lane_of_place = {lane.stream.place: k for k, lane in enumerate(model.lanes)}
+    for op in model.ops:
+        if op.stream is not None and op.stream.place in lane_of_place:
+            assert threads[op.id].endswith(f"#{lane_of_place[op.stream.place]}"), (op.name, threads[op.id])

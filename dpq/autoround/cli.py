@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     if ours.parallel_plan:
         from .plan_screen import show_for_command
 
-        return show_for_command(parsed, spec)
+        return show_for_command(parsed, spec, command)
     return _start(spec, ours, recipe, rest, [program(recipe), *argv], as_command)
 
 
