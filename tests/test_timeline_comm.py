@@ -77,3 +77,22 @@ def test_timeline_prices_one_process_per_lane():
     for op in model.ops:
         if op.stream is not None and op.stream.place in lane_of_place:
             assert threads[op.id].endswith(f"#{lane_of_place[op.stream.place]}"), (op.name, threads[op.id])
+
+
+def test_timeline_lane0_breakdown_has_its_communication_streams_kernels():
+    """With --parallel_overlap on the exchange's kernels run on lane 0's communication stream: the breakdown
+    counts them (the old model counted lane 0's compute stream only: 0 ms of exchange kernels)."""
+    from dpq.testing.timeline.devices import GPUS, HOST
+    from dpq.testing.timeline.replay import Pricing, op_class, simulate
+    from dpq.testing.timeline.scenarios import record_block, run_adapter
+    from dpq.testing.timeline.shapes import BLOCKS, RECORDED
+
+    model = run_adapter(record_block(False), 2, iters=ITERS, overlap=True)
+    tl = simulate(model, Pricing(RECORDED, BLOCKS["70b"], GPUS["3090"], HOST))
+    place = model.lanes[0].stream.place
+    steady = {it.index for it in tl.steady()}
+    comm = [op for op in tl.ops if op.iteration in steady and op.stream is not None and op.stream.place == place
+            and op.stream.sid != model.lanes[0].stream.sid and op_class(op) == "exchange_kernels" and op.id in tl.start]
+    assert comm, "no exchange kernel on lane 0's communication stream"
+    on_comm = sum(tl.end[op.id] - tl.start[op.id] for op in comm) / len(steady)
+    assert tl.breakdown()["exchange_kernels"] >= on_comm > 0

@@ -542,7 +542,8 @@ def _summaries(ops, issue, start, end, syncs, lane_streams, threads, costs=None)
                 if op.stream.place == lane0_place:
                     coll.append((start[op.id], end[op.id]))
                 continue
-            if cls is not None and op.stream.sid in lane0_streams:
+            # lane 0's device work on any of its streams (the exchange's on its communication stream too)
+            if cls is not None and (op.stream.sid in lane0_streams or op.stream.place == lane0_place):
                 lane0[cls] += end[op.id] - start[op.id]
         total, union = sum(busy), _union(all_intervals)
         ideal = total - max(busy, default=0.0)
