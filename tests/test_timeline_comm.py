@@ -79,6 +79,18 @@ def test_timeline_prices_one_process_per_lane():
             assert threads[op.id].endswith(f"#{lane_of_place[op.stream.place]}"), (op.name, threads[op.id])
 
 
+def test_timeline_counts_an_in_place_write_once_and_copy_reads_no_destination():
+    """An elementwise kernel moves what it reads and what it writes, each once: the step's ``_foreach_add_``
+    (returns nothing) writes its first list (the old model left the write out: 2 lists, not 3), and
+    ``copy_`` writes its destination without reading it (the old model counted it twice: 3 tensors)."""
+    model = recorded_run(False, 2, ITERS)
+    steps = [op for op in model.ops if op.iteration == 1 and op.name == "aten::_foreach_add_"]
+    tuned = len(model.bucket_layout[0])  # the step's lists: one tensor per tuned tensor of the lane
+    assert steps and all(len(op.tensors) == 3 * tuned for op in steps), (tuned, [len(op.tensors) for op in steps])
+    copies = [op for op in model.ops if op.kind == "kernel" and op.name == "aten::copy_"]
+    assert copies and all(len(op.tensors) == 2 for op in copies), {len(op.tensors) for op in copies}
+
+
 def test_timeline_lane0_breakdown_has_its_communication_streams_kernels():
     """With --parallel_overlap on the exchange's kernels run on lane 0's communication stream: the breakdown
     counts them (the old model counted lane 0's compute stream only: 0 ms of exchange kernels)."""

@@ -468,6 +468,27 @@ class ModelCupyNccl(CupyNcclCommunicator):
         self._issue(CupyNcclCommunicator._reduce, bufs, root)
 
 
+_WRITE_ONLY = {"aten::copy_", "aten::fill_", "aten::zero_"}  # their destination is written, not read
+
+
+def _traffic(schema, args, kwargs, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What an elementwise kernel moves, each tensor once per direction: every input read, every output
+    written; an argument it writes in place (``Tensor(a!)``) written once, also where the op returns
+    nothing (``_foreach_add_``), and not read where the op only writes it (``copy_``'s destination, an
+    ``out=`` argument)."""
+    written, write_only = [], set()
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        targets = _tensors(args[i] if i < len(args) else kwargs.get(a.name))
+        written += targets
+        if a.kwarg_only or schema.name in _WRITE_ONLY:
+            write_only |= {t._cdata for t in targets}
+    seen = {t._cdata for t in written}
+    reads = [t for t in ins if t._cdata not in write_only]
+    return reads + [t for t in outs if t._cdata not in seen] + written
+
+
 def _wire_elems(call, world: int) -> float:
     """Elements one rank's NCCL call puts on the wire: a send its count, a receive none, a collective
     its ring's (an all-gather sends every other rank's chunk on, a reduce-scatter (W-1)/W of its input)."""
@@ -935,8 +956,9 @@ class TimelineModel:
             return
         stream = self.current_stream(place)
         work = work_of(name)
+        moved = _traffic(schema, args, kwargs, ins, outs) if work == "elementwise" else ins + outs
         op = self._new(name, "kernel", stream=stream, flops=_flops(func, work, args, kwargs, out), work=work,
-                       tensors=self.metas(ins + outs), phase="grads" if _accumulating_grad() else "")
+                       tensors=self.metas(moved), phase="grads" if _accumulating_grad() else "")
         # autograd's device threads run its C++ nodes without the GIL, Python hooks with it
         op.gil = op.thread == "main" or _issued_from_python()
         written = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i < len(schema.arguments)
