@@ -108,3 +108,19 @@ def test_timeline_lane0_breakdown_has_its_communication_streams_kernels():
     assert comm, "no exchange kernel on lane 0's communication stream"
     on_comm = sum(tl.end[op.id] - tl.start[op.id] for op in comm) / len(steady)
     assert tl.breakdown()["exchange_kernels"] >= on_comm > 0
+
+
+def test_timeline_native_order_is_one_collective_per_rank():
+    """--parallel_order native recorded: per bucket one reduceScatter host call and one NCCL kernel per lane,
+    no send/recv and no fold kernel (the sums are NCCL's: nothing of them on the lanes' streams or the host)."""
+    from dpq.testing.timeline.scenarios import record_block, run_adapter
+
+    world = 3
+    model = run_adapter(record_block(False), world, iters=ITERS, order="native")
+    assert model.communicators == ["cupy-nccl (native)"]
+    ops = [op for op in model.ops if op.iteration == 1 and op.bucket is not None]
+    buckets = {op.bucket for op in ops}
+    calls = Counter(op.name for op in ops if op.kind == "nccl_call")
+    assert calls == {"nccl reduceScatter (host call)": len(buckets) * world, "nccl allGather (host call)":
+                     len(buckets) * world}
+    assert not [op for op in ops if op.in_communicator and op.kind in ("kernel", "host", "view")]

@@ -420,7 +420,8 @@ class _ModelNcclLibrary(FakeNccl):
 
     def groupEnd(self):
         pending = list(self.pending)
-        super().groupEnd()
+        with self.model.paused(), without_modes():  # the fake's sums (native order) are NCCL's, not the lanes' ops
+            super().groupEnd()
         self.model.nccl_group(pending, self.lanes)
 
 
