@@ -96,10 +96,10 @@ def test_timeline_lane0_breakdown_has_its_communication_streams_kernels():
     counts them (the old model counted lane 0's compute stream only: 0 ms of exchange kernels)."""
     from dpq.testing.timeline.devices import GPUS, HOST
     from dpq.testing.timeline.replay import Pricing, op_class, simulate
-    from dpq.testing.timeline.scenarios import record_block, run_adapter
+    from dpq.testing.timeline.scenarios import run_adapter, shared_block
     from dpq.testing.timeline.shapes import BLOCKS, RECORDED
 
-    model = run_adapter(record_block(False), 2, iters=ITERS, overlap=True)
+    model = run_adapter(shared_block(False), 2, iters=ITERS, overlap=True)
     tl = simulate(model, Pricing(RECORDED, BLOCKS["70b"], GPUS["3090"], HOST))
     place = model.lanes[0].stream.place
     steady = {it.index for it in tl.steady()}
@@ -113,10 +113,10 @@ def test_timeline_lane0_breakdown_has_its_communication_streams_kernels():
 def test_timeline_native_order_is_one_collective_per_rank():
     """--parallel_order native recorded: per bucket one reduceScatter host call and one NCCL kernel per lane,
     no send/recv and no fold kernel (the sums are NCCL's: nothing of them on the lanes' streams or the host)."""
-    from dpq.testing.timeline.scenarios import record_block, run_adapter
+    from dpq.testing.timeline.scenarios import run_adapter, shared_block
 
     world = 3
-    model = run_adapter(record_block(False), world, iters=ITERS, order="native")
+    model = run_adapter(shared_block(False), world, iters=ITERS, order="native")
     assert model.communicators == ["cupy-nccl (native)"]
     ops = [op for op in model.ops if op.iteration == 1 and op.bucket is not None]
     buckets = {op.bucket for op in ops}

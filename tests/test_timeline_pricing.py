@@ -39,9 +39,9 @@ def two_lanes():
 @pytest.fixture(scope="module")
 def two_lanes_overlap():
     """Two lanes with --parallel_overlap on (what auto takes on GPUs without peer access, e.g. RTX 3090s)."""
-    from dpq.testing.timeline.scenarios import record_block, run_adapter
+    from dpq.testing.timeline.scenarios import run_adapter, shared_block
 
-    return run_adapter(record_block(True), 2, iters=ITERS, overlap=True)
+    return run_adapter(shared_block(True), 2, iters=ITERS, overlap=True)
 
 
 def table_records(one_lane, two_lanes, two_lanes_overlap) -> dict:

@@ -73,10 +73,18 @@ def record_block(compile: bool = True):
 
 
 @functools.cache
+def shared_block(compile: bool = True):
+    """:func:`record_block`, made once per process: what the tests that replay the same block share
+    (a recording is an auto-round run; each replay takes the block's ``fresh_block()`` and restores
+    its RNG, so sharing changes no record)."""
+    return record_block(compile)
+
+
+@functools.cache
 def recorded_run(compile: bool, world: int, iters: int = 2) -> TimelineModel:
-    """:func:`run_adapter` of :func:`record_block` at ``world``, made once per process (the tests and
+    """:func:`run_adapter` of :func:`shared_block` at ``world``, made once per process (the tests and
     the benchmarks that replay the same record share it)."""
-    return run_adapter(record_block(compile), world, iters=iters)
+    return run_adapter(shared_block(compile), world, iters=iters)
 
 
 def compiles(rec) -> bool:
