@@ -124,3 +124,24 @@ def test_timeline_native_order_is_one_collective_per_rank():
     assert calls == {"nccl reduceScatter (host call)": len(buckets) * world, "nccl allGather (host call)":
                      len(buckets) * world}
     assert not [op for op in ops if op.in_communicator and op.kind in ("kernel", "host", "view")]
+
+
+def test_timeline_nccl_kernels_take_sms_from_the_compute_beside_them():
+    """Note [NCCL takes SMs]: with the exchange under the backward (--parallel_overlap on), lane 0's kernels
+    that run beside its NCCL kernels are longer by the class's share of the overlap (the old model priced
+    them as if NCCL took no SMs: the same kernel time with and without the share)."""
+    import dataclasses
+
+    from dpq.testing.timeline.devices import GPUS, HOST
+    from dpq.testing.timeline.replay import Pricing, simulate
+    from dpq.testing.timeline.scenarios import run_adapter, shared_block
+    from dpq.testing.timeline.shapes import BLOCKS, RECORDED
+
+    model = run_adapter(shared_block(False), 2, iters=ITERS, overlap=True)
+    gpu = GPUS["3090"]
+    assert 0 < gpu.nccl_sm_share < 1
+    free, taken = (simulate(model, Pricing(RECORDED, BLOCKS["70b"], g, HOST))
+                   for g in (dataclasses.replace(gpu, nccl_sm_share=0.0), gpu))
+    busy = [sum(sum(it.lane_busy_s) for it in tl.steady()) for tl in (free, taken)]
+    assert busy[1] > busy[0]
+    assert taken.seconds_per_iteration() >= free.seconds_per_iteration()

@@ -34,6 +34,9 @@ class GpuClass:
     link_latency_s: float  # per collective
     copy_latency_s: float = 10e-6
     peer_access: bool = True  # the GPUs reach each other directly (what dpq.plan.overlap_choice asks)
+    # the share of the device's SMs an NCCL kernel occupies while it runs (one block per channel): a
+    # kernel beside it runs that much longer over the overlap (replay's Note [NCCL takes SMs])
+    nccl_sm_share: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     calibrated: str = ""  # the calibration that re-based it ("<card>-<date>"), "" = stated figures
 
@@ -74,7 +77,7 @@ GPUS = {
     "3090": GpuClass(
         "RTX 3090 (PCIe 4.0 x16, no P2P)", matmul_flops=60e12, matmul_peak=71e12, attention_flops=39e12,
         mem_bw=800e9, mem_peak=936e9, kernel_floor_s=3e-6, h2d=24e9, d2d=10e9, link=10e9, link_latency_s=50e-6,
-        peer_access=False,
+        peer_access=False, nccl_sm_share=2 / 82,
         sources={
             "matmul_peak": "NVIDIA Ampere GA102 whitepaper: 71 TFLOP/s dense BF16 with FP32 accumulate (RTX 3090)",
             "matmul_flops": "assumed 85% of the peak (cuBLAS on large GEMMs); no 3090 measurement at hand",
@@ -89,11 +92,13 @@ GPUS = {
             "peer_access": "GeForce cards have no P2P (the link's source): torch.cuda.can_device_access_peer is False",
             "link_latency_s": "assumed: NCCL over shared host memory, tens of microseconds per collective",
             "kernel_floor_s": "assumed: an empty kernel's device time is a few microseconds",
+            "nccl_sm_share": "assumed: NCCL over host memory (no P2P) runs ~2 channels, one block each, of the "
+                             "3090's 82 SMs",
         }),
     "h100": GpuClass(
         "H100 SXM (NVLink 4, NVSwitch)", matmul_flops=780e12, matmul_peak=989e12, attention_flops=350e12,
         mem_bw=2.9e12, mem_peak=3.35e12, kernel_floor_s=2.5e-6, h2d=50e9, d2d=370e9, link=370e9,
-        link_latency_s=20e-6,
+        link_latency_s=20e-6, nccl_sm_share=16 / 132,
         sources={
             "matmul_peak": "NVIDIA H100 SXM sheet: 989 TFLOP/s dense BF16",
             "matmul_flops": f"an 8192^3 bf16 torch.matmul ran at 769-798 TFLOP/s on {_KINDS}; the H200 is the same "
@@ -104,6 +109,8 @@ GPUS = {
             "link": _NVLINK, "d2d": _NVLINK,
             "h2d": "PCIe 5.0 x16: 63 GB/s per direction on paper, ~50 GB/s pinned in practice (assumed)",
             "link_latency_s": "assumed: NCCL's small-message latency over NVLink is ~10-20 microseconds",
+            "nccl_sm_share": "assumed: NCCL on NVSwitch runs ~16 channels, one block (one SM) each, of the "
+                             "H100's 132 SMs (NCCL_MAX_NCHANNELS / NCCL_MIN_NCHANNELS set it)",
             "kernel_floor_s": "assumed: an empty kernel's device time is a few microseconds",
         }),
 }

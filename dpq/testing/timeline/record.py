@@ -52,8 +52,10 @@ CUDA semantics recorded (and replayed by :func:`dpq.testing.timeline.replay.simu
 * ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()`` of a device tensor, ``Event.synchronize``,
   ``Stream.synchronize`` and device synchronize are host syncs; a *sync point* is a maximal run of
   host waits with no op issued between them (the host stalls once, until the last of them);
-* collectives (:class:`ModelNccl`, NCCL's semantics: one kernel per lane on its stream, issued
-  in a group) end together, ``latency + wire bytes / link`` after the last member started;
+* the communicator is the one the plan picks for as many distinct GPUs (CuPy's NCCL:
+  :class:`ModelCupyNccl`, its own code recorded: staging, folds, host calls into NCCL); a group's
+  NCCL calls of one rank are one kernel on that rank's stream, and the members of a group (also
+  :class:`ModelNccl`'s collectives) end together, ``latency + wire bytes / link`` after the last started;
   ``torch.distributed`` collectives (under torchrun) are one such kernel on the current stream,
   the other ranks assumed to start at the same time; object collectives are host syncs;
 * dpq's gradient buckets are built with one tuned tensor each while recording (so a bucket's

@@ -23,9 +23,11 @@ loss readback as one captured graph (a design, dpq does not build it): the host 
 small copies (the sample indices and the learning rate into the graph's static buffers) per
 lane-iteration, and nothing else until the readback. Either way every kernel keeps its device time.
 
-Not modelled: a small kernel sharing the GPU with a large one, NCCL's kernels slowing the compute
-beside them, copy-engine and link contention, the caching allocator, a graph's own capture and its
-memory, clocks and temperature.
+NCCL's kernels take SMs (Note [NCCL takes SMs]): a kernel that runs while one of its device's NCCL
+kernels does is longer by ``GpuClass.nccl_sm_share`` of the overlap.
+
+Not modelled: a small kernel sharing the GPU with a large one, copy-engine and link contention, the
+caching allocator, a graph's own capture and its memory, clocks and temperature.
 """
 
 from __future__ import annotations
@@ -258,7 +260,7 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     waits: list[float] | None = None
     for _ in range(12):
         issue, host_end, syncs, waited = _host_pass(ops, host_cost, end, threads)
-        start, end = _device_pass(device_ops, issue, duration)
+        start, end = _device_pass(device_ops, issue, duration, pricing.gpu.nccl_sm_share)
         if waits is not None and all(abs(a - b) <= 1e-12 for a, b in zip(waits, waited, strict=True)):
             break
         waits = waited
@@ -396,7 +398,7 @@ def _host_pass(ops: list[Op], cost: dict[int, float], device_end: dict[int, floa
     return issue, host_end, syncs, waited_for
 
 
-def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, float]):
+def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, float], nccl_share: float = 0.0):
     """Start and end of every device op: each stream in order, an op once issued and once every op it
     waits for ended, a collective's members together, a kernel when its device runs no other; the
     earliest op that can start goes first."""
@@ -408,6 +410,7 @@ def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, flo
     end: dict[int, float] = {}
     stream_free: dict[int, float] = defaultdict(float)
     device_free: dict[int, float] = defaultdict(float)
+    nccl_busy: dict[int, list[tuple[float, float]]] = defaultdict(list)  # device -> its NCCL kernels' spans
     waiting: dict[int, list[int]] = defaultdict(list)  # op -> the streams whose head waits for it
     groups: dict[int, dict[int, tuple[float, int]]] = defaultdict(dict)  # group -> member -> (ready, stream)
     # (start, ready, op, stream); a group: (start, start, -1 - group, -1). Of kernels that could start at
@@ -449,6 +452,7 @@ def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, flo
             by_id = {queues[s][0].id: queues[s][0] for _, s in members.values()}
             for mid, (ready, _) in members.items():
                 start[mid], end[mid] = ready, at + duration[mid]
+                nccl_busy[by_id[mid].stream.place].append((ready, end[mid]))
             for mid, (_, msid) in members.items():
                 finished(by_id[mid], msid)
             continue
@@ -457,7 +461,15 @@ def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, flo
             if device_free[op.stream.place] > at:  # another kernel took the device meanwhile
                 heapq.heappush(heap, (device_free[op.stream.place], ready, oid, sid))
                 continue
-            device_free[op.stream.place] = at + duration[oid]
+            # Note [NCCL takes SMs]: while an NCCL kernel runs on the device (its channels' blocks), a
+            # kernel beside it has the rest of the SMs: it runs longer by that share of the overlap
+            d = duration[oid]
+            if nccl_share > 0 and nccl_busy[op.stream.place]:
+                d += nccl_share * sum(max(0.0, min(at + d, e) - max(at, s)) for s, e in nccl_busy[op.stream.place])
+            device_free[op.stream.place] = at + d
+            start[oid], end[oid] = at, at + d
+            finished(op, sid)
+            continue
         start[oid], end[oid] = at, at + duration[oid]
         finished(op, sid)
     return start, end
