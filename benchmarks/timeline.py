@@ -64,6 +64,8 @@ PRESETS = {"70b-3090": ("70b", "3090"), "8b-h100": ("8b", "h100"), "70b-h100": (
 MACHINES = [("4 x RTX 3090 (PCIe)", "3090", 4), ("8 x H100 (NVLink)", "h100", 8)]  # --table
 PATHS = ("compile", "eager")
 OVERLAPPED = "+overlap"  # a path's records with --parallel_overlap on: f"{path}{OVERLAPPED}"
+NATIVE = "+native"  # the compile path's records with --parallel_order native: f"compile{NATIVE}[{OVERLAPPED}]"
+NATIVE_WORLDS = (4, 8)  # the machines' lane counts: where the table prices --parallel_order native
 ITERS_PER_BLOCK = 200  # auto-round's default iters: what a block's compile is amortised over
 PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:green", "exchange": "tab:orange", "step": "tab:purple",
                 "grads": "tab:olive", "readback": "tab:red", "pin": "tab:gray", "": "tab:gray"}
@@ -246,6 +248,14 @@ class Row:
     graphed: dict[str, Timeline] = dataclasses.field(default_factory=dict)
     overlap: tuple[bool, str] = (False, "")  # what --parallel_overlap auto takes on this machine, and why
     other: Timeline | None = None  # all lanes with the other overlap setting
+    native: Timeline | None = None  # all lanes with --parallel_order native (compile path)
+    # all lanes spread over P processes of lanes/P lanes each (torchrun; Pricing.processes), P > 1, compile path
+    spread: dict[int, Timeline] = dataclasses.field(default_factory=dict)
+
+    def spread_speedup(self, processes: int) -> float:
+        """Over 1 lane: the lanes in ``processes`` processes (1: one process, as recorded)."""
+        tl = self.timelines[self.lanes] if processes == 1 else self.spread[processes]
+        return self.per_iter[1] / tl.seconds_per_iteration()
 
     def compile_s(self, world: int) -> float:
         n = self.compiles[world]
@@ -303,17 +313,22 @@ def table(records: dict[tuple[str, int], TimelineModel], cal: Calibration | None
                 graphed = ({g: _priced(ran(top, on), bkey, gpu_key, gpu, host_k, top, g) for g in GRAPHS if g}
                            if path == "compile" else {})
                 other = _priced(ran(top, not on), bkey, gpu_key, gpu, host_k, top) if top > 1 else None
+                nkey = (path + NATIVE + (OVERLAPPED if on else ""), top)
+                native = _priced(records[nkey], bkey, gpu_key, gpu, host_k, top) if nkey in records else None
+                spread = ({p: _priced(ran(top, on), bkey, gpu_key, gpu, host_k, top, processes=p)
+                           for p in range(2, top + 1) if top % p == 0} if path == "compile" and top > 1 else {})
                 rows.append(Row(mname, gpu_key, lanes, bkey, path, {w: tl.seconds_per_iteration() for w, tl in
                                                                       tls.items()}, tls,
                                 {w: compiles_per_run(records[(path, w)]) if path == "compile" else 0 for w in worlds},
-                                host_k, roofline(block, gpu), graphed, overlap, other))
+                                host_k, roofline(block, gpu), graphed, overlap, other, native, spread))
     return rows, notes
 
 
 def _priced(model: TimelineModel, bkey: str, gpu_key: str, gpu, host: HostCosts, world: int,
-            graphs: str | None = None) -> Timeline:
-    """``model`` replayed on a ``bkey`` block on ``gpu`` with the buckets the plan takes there."""
-    return simulate(model, Pricing(RECORDED, BLOCKS[bkey], gpu, host, graphs=graphs,
+            graphs: str | None = None, processes: int = 1) -> Timeline:
+    """``model`` replayed on a ``bkey`` block on ``gpu`` with the buckets the plan takes there (in
+    ``processes`` processes: Note [P processes x 1 lane] in dpq/testing/timeline/replay.py)."""
+    return simulate(model, Pricing(RECORDED, BLOCKS[bkey], gpu, host, graphs=graphs, processes=processes,
                                    buckets=plan_buckets(bkey, gpu_key, world)))
 
 
@@ -454,11 +469,61 @@ def overlap_lines(rows: list[Row]) -> list[str]:
             *(f"- {why}" for why in reasons)]
 
 
-def final_line(rows: list[Row], cal: Calibration | None) -> str:
-    pick = {(r.gpu, r.lanes, r.block): r.speedup() for r in rows if r.path == "compile"}
-    return (f"timeline_table path=compile speedup_3090_w4_70b={pick[('3090', 4, '70b')]:.2f} "
-            f"speedup_h100_w8_70b={pick[('h100', 8, '70b')]:.2f} speedup_h100_w8_8b={pick[('h100', 8, '8b')]:.2f} "
-            f"calibrated={cal.label if cal else 'no'}")
+def order_lines(rows: list[Row]) -> list[str]:
+    """--parallel_order at all lanes (Note [canonical or native order] in dpq/plan.py): the canonical order
+    the plan takes by default against NCCL's native reduce-scatter (compile path, overlap as auto takes it)."""
+    sel = [r for r in rows if r.native is not None]
+    if not sel:
+        return []
+    out = ["", "--parallel_order at all lanes (torch.compile on, overlap as auto takes it; speedup over 1 lane; "
+               "exchange: lane 0's exchange kernels + wire, ms):", "",
+           "| machine | block | canonical: speedup | exchange, ms | host/lane-iter, ms | native: speedup | "
+           "exchange, ms | host/lane-iter, ms |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in sel:
+        cells = []
+        for tl in (r.timelines[r.lanes], r.native):
+            b = tl.breakdown()
+            cells += [f"{r.per_iter[1] / tl.seconds_per_iteration():.2f}x",
+                      f"{(b['exchange_kernels'] + b['exchange_wire']) * 1e3:.2f}",
+                      f"{b['host_per_lane_iteration'] * 1e3:.2f}"]
+        out.append(f"| {r.machine} | {BLOCKS[r.block].name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def spread_lines(rows: list[Row]) -> list[str]:
+    """P x L priced (Note [P processes x 1 lane] in dpq/testing/timeline/replay.py): all lanes in one process
+    (as built), in one process per lane (torchrun --nproc-per-node W ... --parallel_quantization 1), and the
+    best spread; each process its own issuing thread and GIL."""
+    sel = [r for r in rows if r.spread]
+    if not sel:
+        return []
+    out = ["", "P processes x L lanes at all lanes (torch.compile on; each process its own issuing thread and GIL; "
+               "the exchange as recorded in one process; speedup over 1 lane):", "",
+           "| machine | block | 1 process x W lanes | W processes x 1 lane | best P x L | host/lane-iter, ms: 1 x W | "
+           "W x 1 |", "|---|---|---:|---:|---|---:|---:|"]
+    for r in sel:
+        best = max([1, *r.spread], key=r.spread_speedup)
+        hosts = [tl.breakdown()["host_per_lane_iteration"] * 1e3 for tl in (r.timelines[r.lanes], r.spread[r.lanes])]
+        out.append(f"| {r.machine} | {BLOCKS[r.block].name} | {r.speedup():.2f}x | {r.spread_speedup(r.lanes):.2f}x | "
+                   f"{best} x {r.lanes // best} ({r.spread_speedup(best):.2f}x) | {hosts[0]:.2f} | {hosts[1]:.2f} |")
+    return out
+
+
+def final_line(rows: list[Row], cal: Calibration | None, communicator: str) -> str:
+    pick = {(r.gpu, r.lanes, r.block): r for r in rows if r.path == "compile"}
+    return (f"timeline_table path=compile speedup_3090_w4_70b={pick[('3090', 4, '70b')].speedup():.2f} "
+            f"speedup_h100_w8_70b={pick[('h100', 8, '70b')].speedup():.2f} "
+            f"speedup_h100_w8_8b={pick[('h100', 8, '8b')].speedup():.2f} "
+            f"torchrun_h100_w8_8b={pick[('h100', 8, '8b')].spread_speedup(8):.2f} "
+            f"torchrun_h100_w8_70b={pick[('h100', 8, '70b')].spread_speedup(8):.2f} "
+            f"calibrated={cal.label if cal else 'no'} communicator={communicator}")
+
+
+def communicator_of(records: dict[tuple[str, int], TimelineModel]) -> str:
+    """The communicator the records at all lanes ran (the plan's choice for distinct GPUs)."""
+    names = {n for (key, w), m in records.items() if w == max(w for _, w in records) and NATIVE not in key
+             for n in m.communicators}
+    return ",".join(sorted(names)) or "none"
 
 
 def record_worlds(paths: tuple[str, ...], worlds: tuple[int, ...], iters: int) -> dict[tuple[str, int], TimelineModel]:
@@ -474,6 +539,11 @@ def record_worlds(paths: tuple[str, ...], worlds: tuple[int, ...], iters: int) -
                 t0 = time.perf_counter()
                 out[(key, w)] = run_adapter(rec, w, iters=iters, overlap=overlap)
                 print(f"recorded {key} world {w} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+                if path == "compile" and w in NATIVE_WORLDS:
+                    t0 = time.perf_counter()
+                    nkey = path + NATIVE + (OVERLAPPED if overlap else "")
+                    out[(nkey, w)] = run_adapter(rec, w, iters=iters, overlap=overlap, order="native")
+                    print(f"recorded {nkey} world {w} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     return out
 
 
@@ -520,9 +590,10 @@ def main(argv=None) -> int:
         rows, notes = table(records, cal, host, paths)
         for n in notes:
             print(f"calibrated: {n}")
-        print("\n".join(table_lines(rows) + overlap_lines(rows) + graphs_lines(rows) + bucket_price_lines()))
+        print("\n".join(table_lines(rows) + overlap_lines(rows) + order_lines(rows) + spread_lines(rows)
+                        + graphs_lines(rows) + bucket_price_lines()))
         print(f"({time.perf_counter() - t0:.0f} s)")
-        print(final_line(rows, cal) if "compile" in paths else "timeline_table path=eager")
+        print(final_line(rows, cal, communicator_of(records)) if "compile" in paths else "timeline_table path=eager")
         return 0
     block_key, gpu_key = PRESETS[args.preset]
     path = "eager" if args.eager else "compile"

@@ -226,6 +226,9 @@ class CommunicatorBase:
     # False and says why in order_note (the plan shows it).
     canonical_order = True
     order_note = "sums fold over the lanes in global lane order (canonical)"
+    # The orders a kind can sum in (--parallel_order): "canonical" (contract 3) and, for the kinds that
+    # can hand sums to NCCL's own reduce-scatter / all-reduce, "native" (ORDERS in dpq.plan says each's cost)
+    orders: tuple[str, ...] = ("canonical",)
     # What the plan and the session ask of a kind (dpq.communicators: no name is tested elsewhere).
     # nccl: an NCCL communicator per lane set (the plan prices its buffers on every lane);
     # sends_to_peers: its collectives send to every other lane (an NCCL peer buffer each);

@@ -97,22 +97,24 @@ def choose_communicator(devices: Sequence[torch.device]) -> tuple[str, str]:
     return "host", f"lanes on {len(keys)} distinct {types.pop()} devices: sums go through host memory"
 
 
-def make_communicator(name: str, lanes: Sequence[Lane]) -> Communicator:
-    """The communicator ``name`` (the plan's choice) over ``lanes``."""
+def make_communicator(name: str, lanes: Sequence[Lane], order: str = "canonical") -> Communicator:
+    """The communicator ``name`` (the plan's choice) over ``lanes``, summing in ``order`` where the kind
+    has it (``orders``; Note [canonical or native order] in dpq.plan)."""
     lanes = list(lanes)
     kind = COMMUNICATORS[name]
+    kw = {"order": order} if order != "canonical" and order in kind.orders else {}
     if kind.shares_handles:
         # the run's handles for these devices, made once (e.g. NCCL's: close_communicators destroys them)
-        return kind(lanes, shared=True)
-    return kind(lanes)
+        return kind(lanes, shared=True, **kw)
+    return kind(lanes, **kw)
 
 
-def build_planned(name: str, reason: str, lanes: Sequence[Lane]) -> tuple[Communicator, str]:
+def build_planned(name: str, reason: str, lanes: Sequence[Lane], order: str = "canonical") -> tuple[Communicator, str]:
     """The planned communicator ``name`` over ``lanes`` and its reason; where that kind's set-up fails
     in the way it declares (``setup_failure``: e.g. an NCCL init, remembered for the run by
     :mod:`dpq.nccl_lifecycle`), the one chosen on the lanes now, with its own reason."""
     try:
-        return make_communicator(name, lanes), reason
+        return make_communicator(name, lanes, order), reason
     except COMMUNICATORS[name].setup_failure:
         return select_communicator(lanes)
 

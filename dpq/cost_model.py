@@ -86,11 +86,20 @@ def exchange_seconds(world: int, c: CostInputs) -> float:
                                                                                    c.policy) / c.bandwidth_Bps
 
 
-def predict(world: int, iters: int, c: CostInputs, devices: int | None = None) -> Prediction:
+# The issuing thread's host time per lane-iteration of auto-round's compiled block on a GPU, before a run
+# measured it: the H200 lease (benchmarks/calibration/NVIDIA_H200-2026-12-04.json, dpq_issuing): world 4's
+# unprofiled 48.9 ms iteration on one GPU / 4 lanes. An upper bound (those lanes were likely GPU-bound), so
+# what it says about P processes x 1 lane is an upper bound on the gain too.
+GPU_ISSUE_S_PER_LANE_ITERATION = 48.863e-3 / 4
+
+
+def predict(world: int, iters: int, c: CostInputs, devices: int | None = None, processes: int = 1) -> Prediction:
     """T(world) for a block of ``iters`` iterations (module docstring). ``devices``: the distinct
     devices the ``world`` lanes are on (None: one each). Lanes sharing a device take turns on it, so
-    compute divides by the devices, not the lanes (CPU lanes sharing one CPU: no speedup at all)."""
-    issue = world * c.issue_s
+    compute divides by the devices, not the lanes (CPU lanes sharing one CPU: no speedup at all).
+    ``processes``: the lanes spread over that many processes (torchrun), each issuing its own lanes
+    on its own thread under its own GIL: the issuing time is one process's lanes'."""
+    issue = -(-world // max(1, processes)) * c.issue_s
     compute = c.compute_s / max(1, min(world, devices if devices is not None else world))
     e = exchange_seconds(world, c)
     backward = c.backward_share * compute
@@ -113,8 +122,26 @@ def choose_world(worlds: Iterable[int], iters: int, c: CostInputs, *, label: str
     reason = (f"predicted {label} time {table}; world {best.world} is fastest (per iteration: issue "
               f"{p['issue_s'] * 1e3:.3g} ms, compute {p['compute_s'] * 1e3:.3g} ms, exchange "
               f"{p['exchange_s'] * 1e3:.3g} ms of which {p['exposed_s'] * 1e3:.3g} ms exposed)")
+    reason += spread_note(max(p.world for p in preds), iters, c, best.seconds)
     log.info("dpq auto: %s", reason)
     return Choice(best.world, preds, reason)
+
+
+SPREAD_GAIN = 1.10  # P x 1 predicted faster than the best in one process by more than this: say how to get it
+
+
+def spread_note(world: int, iters: int, c: CostInputs, best_s: float) -> str:
+    """What ``world`` processes x 1 lane (torchrun; each its own issuing thread) would take beside the best
+    world in one process, where the issuing thread's time is known (``c.issue_s``, measured on the block
+    before); where it is more than 10% faster, the torchrun command's shape (``auto`` cannot re-launch itself)."""
+    if world < 2 or c.issue_s <= 0:
+        return ""
+    spread = predict(world, iters, c, processes=world)
+    note = f"; {world} processes x 1 lane (torchrun) {spread.seconds:.3g} s"
+    if best_s > SPREAD_GAIN * spread.seconds:
+        note += (f", {best_s / spread.seconds:.2f}x faster predicted: torchrun --nproc-per-node {world} "
+                 f"-m dpq.autoround.cli <this command> --parallel_quantization 1")
+    return note
 
 
 # -- inputs ------------------------------------------------------------------------------------

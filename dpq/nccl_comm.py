@@ -100,6 +100,12 @@ def multi_rank_gpu_enabled(version: Sequence[int] | None) -> bool:
 
 # -- CuPy --------------------------------------------------------------------------------
 
+NATIVE_ORDER_NOTE = (
+    "--parallel_order native: NCCL's own reduce-scatter sums (ring or tree, by topology and lane count), so "
+    "every lane gets the same bits but they can differ in the last bits from the canonical order's (torchrun "
+    "2x1 == 1x2 no longer holds bitwise at 3+ lanes)"
+)
+
 
 @contextlib.contextmanager
 def allocator_free_mutex() -> Iterator[None]:
@@ -208,6 +214,7 @@ class CupyNcclCommunicator(CommunicatorBase):
 
     name = "cupy-nccl"
     nccl, sends_to_peers, shares_handles = True, True, True  # its canonical order sends to every other lane
+    orders = ("canonical", "native")
     setup_failure = (NcclInitFailed,)
     priority = 0  # the plan's first choice for distinct GPUs where CuPy's NCCL imports
     chosen_because = "{world} distinct GPUs: NCCL through CuPy (one group call per collective)"
@@ -216,8 +223,10 @@ class CupyNcclCommunicator(CommunicatorBase):
     def available(cls) -> bool:
         return cupy_nccl_available()
 
-    def __init__(self, lanes: Sequence[Lane], *, shared: bool = False, allow_shared_gpu: bool | None = None) -> None:
+    def __init__(self, lanes: Sequence[Lane], *, shared: bool = False, allow_shared_gpu: bool | None = None,
+                 order: str = "canonical") -> None:
         super().__init__(lanes)
+        self._set_order(order)
         if allow_shared_gpu is None:
             cuda = [lane.device.index or 0 for lane in self.lanes if lane.device.type == "cuda"]
             allow_shared_gpu = len(set(cuda)) < len(cuda) and multi_rank_gpu_enabled(cupy_nccl_version())
@@ -230,6 +239,18 @@ class CupyNcclCommunicator(CommunicatorBase):
         else:
             comms = self._nccl.NcclCommunicator.initAll(list(device_ids))
             self._set = NcclCommSet(self.name, device_ids, comms, self._nccl)
+
+    def _set_order(self, order: str) -> None:
+        """Note [native order]: ``order="native"`` hands the sums to NCCL's own reduceScatter / allReduce /
+        reduce (one NCCL kernel per rank, no staging, no fold kernels): every rank still gets the same bits
+        (replicas stay identical), but which bits depends on NCCL's algorithm (ring or tree), its channels
+        and the lane count, not on the world alone (contract 3 is given up: ``canonical_order`` False)."""
+        if order not in self.orders:
+            raise ValueError(f"dpq: order {order!r} is not one of {', '.join(self.orders)}")
+        self.order = order
+        self.canonical_order = order == "canonical"
+        if order == "native":
+            self.order_note = NATIVE_ORDER_NOTE
 
     @property
     def comm_set(self) -> NcclCommSet | None:
@@ -336,7 +357,18 @@ class CupyNcclCommunicator(CommunicatorBase):
             with lane.issue():
                 ordered_sum(parts, outs[k])
 
+    def _native(self, method: str, send: Sequence[Tensor], recv: Sequence[Tensor], count: int, *extra) -> None:
+        """NCCL's own reduction (Note [native order]): ``method(send, recv, count, dtype, SUM, *extra, stream)``."""
+        dt = self._dtype(send[0].dtype)
+        self._collective(method, [(send[k].data_ptr(), recv[k].data_ptr(), count, dt, self._nccl.NCCL_SUM, *extra,
+                                   self._stream(k)) for k in range(self.world)])
+
     def _all_reduce(self, bufs: Sequence[Tensor]) -> None:
+        if self.order == "native":
+            return self._native("allReduce", bufs, bufs, bufs[0].numel())
+        self._canonical_all_reduce(bufs)
+
+    def _canonical_all_reduce(self, bufs: Sequence[Tensor]) -> None:
         """Canonical: the owners' sums (:meth:`_to_owners`), then each owner's chunk to every rank
         (a second group of send/recv: an all-gather of chunks that differ by one element, so no padding)."""
         b, world, isz = chunk_bounds(bufs[0].numel(), self.world), self.world, bufs[0].element_size()
@@ -350,6 +382,8 @@ class CupyNcclCommunicator(CommunicatorBase):
 
     def _reduce_scatter(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
         n = recv[0].numel()
+        if self.order == "native":
+            return self._native("reduceScatter", send, recv, n)
         self._to_owners("reduce_scatter", send, [c * n for c in range(self.world + 1)], recv)
 
     def _all_gather(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> None:
@@ -363,6 +397,8 @@ class CupyNcclCommunicator(CommunicatorBase):
         self._collective("broadcast", [(ptrs[k], ptrs[k], n, dt, root, self._stream(k)) for k in range(self.world)])
 
     def _reduce(self, bufs: Sequence[Tensor], root: int) -> None:
+        if self.order == "native":
+            return self._native("reduce", bufs, bufs, bufs[0].numel(), root)
         # the root owns the whole buffer, every other rank an empty chunk
         n, world = bufs[0].numel(), self.world
         b = [0] * (root + 1) + [n] * (world - root)

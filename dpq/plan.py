@@ -75,6 +75,7 @@ class PlanRequest:
     # the exchange during the backward on GPU lanes: True (--parallel_overlap on), False (off), None (auto:
     # :func:`overlap_choice`)
     overlap: bool | None = None
+    order: str = "canonical"  # --parallel_order: the order the sums fold in (ORDERS)
     pool_samples: int | None = None  # the calibration samples there are (None: not known); caps samples_per_iter
     asked_samples: int | None = None  # the calibration samples asked for (--nsamples; the data may give fewer)
     caller: str = "cli"  # how a refusal's fix names settings: "cli" (auto-round-dp's flags) or "api" (parallel_tune)
@@ -100,6 +101,7 @@ class Plan:
     buckets_reason: str = ""
     overlap: bool = False  # the exchange during the backward, on a second stream per GPU lane (:func:`overlap_choice`)
     overlap_reason: str = ""
+    order: str = "canonical"  # the order the communicator sums in (ORDERS; said in communicator_reason)
 
     @property
     def local_lanes(self) -> int:
@@ -148,6 +150,34 @@ class _Choices:
         return self._once("overlap", devices, lambda: overlap_choice(request.overlap, devices, request.processes))
 
 
+# Note [canonical or native order]: what --parallel_order promises and costs. The communicators sum in
+# dpq's canonical order by default (contract 3 of dpq.comm_base): the bits depend on the world alone, so
+# torchrun 2x1 == 1x2 == one process of 2 lanes, bitwise. On distinct GPUs CuPy's NCCL pays for it: per
+# lane and bucket 2(W-1) send/recv calls, a staging buffer of (W-1)/W of the bucket and W-1 fold kernels
+# (dpq.nccl_comm._to_owners). "native" hands the sums to NCCL's own reduce-scatter: one kernel per lane,
+# every lane the same bits (replicas stay identical), but the bits depend on NCCL's algorithm and layout.
+ORDERS = {
+    "canonical": ("canonical order (--parallel_order canonical): the bits depend on the world alone; with "
+                  "{kind} it costs per lane and bucket {calls} NCCL send/recv calls, a staging buffer and {folds} "
+                  "fold kernels (--parallel_order native: NCCL's own reduce-scatter instead)"),
+    "native": "native order: NCCL's own reduce-scatter (every lane the same bits, which depend on NCCL's algorithm)",
+}
+
+
+def _order(communicator: str, order: str, world: int) -> tuple[str, str]:
+    """(the order the communicator sums in, the sentence the plan adds to its reason)."""
+    kind = COMMUNICATORS.get(communicator)
+    if kind is None or world < 2:
+        return "canonical", ""
+    if order not in kind.orders:
+        return "canonical", f"--parallel_order {order}: {communicator} has only the canonical order"
+    if "native" not in kind.orders:  # nothing to choose: the kind's own order note says what it does
+        return order, ""
+    if order == "native":
+        return order, ORDERS["native"]
+    return order, ORDERS["canonical"].format(kind=communicator, calls=2 * (world - 1), folds=world - 1)
+
+
 def _finish(plan: Plan, request: PlanRequest, choices: _Choices) -> Plan:
     """``plan`` with the communicator and the exchange policy for its lanes."""
     try:
@@ -159,12 +189,14 @@ def _finish(plan: Plan, request: PlanRequest, choices: _Choices) -> Plan:
     kind = COMMUNICATORS.get(communicator)
     if kind is not None and not kind.canonical_order:  # contract 3: the plan says when the bits depend on it
         reason += f"; {kind.order_note}"
+    order, said = _order(communicator, request.order, len(plan.devices))
+    reason += f"; {said}" if said else ""
     exchange, exchange_reason = _exchange(request.pure_sign)
     buckets, buckets_reason = _bucket_choice(plan.devices, request, choices)
     overlap, overlap_reason = choices.overlap(plan.devices)
     return replace(plan, communicator=communicator, communicator_reason=reason, exchange=exchange,
                    exchange_reason=exchange_reason, buckets=buckets, buckets_reason=buckets_reason,
-                   overlap=overlap, overlap_reason=overlap_reason)
+                   overlap=overlap, overlap_reason=overlap_reason, order=order)
 
 
 def overlap_choice(setting: bool | None, devices: Sequence[torch.device], processes: int = 1,

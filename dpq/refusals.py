@@ -608,6 +608,11 @@ def bad_overlap(value: object, caller: str = "cli") -> str:
             "GPUs have no peer access; or None), 'on' (or True), or 'off' (or False)")
 
 
+def bad_order(value: object) -> str:
+    return (f"--parallel_order {value!r} is not a setting. Fix: canonical (the default: the bits depend on the "
+            f"world alone) or native (NCCL's own sums) (Python: parallel_order='canonical' or 'native')")
+
+
 REPORT_PATH_EMPTY = f"--parallel_report is empty. {_REPORT_FIX}"
 
 

@@ -249,7 +249,7 @@ def block_plan(config: SessionConfig, task: BlockTask) -> Plan:
                                extra_reasons=list(task.extra_reasons),
                                mirror_bytes=task.mirror_bytes, pure_sign=task.pure_sign, price=task.price,
                                processes=config.processes.size if config.processes is not None else 1,
-                               overlap=config.overlap))
+                               overlap=config.overlap, order=config.order))
 
 
 def lanes_for(request: PlanRequest) -> tuple[Plan, list[Lane] | None]:
@@ -461,7 +461,7 @@ def _communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],
     """The communicator over ``lanes`` (``ran``'s in-process choice, or one chosen on the lanes when it
     has none or it cannot start), and ``ran`` with it as built."""
     if ran.in_process:  # a kind whose set-up failed (e.g. NCCL's, remembered for the run): chosen again
-        comm, reason = build_planned(ran.in_process, ran.in_process_reason, lanes)
+        comm, reason = build_planned(ran.in_process, ran.in_process_reason, lanes, ran.plan.order)
     else:
         comm, reason = select_communicator(lanes)
     ran = replace(ran, in_process=comm.name, in_process_reason=reason, across="")

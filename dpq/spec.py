@@ -22,7 +22,7 @@ from dpq.machine import Machine
 from dpq.streams import backend
 
 __all__ = ["FLAGS", "OVERLAP_SETTINGS", "TIMEOUT_RANGE_S", "Flag", "ParallelSpec", "SpecError", "SpecSettings",
-           "invalid", "machine_problems", "overlap_setting", "problems"]
+           "invalid", "machine_problems", "order_setting", "overlap_setting", "problems"]
 
 TIMEOUT_RANGE_S = (10.0, 604800.0)  # the process group's start waits that long for every rank; a week
 
@@ -63,6 +63,12 @@ FLAGS: tuple[Flag, ...] = (
          "of lane GPUs has no peer access (the exchange then goes through host memory and dominates; modeled, "
          "docs/PERFORMANCE.md), off elsewhere; on (or the bare flag); off. CPU lanes overlap anyway, so 'on' is "
          "refused there as having no effect", "{auto,on,off}", ("auto", "on", "off"), "on"),
+    Flag("parallel_order", "canonical",
+         "the order the lanes' gradients are summed in. canonical (default): dpq's own fold in global lane order, "
+         "so the bits depend on the world alone (torchrun 2x1 == 1x2 bitwise), at the price of NCCL send/recv "
+         "and a fold kernel per lane (docs/PERFORMANCE.md); native: NCCL's own reduce-scatter (in-process NCCL "
+         "only): every lane still gets the same bits, but they depend on NCCL's algorithm and the lane layout",
+         "{canonical,native}", ("canonical", "native")),
     Flag("parallel_report", None,
          "write the run's report as JSON at every end of the run (success, failure, cancel): the schema, "
          "versions, devices, command line, start and end time, exit status, a structured error, and per block "
@@ -113,16 +119,19 @@ class ParallelSpec:
     overlap: bool | str | None = None
     timeout: float = DEFAULTS["parallel_timeout"]
     report: str | None = DEFAULTS["parallel_report"]
+    order: str = DEFAULTS["parallel_order"]  # --parallel_order: "canonical" or "native" (dpq.plan.ORDERS)
     caller: str = field(default="cli", compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        found = invalid(self.world, self.devices, overlap=self.overlap, timeout=self.timeout, caller=self.caller)
+        found = invalid(self.world, self.devices, overlap=self.overlap, timeout=self.timeout, order=self.order,
+                        caller=self.caller)
         if found:
             raise SpecError(found)
         object.__setattr__(self, "world", validate_world(self.world, self.caller))
         object.__setattr__(self, "debug", bool(self.debug))
         object.__setattr__(self, "overlap", overlap_setting(self.overlap, self.caller))
         object.__setattr__(self, "timeout", float(self.timeout))
+        object.__setattr__(self, "order", order_setting(self.order))
 
     @classmethod
     def build(cls, parallel_quantization: object = DEFAULTS["parallel_quantization"],
@@ -131,20 +140,21 @@ class ParallelSpec:
               parallel_overlap: bool | str | None = DEFAULTS["parallel_overlap"],
               parallel_timeout: object = DEFAULTS["parallel_timeout"],
               parallel_report: str | None = DEFAULTS["parallel_report"],
+              parallel_order: str = DEFAULTS["parallel_order"],
               machine: Machine | None = None, home: str | None = None, caller: str = "cli") -> ParallelSpec:
         """The spec, or :class:`SpecError` with every problem (:func:`problems`; with ``machine``, also
         :func:`machine_problems`, ``home`` the block's device type when known: ``--device_map``'s), each
         naming the settings as ``caller`` writes them."""
         given = caller != "cli" and parallel_timeout != DEFAULTS["parallel_timeout"]  # (the CLI says it itself)
         found = problems(parallel_quantization, parallel_devices, debug=parallel_debug, overlap=parallel_overlap,
-                         timeout=parallel_timeout, timeout_given=given, caller=caller)
+                         timeout=parallel_timeout, timeout_given=given, order=parallel_order, caller=caller)
         if machine is not None and not found:
             found = machine_problems(validate_world(parallel_quantization), parallel_devices, machine,
                                      overlap=parallel_overlap, home=home, caller=caller)
         if found:
             raise SpecError(found)
         return cls(parallel_quantization, parallel_devices, parallel_debug, parallel_overlap, parallel_timeout,
-                   parallel_report, caller=caller)
+                   parallel_report, parallel_order, caller=caller)
 
 
 class SpecSettings:
@@ -172,6 +182,11 @@ class SpecSettings:
         """Exchange buckets during the backward on GPU lanes: None = auto (the plan's choice), True = on
         (a second stream per lane, dpq.comm_streams), False = off. CPU lanes overlap unless off."""
         return self.spec.overlap
+
+    @property
+    def order(self) -> str:
+        """--parallel_order: the order the sums fold in ("canonical" or "native"; dpq.plan.ORDERS)."""
+        return self.spec.order
 
     @property
     def timeout(self) -> float:
@@ -208,12 +223,19 @@ def overlap_setting(value: object, caller: str = "cli") -> bool | None:
     raise ValueError(f"dpq: {refusals.bad_overlap(value, caller)}")
 
 
+def order_setting(value: object) -> str:
+    """--parallel_order's value: 'canonical' or 'native' (any case); ValueError for anything else."""
+    if isinstance(value, str) and value.strip().lower() in ("canonical", "native"):
+        return value.strip().lower()
+    raise ValueError(f"dpq: {refusals.bad_order(value)}")
+
+
 def invalid(world: object, devices: object = None, *, overlap: object = None,
-            timeout: object = DEFAULTS["parallel_timeout"], caller: str = "cli",
-            timeout_floor: float = 0.0) -> list[str]:
+            timeout: object = DEFAULTS["parallel_timeout"], order: object = DEFAULTS["parallel_order"],
+            caller: str = "cli", timeout_floor: float = 0.0) -> list[str]:
     """What makes settings impossible to run (Note [a spec cannot exist invalid]), each once: the
-    world's and the lane list's syntax, fewer lanes than the world, the overlap setting, the timeout
-    as a number of seconds from ``timeout_floor`` (0: any positive number) up to a week."""
+    world's and the lane list's syntax, fewer lanes than the world, the overlap and order settings, the
+    timeout as a number of seconds from ``timeout_floor`` (0: any positive number) up to a week."""
     found = []
     try:
         w = validate_world(world, caller)
@@ -230,6 +252,10 @@ def invalid(world: object, devices: object = None, *, overlap: object = None,
         overlap_setting(overlap, caller)
     except ValueError as e:
         found.append(str(e).removeprefix("dpq: "))
+    try:
+        order_setting(order)
+    except ValueError as e:
+        found.append(str(e).removeprefix("dpq: "))
     if (problem := _timeout_problem(timeout, timeout_floor, caller)) is not None:
         found.append(problem)
     return list(dict.fromkeys(found))
@@ -237,12 +263,13 @@ def invalid(world: object, devices: object = None, *, overlap: object = None,
 
 def problems(world: object, devices: object = None, *, debug: bool = False, overlap: object = None,
              timeout: object = DEFAULTS["parallel_timeout"], timeout_given: bool = False,
-             caller: str = "cli") -> list[str]:
+             order: object = DEFAULTS["parallel_order"], caller: str = "cli") -> list[str]:
     """Every problem visible in the settings alone (module docstring), each once, named as ``caller``
     writes them: what makes them invalid (:func:`invalid`), and what an entry point refuses though the
     engine could run it (settings with no effect, a timeout under :data:`TIMEOUT_RANGE_S`'s floor).
     ``timeout_given``: the timeout was asked for (a command line's flag), not left at its default."""
-    found = invalid(world, devices, overlap=overlap, timeout=timeout, caller=caller, timeout_floor=TIMEOUT_RANGE_S[0])
+    found = invalid(world, devices, overlap=overlap, timeout=timeout, order=order, caller=caller,
+                    timeout_floor=TIMEOUT_RANGE_S[0])
     try:
         w = validate_world(world, caller)
     except ValueError:

@@ -422,6 +422,23 @@ def test_parallel_overlap_reaches_enable(capsys, monkeypatch):
         assert seen.pop() is want
 
 
+def test_parallel_order_reaches_enable(capsys, monkeypatch):
+    """--parallel_order native reaches enable()'s spec; without it, canonical."""
+    from dpq.autoround import cli, integration
+    from dpq.machine import Machine
+
+    seen = []
+    monkeypatch.setattr(cli, "runner_for", lambda recipe: lambda: None)  # auto-round itself does not run
+    monkeypatch.setattr(integration, "enable_spec", lambda spec, **k: seen.append(spec.order))
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls: cls("2.13.0+cu128", frozenset({"cuda"}),
+                                                                       {"cuda": 2}, True)))  # two GPUs
+    for flag, want in ((["--parallel_order", "native"], "native"), ([], "canonical")):
+        rc, err = run_main(capsys, "--model", "m", "--parallel_quantization", "2", "--parallel_devices",
+                           "cuda:0,cuda:1", *flag)
+        assert rc == 0, err
+        assert seen.pop() == want
+
+
 # Spies on each hop from the command line to the engine, installed in the CLI's process before main():
 # each records the value it was handed as an argument (nothing reads a module global), and the list is
 # printed as one JSON line when the process exits.

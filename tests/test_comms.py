@@ -500,6 +500,45 @@ def test_cupy_nccl_sums_in_the_canonical_order(fake_cupy_comm, world):
     assert all(torch.equal(s[k * 40 : (k + 1) * 40], want[k]) for k, s in enumerate(send))
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_cupy_nccl_native_order(fake_cupy_comm, monkeypatch, world):
+    """--parallel_order native: one NCCL reduction per collective (no send/recv, no staging, no fold), every
+    lane the same bits, which are NCCL's algorithm's (the fake's ring): the canonical order's at 2 lanes (one
+    add commutes), not at 3+ on inputs where the order shows."""
+    fake = fake_cupy_nccl.install(monkeypatch)
+    monkeypatch.setattr(CupyNcclCommunicator, "_check_device", lambda self, t, lane: None)
+    comm = CupyNcclCommunicator(fake_cuda_lanes(world), order="native")
+    assert not comm.canonical_order and "native" in comm.order_note
+    fake.calls.clear()
+    local, _ = select_communicator(make_lanes(["cpu"] * world), prefer="local")
+    gen = torch.Generator().manual_seed(world)
+    big = torch.randn(world * 40, generator=gen) * 1e6
+    inputs = [torch.randn(world * 40, generator=gen) + torch.randint(-1, 2, big.shape, generator=gen) * big
+              for _ in range(world)]
+    got, want = [torch.empty(40) for _ in range(world)], [torch.empty(40) for _ in range(world)]
+    comm.reduce_scatter(inputs, got)
+    local.reduce_scatter(inputs, want)
+    ops = [c.op for c in fake.calls if isinstance(c, fake_cupy_nccl.Call)]
+    assert ops == ["reduceScatter"] * world
+    for k in range(world):  # the ring's fold of chunk k, starting after its owner
+        order = fake_cupy_nccl.ring_order(k, world)
+        ring = inputs[order[0]][k * 40:(k + 1) * 40].clone()
+        for r in order[1:]:
+            ring += inputs[r][k * 40:(k + 1) * 40]
+        assert torch.equal(got[k], ring)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) == (world == 2)
+    fake.calls.clear()
+    bufs = [x.clone() for x in inputs]
+    comm.all_reduce(bufs)
+    assert [c.op for c in fake.calls if isinstance(c, fake_cupy_nccl.Call)] == ["allReduce"] * world
+    assert all(torch.equal(b, bufs[0]) for b in bufs)  # replicas identical
+    # any order's sum is within (W-1) roundings of partial sums no larger than W x the largest input
+    bound = (world - 1) * torch.finfo(torch.float32).eps * world * max(float(x.abs().max()) for x in inputs)
+    assert float((bufs[0] - lane_order_sum(inputs)).abs().max()) <= bound
+    with pytest.raises(ValueError, match="order 'fast'"):
+        CupyNcclCommunicator(fake_cuda_lanes(world), order="fast")
+
+
 def test_fake_nccl_fails_on_an_unmatched_send(fake_cupy_comm):
     """The fake is strict: a send nobody receives (NCCL would hang) fails the group."""
     comm, fake = fake_cupy_comm(2)

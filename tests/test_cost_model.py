@@ -101,6 +101,20 @@ def test_choose_world_prefers_fewer_lanes_on_a_tie_and_logs(caplog):
     assert "dpq auto: predicted block time" in caplog.text
 
 
+def test_auto_says_what_one_process_per_lane_would_take():
+    """Where the issuing thread is the bound (issue cost measured, compute small), auto's reason prices
+    world processes x 1 lane (each its own issuing thread) and, >10% faster, says how to run it; where
+    compute hides the issuing it prices it without the advice; before a measurement it says nothing."""
+    issue_bound = CostInputs(compute_s=40e-3, issue_s=10e-3, tuned_elems=1, bandwidth_Bps=1e12)  # best: 2 lanes
+    reason = choose_world([1, 2, 4], 10, issue_bound).reason
+    assert "4 processes x 1 lane (torchrun)" in reason and "torchrun --nproc-per-node 4" in reason
+    assert "--parallel_quantization 1" in reason
+    compute_bound = CostInputs(compute_s=4.0, issue_s=10e-3, tuned_elems=1, bandwidth_Bps=1e12)
+    reason = choose_world([1, 2, 4], 10, compute_bound).reason
+    assert "4 processes x 1 lane (torchrun)" in reason and "torchrun --nproc" not in reason
+    assert "processes x 1 lane" not in choose_world([1, 4], 10, CostInputs(4.0, 0.0, 1, 1e12)).reason
+
+
 # -- through the real plan/session path (dpq.parallel_tune, world='auto', 4 CPU lanes) -----------
 
 

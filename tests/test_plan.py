@@ -230,3 +230,31 @@ def test_the_plan_decides_the_communicator_and_overlap_once(monkeypatch):
     plan = resolve(PlanRequest(world=2, devices="cpu,cpu", samples_per_iter=8, home="cpu", price=price))
     assert plan.local_lanes == 2 and plan.communicator == "local"
     assert calls == {"communicator": 1, "overlap": 1}
+
+
+@pytest.mark.parametrize("order", ["canonical", "native"])
+def test_the_plan_says_which_order_and_what_it_costs(monkeypatch, order):
+    """--parallel_order (Note [canonical or native order]): with CuPy's NCCL on distinct GPUs the plan takes
+    the order asked and its reason says what it costs; a communicator with one order keeps it and says so."""
+    from dpq.nccl_comm import CupyNcclCommunicator
+    from tests.test_memory import _four_fake_gpus
+
+    _four_fake_gpus(monkeypatch, lambda k: 2**40, total=2**40, peer=True)
+    monkeypatch.setattr(CupyNcclCommunicator, "available", classmethod(lambda cls: True))
+    plan = resolve(PlanRequest(world=4, devices="cuda:0,cuda:1,cuda:2,cuda:3", home="cuda:0", order=order))
+    assert plan.communicator == "cupy-nccl" and plan.order == order
+    if order == "canonical":
+        assert has([plan.communicator_reason], "the bits depend on the world alone", "6 NCCL send/recv calls",
+                   "3 fold kernels", "--parallel_order native")
+    else:
+        assert has([plan.communicator_reason], "NCCL's own reduce-scatter", "depend on NCCL's algorithm")
+    monkeypatch.setattr(CupyNcclCommunicator, "available", classmethod(lambda cls: False))
+    monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("p2p", "copies"))
+    plan = resolve(PlanRequest(world=4, devices="cuda:0,cuda:1,cuda:2,cuda:3", home="cuda:0", order=order))
+    assert plan.order == "canonical"
+    assert ("p2p has only the canonical order" in plan.communicator_reason) == (order == "native")
+
+
+def test_an_unknown_order_is_refused_with_the_fix():
+    assert has(check_arguments(2, order="fast"), "--parallel_order 'fast' is not a setting", "Fix: canonical")
+    assert ParallelSpec.build(2, "cuda:0,cuda:1", parallel_order="Native").order == "native"

@@ -93,3 +93,61 @@ def test_the_screen_shows_the_runs_own_lanes_and_stays_small():
                         nsamples=2, seqlen=64)
     assert [r.world for r in many.rows] == [1, 2, 3] and "2 samples" in many.rows[2].refused[0]
     assert time.perf_counter() - t0 < 30 and len(str(many)) < 10_000
+
+
+def fake_h100s(monkeypatch, count: int = 8) -> None:
+    """A machine preset of ``count`` H100s (80 GB each, every pair peer-capable) on a fake cuda backend."""
+    import dpq.plan as plan_mod
+    import dpq.streams as dpq_streams
+    from dpq.autoround import plan_screen
+
+    class Gpus(dpq_streams.Backend):
+        type, accelerator, has_streams = "cuda", True, True
+
+        def is_available(self):
+            return True
+
+        def device_count(self):
+            return count
+
+        def mem_get_info(self, device):
+            return 79 * 2**30, 80 * 2**30
+
+        def can_access_peer(self, a, b):
+            return True
+
+    monkeypatch.setitem(dpq_streams._BACKENDS, "cuda", Gpus())
+    monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)
+    monkeypatch.setattr(plan_screen, "_link", lambda lanes: (20e-6, 370e9, "NVLink (preset)"))
+    monkeypatch.setattr("dpq.machine.device_names", lambda devices: dict.fromkeys(devices, "NVIDIA H100 80GB HBM3"))
+
+
+def test_the_screen_offers_torchrun_where_one_process_per_lane_is_faster(monkeypatch):
+    """Note [P processes x 1 lane on the screen]: on 8 H100s the screen prices 8 processes x 1 lane beside one
+    process of 8 lanes and, predicted faster by more than 10% (each process issues only its own lane), gives
+    the torchrun command that gets it: the command's own arguments, one lane per process."""
+    from dpq.autoround.plan_screen import SPREAD_GAIN, torchrun_command
+    from dpq.cost_model import GPU_ISSUE_S_PER_LANE_ITERATION
+
+    fake_h100s(monkeypatch)
+    argv = ["--model", str(DATA_DIR), "--parallel_quantization", "auto", "--parallel_plan", "--iters", "10"]
+    screen = dpq.plan_for(str(DATA_DIR), parallel_devices=",".join(f"cuda:{i}" for i in range(8)), home="cuda:0",
+                          iters=10, batch_size=8, nsamples=8, seqlen=64, argv=argv)
+    out = str(screen)
+    assert "8 processes x 1 lane (torchrun)" in out and "1 process x 8 lanes" in out, out
+    # the tiny block's compute is far below 8 lanes' issuing: one process is issue-bound, 8 are not
+    assert f"{GPU_ISSUE_S_PER_LANE_ITERATION * 1e3:.3g} ms per lane-iteration" in out
+    command = torchrun_command(8, argv)
+    assert command == (f"torchrun --nproc-per-node 8 -m dpq.autoround.cli --model {DATA_DIR} --iters 10 "
+                       "--parallel_quantization 1")
+    assert f"faster predicted; run it as: {command}" in out
+    # where compute hides the issuing (a block 1000 x slower per lane), no command is offered
+    import torch
+
+    from dpq.autoround import plan_screen
+
+    costs = plan_screen.CostInputs(compute_s=8 * 1000 * GPU_ISSUE_S_PER_LANE_ITERATION, issue_s=0.0, tuned_elems=1,
+                                   bandwidth_Bps=370e9)
+    lines = plan_screen.spread_lines(screen.rows, [torch.device("cuda", i) for i in range(8)], 10, costs, argv)
+    assert "8 processes x 1 lane" in lines[1] and all("torchrun --nproc" not in x for x in lines)
+    assert SPREAD_GAIN == 1.10

@@ -21,7 +21,7 @@ import torch
 
 from dpq.testing.timeline.devices import GPUS, HOST
 from dpq.testing.timeline.replay import Pricing, simulate
-from dpq.testing.timeline.scenarios import record_block, recorded_run, run_adapter, run_api
+from dpq.testing.timeline.scenarios import record_block, recorded_run, run_adapter, run_api, shared_block
 from dpq.testing.timeline.shapes import BLOCKS, RECORDED
 from tests.processes import worker_context
 
@@ -33,7 +33,7 @@ ITERS = 2  # iteration 0 also brings each lane's per-block constants; iteration 
 def rec():
     """The eager record: the data path's properties below do not depend on compiling (the compiled
     path's own run is test_timeline_one_host_sync_per_iteration's compile cases)."""
-    return record_block(compile=False)
+    return shared_block(compile=False)
 
 
 def timeline(model):
@@ -173,7 +173,7 @@ def test_timeline_overlap_on_the_compile_path_runs_under_the_backward(monkeypatc
 
     if mutant:
         monkeypatch.setattr(block_task, "lane_block_forward", lambda ran, torch_compile: None)
-    model = run_adapter(record_block(compile=True), 2, iters=ITERS, overlap=True)
+    model = run_adapter(shared_block(compile=True), 2, iters=ITERS, overlap=True)
     assert model.violations == []
     parts = timeline(model).breakdown()  # the steady iteration, 70B-class block on RTX 3090s
     hidden = 1 - parts["exchange_exposed"] / parts["exchange_wire"]

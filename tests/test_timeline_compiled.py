@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dpq.testing.timeline.compiled import capture
-from dpq.testing.timeline.scenarios import RECORD_SEQLEN, bf16_cpu, record_block
+from dpq.testing.timeline.scenarios import RECORD_SEQLEN, bf16_cpu, shared_block
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def inductor_metrics():
 
 @pytest.mark.parametrize("layer", ["self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"])
 def test_timeline_compiled_quant_function_is_inductors(inductor_metrics, layer):
-    rec = record_block(compile=True)
+    rec = shared_block(compile=True)
     q = rec.quantizer
     graphs = []
     with capture(RECORD_SEQLEN, sink=graphs), bf16_cpu():

@@ -332,6 +332,7 @@ def parallel_tune(
     auto_world: AutoWorld | None = None,
     overlap: bool | str | None = None,
     timeout: float = session.DEFAULT_TIMEOUT_S,
+    order: str = "canonical",
 ) -> ParallelTuneResult:
     """SignRound-tune ``block`` data-parallel and apply the best rounding/scales to it.
 
@@ -361,7 +362,9 @@ def parallel_tune(
     for stream order on CPU; on one H200's lanes bitwise the plain run, not yet on several GPUs),
     False or 'off'.
     ``timeout``: seconds the host waits for an iteration's work on the lanes before the run stops as
-    hung (``dpq.tune_loop``: the watchdog).
+    hung (``dpq.tune_loop``: the watchdog). ``order``: 'canonical' (the sums in dpq's lane order: the
+    bits depend on the world alone) or 'native' (NCCL's own reduce-scatter on distinct GPUs: the same bits
+    on every lane, which depend on NCCL's algorithm; Note [canonical or native order] in ``dpq.plan``).
 
     Bad arguments (block, pool, settings, lanes) raise one ``ValueError`` listing every problem
     with its fix, before the block is touched. Any later failure (an exception or out-of-memory
@@ -402,7 +405,7 @@ def parallel_tune(
                  shared_cache_keys=shared_cache_keys, seed=seed, progress=progress)
     spec = config = plan = None
     try:  # the lane settings, valid by construction (Note [a spec cannot exist invalid]), in this call's names
-        spec = ParallelSpec(world, devices, debug_identical, overlap, timeout, caller="api")
+        spec = ParallelSpec(world, devices, debug_identical, overlap, timeout, order=order, caller="api")
     except SpecError as err:
         problems += err.problems
     if spec is not None and isinstance(inputs, (list, tuple)) and inputs and _is_int(batch_size) and _is_int(

@@ -199,7 +199,8 @@ def spec_of(ours: argparse.Namespace):
     return ParallelSpec.build(_screen_world(ours) if ours.parallel_plan else ours.parallel_quantization,
                               ours.parallel_devices, parallel_debug=ours.parallel_debug,
                               parallel_overlap=ours.parallel_overlap,
-                              parallel_timeout=ours.parallel_timeout, parallel_report=ours.parallel_report)
+                              parallel_timeout=ours.parallel_timeout, parallel_report=ours.parallel_report,
+                              parallel_order=ours.parallel_order)
 
 
 def hands_over(argv: list[str], recipe: str | None) -> bool:
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
         from .plan_screen import show_for_command
 
         try:
-            return show_for_command(parsed, spec)
+            return show_for_command(parsed, spec, command)
         except SpecError as err:  # a count the screen cannot price (--batch_size -3): as a flag's refusal
             try:
                 parser.error(_listed(err.problems))

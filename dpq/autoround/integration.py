@@ -55,6 +55,7 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
            parallel_debug: bool = DEFAULTS["parallel_debug"],
            parallel_overlap: bool | str | None = DEFAULTS["parallel_overlap"],
            parallel_timeout: float = DEFAULTS["parallel_timeout"],
+           parallel_order: str = DEFAULTS["parallel_order"],
            auto_world: AutoWorld | None = None, processes: ProcessSet | None = None, **former) -> Run:
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
 
@@ -66,7 +67,8 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
     list when it has several, else every visible device of the home device's type.
     ``parallel_debug``: check after every step that the lanes hold bitwise-identical tuned values.
     ``parallel_overlap``: 'auto' (the default), 'on' or 'off', as :func:`dpq.parallel_tune`'s
-    ``overlap``. ``parallel_timeout`` (seconds, 10 to 604800): how long the host waits for an
+    ``overlap``. ``parallel_order``: 'canonical' (the default) or 'native', as its ``order``.
+    ``parallel_timeout`` (seconds, 10 to 604800): how long the host waits for an
     iteration's work on the lanes before the run is stopped as hung (``dpq.tune_loop``: the watchdog),
     and across processes how long a collective waits for the other ranks. Malformed arguments raise
     ``ValueError`` naming every problem, before anything is patched.
@@ -102,7 +104,8 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
     problems: list[str] = []
     try:
         spec = ParallelSpec.build(parallel_quantization, parallel_devices, parallel_debug=parallel_debug,
-                                  parallel_overlap=parallel_overlap, parallel_timeout=parallel_timeout, caller="enable")
+                                  parallel_overlap=parallel_overlap, parallel_timeout=parallel_timeout,
+                                  parallel_order=parallel_order, caller="enable")
     except SpecError as err:
         problems, spec = err.problems, None
     if auto_world is not None and not (isinstance(parallel_quantization, str)
@@ -267,7 +270,7 @@ def _auto_world_for(run: Run, plan: Plan) -> tuple[AutoWorld | None, Plan]:
 
 
 def _tuner_request(run: Run, q, block, fp_inputs) -> PlanRequest:
-    return PlanRequest(world=run.world, devices=run.lane_devices(), overlap=run.overlap,
+    return PlanRequest(world=run.world, devices=run.lane_devices(), overlap=run.overlap, order=run.order,
                        **task_plan_fields(q, block, fp_inputs, run.processes))
 
 

@@ -17,13 +17,23 @@ does, the screen says so.
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dpq import refusals
-from dpq.cost_model import ACHIEVABLE_FLOPS, CostInputs, choose_world, predict, probe_link
+from dpq.cost_model import (
+    ACHIEVABLE_FLOPS,
+    GPU_ISSUE_S_PER_LANE_ITERATION,
+    CostInputs,
+    choose_world,
+    predict,
+    probe_link,
+)
 from dpq.lane_devices import parse_device_spec
 from dpq.plan import BlockPrice, PlanRefused, PlanRequest, default_devices, price_runtime, resolve
 from dpq.streams import backend, default_accelerator_type
@@ -73,6 +83,7 @@ class PlanScreen:
     why: str
     calibration: str
     asked: bool = False  # an explicit world (--parallel_quantization N): the run takes it, or stops
+    spread: list[str] = field(default_factory=list)  # P processes x 1 lane beside 1 process x W lanes (_spread)
 
     def lines(self) -> list[str]:
         gib = 2**30
@@ -93,7 +104,8 @@ class PlanScreen:
             if not r.refused:
                 out += [f"{'':>7}- {line}" for line in (r.shared, r.buckets, r.overlap) if line]
         chooser = "the run takes" if self.asked else "auto would choose"
-        out += ["", f"{chooser} world {self.choice}: {self.why}", f"timeline model: {self.calibration}"]
+        out += ["", f"{chooser} world {self.choice}: {self.why}", *self.spread,
+                f"timeline model: {self.calibration}"]
         return out
 
     def __str__(self) -> str:
@@ -179,6 +191,7 @@ def _calibration() -> str:
 def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devices=None, home: str | None = None,
              iters: int = 200, batch_size: int = 8, gradient_accumulate_steps: int = 1, nsamples: int = 128,
              seqlen: int = 2048, model_dtype: str | None = None, parallel_overlap: object = "auto",
+             parallel_order: str = "canonical", argv: Sequence[str] | None = None,
              caller: str = "enable") -> PlanScreen:
     """The plan screen (module docstring) for ``model``: a model folder or hub id (its config alone
     is read), or a model object. The settings are auto-round's and auto-round-dp's, with their
@@ -196,6 +209,7 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
                                     seqlen=seqlen)
     try:
         spec = ParallelSpec.build(screen_world, parallel_devices, parallel_overlap=parallel_overlap,
+                                  parallel_order=parallel_order,
                                   machine=Machine.detect() if caller != "cli" else None, caller=caller)
     except SpecError as err:
         found = err.problems + found
@@ -232,7 +246,8 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
         buckets = overlap = ""
         try:
             plan = resolve(PlanRequest(world=w, devices=[str(d) for d in lanes[:w]], samples_per_iter=samples,
-                                       home=home_dev, price=price, pool_samples=nsamples, overlap=spec.overlap))
+                                       home=home_dev, price=price, pool_samples=nsamples, overlap=spec.overlap,
+                                       order=spec.order))
             buckets, overlap = plan.buckets_reason, plan.overlap_reason
         except PlanRefused as err:
             refused = err.reasons
@@ -247,7 +262,7 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
     return PlanScreen(str(getattr(model, "name_or_path", model) if source == "model" else model), source, name,
                       type(block).__name__, blocks, samples, iters, seqlen, str(compute).removeprefix("torch."),
                       device_names([str(d) for d in dict.fromkeys(lanes)]), link, rows, choice, why, _calibration(),
-                      asked=isinstance(spec.world, int))
+                      asked=isinstance(spec.world, int), spread=spread_lines(rows, lanes, iters, costs, argv))
 
 
 def _plan_argument_problems(model, home, **counts) -> list[str]:
@@ -310,7 +325,51 @@ def _auto_choice(rows: list[WorldRow], lanes: list[torch.device], iters: int, co
     return choice.world, choice.reason
 
 
-def show_for_command(parsed, spec) -> int:
+SPREAD_GAIN = 1.10  # P x 1 predicted faster than 1 x W by more than this: the screen gives the torchrun command
+
+
+def spread_lines(rows: list[WorldRow], lanes: list[torch.device], iters: int, costs: CostInputs,
+                 argv: Sequence[str] | None = None) -> list[str]:
+    """Note [P processes x 1 lane on the screen]: the most lanes that run, one GPU each, in one process
+    (as ``auto`` runs them: it cannot re-launch itself) beside one process per lane under torchrun, each
+    with its own issuing thread and GIL, by the cost model with the issuing thread at
+    :data:`dpq.cost_model.GPU_ISSUE_S_PER_LANE_ITERATION` (an upper bound); where torchrun is predicted
+    faster by more than 10%, the command that gets it (``argv``: the command's own arguments)."""
+    runs = [r for r in rows if not r.refused and not r.shared and r.world > 1]
+    if not runs or lanes[0].type == "cpu":
+        return []
+    w = max(r.world for r in runs)
+    c = dataclasses.replace(costs, issue_s=GPU_ISSUE_S_PER_LANE_ITERATION)
+    one, spread = predict(w, iters, c), predict(w, iters, c, processes=w)
+    line = (f"{w} processes x 1 lane (torchrun): {spread.per_iter_s:.3g} s/iter predicted, against 1 process x "
+            f"{w} lanes {one.per_iter_s:.3g} s/iter (cost model; the issuing thread at "
+            f"{GPU_ISSUE_S_PER_LANE_ITERATION * 1e3:.3g} ms per lane-iteration, an upper bound measured on one H200; "
+            f"each process issues its own lane)")
+    if one.per_iter_s <= SPREAD_GAIN * spread.per_iter_s:
+        return ["", line]
+    return ["", line, f"  {one.per_iter_s / spread.per_iter_s:.2f}x faster predicted; run it as: "
+                      f"{torchrun_command(w, argv)}"]
+
+
+def torchrun_command(processes: int, argv: Sequence[str] | None) -> str:
+    """The command line under torchrun with one lane per process: ``argv`` without the plan screen and
+    the lane list, ``--parallel_quantization 1``."""
+    args, skip = [], False
+    for a in list(argv or ["..."]):
+        name = a.split("=", 1)[0]
+        if skip:
+            skip = False
+            continue
+        if name in ("--parallel_plan",):
+            continue
+        if name in ("--parallel_quantization", "--parallel_devices"):
+            skip = "=" not in a
+            continue
+        args.append(shlex.quote(a))
+    return f"torchrun --nproc-per-node {processes} -m dpq.autoround.cli {' '.join(args)} --parallel_quantization 1"
+
+
+def show_for_command(parsed, spec, argv: Sequence[str] | None = None) -> int:
     """``auto-round-dp --parallel_plan``: the screen for the command's model and settings, printed; 0."""
     from auto_round.cli.main import RECIPES
 
@@ -324,6 +383,7 @@ def show_for_command(parsed, spec) -> int:
                       batch_size=parsed.batch_size or recipe["batch_size"],
                       gradient_accumulate_steps=getattr(parsed, "gradient_accumulate_steps", None) or 1,
                       nsamples=parsed.nsamples or recipe["nsamples"], seqlen=parsed.seqlen or recipe["seqlen"],
-                      model_dtype=parsed.model_dtype, parallel_overlap=spec.overlap, caller="cli")
+                      model_dtype=parsed.model_dtype, parallel_overlap=spec.overlap, parallel_order=spec.order,
+                      argv=argv, caller="cli")
     print(screen, flush=True)
     return 0

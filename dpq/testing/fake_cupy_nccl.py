@@ -13,8 +13,10 @@ Data: the buffers are CPU tensors standing in for GPU memory, so the fake moves 
 and types must agree, every call must have its match: an unmatched one would hang NCCL and
 fails here), ``allGather`` and ``broadcast`` copy. Every source is read before any destination
 is written, and a receive range that overlaps a range read in the same group fails (NCCL runs
-them concurrently). ``allReduce``, ``reduceScatter`` and ``reduce`` are recorded only (dpq's
-CuPy communicator sums through send/recv).
+them concurrently). ``allReduce``, ``reduceScatter`` and ``reduce`` (dpq's ``--parallel_order native``)
+sum as a ring would: chunk ``c`` (of W, or the root's whole buffer) folds the ranks starting after its
+owner, ``c+1, c+2, ..., c`` (:func:`ring_order`), in the buffers' dtype; every rank gets the same bits,
+which differ from the canonical order's (rank order) where the fold's order matters.
 
 Failure injection: ``FakeNccl.fail[(op, rank)] = status`` makes that rank's call (or
 ``("groupEnd", None)``, or ``("initAll", None)``) raise :class:`NcclError` with that status after
@@ -195,8 +197,68 @@ def _transfers(pending: list[Call]) -> list[tuple[int, int, int]]:
     return moves
 
 
+TORCH_DTYPES = {NCCL_UINT8: "uint8", NCCL_FLOAT32: "float32", NCCL_BFLOAT16: "bfloat16"}
+
+
+def ring_order(owner: int, world: int) -> list[int]:
+    """The ranks in the order a ring reduce-scatter folds chunk ``owner``: starting after its owner."""
+    return [(owner + 1 + i) % world for i in range(world)]
+
+
+def _memory(ptr: int, count: int, dtype: int):
+    """``count`` elements at ``ptr`` as a tensor over that memory (a CPU tensor stands in for the GPU's)."""
+    import torch
+
+    buf = (ctypes.c_char * (count * ITEMSIZE[dtype])).from_address(ptr)
+    return torch.frombuffer(buf, dtype=getattr(torch, TORCH_DTYPES[dtype]), count=count)
+
+
+def _ring_sum(parts: list, owner: int):
+    order = ring_order(owner, len(parts))
+    acc = parts[order[0]].clone()
+    for r in order[1:]:
+        acc.add_(parts[r])
+    return acc
+
+
+def _reductions(pending: list[Call]) -> list[tuple[int, int, bytes]]:
+    """(dst ptr, nbytes, payload) of a group's reductions, every sum taken before any is written."""
+    import torch
+
+    out = []
+    for op in ("reduceScatter", "allReduce", "reduce"):
+        calls = sorted((c for c in pending if c.op == op), key=lambda c: c.rank)
+        if not calls:
+            continue
+        world, n, dt = len(calls), calls[0].count, calls[0].dtype
+        assert all((c.count, c.dtype) == (n, dt) for c in calls), f"{op}: ranks disagree on count or type"
+        isz = ITEMSIZE[dt]
+        if op == "reduceScatter":
+            for c in calls:
+                parts = [_memory(s.sendptr + c.rank * n * isz, n, dt) for s in calls]
+                out.append((c.recvptr, n * isz, _ring_sum(parts, c.rank).view(torch.uint8).numpy().tobytes()))
+        elif op == "allReduce":
+            size, extra = divmod(n, world)
+            bounds = [k * size + min(k, extra) for k in range(world + 1)]
+            for k in range(world):
+                lo, m = bounds[k], bounds[k + 1] - bounds[k]
+                if not m:
+                    continue
+                chunk = _ring_sum([_memory(s.sendptr + lo * isz, m, dt) for s in calls], k)
+                total = chunk.view(torch.uint8).numpy().tobytes()
+                out += [(c.recvptr + lo * isz, m * isz, total) for c in calls]
+        else:
+            root = calls[0].root
+            total = _ring_sum([_memory(s.sendptr, n, dt) for s in calls], root).view(torch.uint8).numpy().tobytes()
+            out.append((calls[root].recvptr, n * isz, total))
+    return out
+
+
 def _run(pending: list[Call]) -> None:
-    """Run a group's transfers: every source read before any destination is written."""
+    """Run a group's transfers and reductions: every source read before any destination is written."""
+    sums = _reductions(pending)
+    for dst, n, data in sums:
+        ctypes.memmove(dst, data, n)
     moves = [(src, dst, n) for src, dst, n in _transfers(pending) if src != dst and n]
     for _, dst, n in moves:
         for other, _, m in moves:

@@ -34,6 +34,9 @@ class GpuClass:
     link_latency_s: float  # per collective
     copy_latency_s: float = 10e-6
     peer_access: bool = True  # the GPUs reach each other directly (what dpq.plan.overlap_choice asks)
+    # the share of the device's SMs an NCCL kernel occupies while it runs (one block per channel): a
+    # kernel beside it runs that much longer over the overlap (replay's Note [NCCL takes SMs])
+    nccl_sm_share: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     calibrated: str = ""  # the calibration that re-based it ("<card>-<date>"), "" = stated figures
 
@@ -53,6 +56,7 @@ class HostCosts:
     graph_launch_s: float  # replaying a captured CUDA graph: cudaGraphLaunch from the host (Pricing.graphs)
     graph_tree_s: float  # torch.compile's CUDA graph trees (mode="reduce-overhead"): their checks per replay
     wait_s: float  # recording an event or making a stream wait for one
+    nccl_call_s: float  # one call into NCCL inside a group (CuPy's binding, ncclSend/ncclRecv enqueueing)
     host_copy_bw: float  # host memcpy (pinning, host-side work on host memory), B/s
     compile_s: float  # compiling the block (forward + backward) for the first lane device, host seconds
     recompile_s: float  # for each further lane device or slice shape (dynamo guards on both): Triton's cache hits
@@ -73,7 +77,7 @@ GPUS = {
     "3090": GpuClass(
         "RTX 3090 (PCIe 4.0 x16, no P2P)", matmul_flops=60e12, matmul_peak=71e12, attention_flops=39e12,
         mem_bw=800e9, mem_peak=936e9, kernel_floor_s=3e-6, h2d=24e9, d2d=10e9, link=10e9, link_latency_s=50e-6,
-        peer_access=False,
+        peer_access=False, nccl_sm_share=2 / 82,
         sources={
             "matmul_peak": "NVIDIA Ampere GA102 whitepaper: 71 TFLOP/s dense BF16 with FP32 accumulate (RTX 3090)",
             "matmul_flops": "assumed 85% of the peak (cuBLAS on large GEMMs); no 3090 measurement at hand",
@@ -88,11 +92,13 @@ GPUS = {
             "peer_access": "GeForce cards have no P2P (the link's source): torch.cuda.can_device_access_peer is False",
             "link_latency_s": "assumed: NCCL over shared host memory, tens of microseconds per collective",
             "kernel_floor_s": "assumed: an empty kernel's device time is a few microseconds",
+            "nccl_sm_share": "assumed: NCCL over host memory (no P2P) runs ~2 channels, one block each, of the "
+                             "3090's 82 SMs",
         }),
     "h100": GpuClass(
         "H100 SXM (NVLink 4, NVSwitch)", matmul_flops=780e12, matmul_peak=989e12, attention_flops=350e12,
         mem_bw=2.9e12, mem_peak=3.35e12, kernel_floor_s=2.5e-6, h2d=50e9, d2d=370e9, link=370e9,
-        link_latency_s=20e-6,
+        link_latency_s=20e-6, nccl_sm_share=16 / 132,
         sources={
             "matmul_peak": "NVIDIA H100 SXM sheet: 989 TFLOP/s dense BF16",
             "matmul_flops": f"an 8192^3 bf16 torch.matmul ran at 769-798 TFLOP/s on {_KINDS}; the H200 is the same "
@@ -103,6 +109,8 @@ GPUS = {
             "link": _NVLINK, "d2d": _NVLINK,
             "h2d": "PCIe 5.0 x16: 63 GB/s per direction on paper, ~50 GB/s pinned in practice (assumed)",
             "link_latency_s": "assumed: NCCL's small-message latency over NVLink is ~10-20 microseconds",
+            "nccl_sm_share": "assumed: NCCL on NVSwitch runs ~16 channels, one block (one SM) each, of the "
+                             "H100's 132 SMs (NCCL_MAX_NCHANNELS / NCCL_MIN_NCHANNELS set it)",
             "kernel_floor_s": "assumed: an empty kernel's device time is a few microseconds",
         }),
 }
@@ -122,7 +130,7 @@ _GRAPHS = ("pytorch/pytorch#150488 (B. Feng, 2025-04): one compiled graph replay
            "fullgraph, broken down per call")
 HOST = HostCosts(
     eager_op_s=6.5e-6, view_op_s=1.0e-6, compiled_kernel_s=8e-6, compiled_extern_s=6.5e-6, region_call_s=40e-6,
-    graph_launch_s=41e-6, graph_tree_s=128e-6, wait_s=1.5e-6,
+    graph_launch_s=41e-6, graph_tree_s=128e-6, wait_s=1.5e-6, nccl_call_s=3e-6,
     host_copy_bw=10e9, compile_s=60.0, recompile_s=15.0,
     sources={
         "eager_op_s": "published breakdowns of one eager CUDA op's CPU path (Python ~1 us, binding ~1 us, autograd "
@@ -140,6 +148,8 @@ HOST = HostCosts(
         "graph_tree_s": _GRAPHS + ": the CUDA graph trees' runtime checks 128 us per replay (beside it, dynamo's "
                         "cache lookup 176 us, which region_call_s prices)",
         "wait_s": "assumed: cudaEventRecord / cudaStreamWaitEvent are ~1-2 us of host time",
+        "nccl_call_s": "assumed: a CuPy NcclCommunicator method is a thin Cython call, and inside a group "
+                       "ncclSend/ncclRecv only enqueue (the kernels launch at groupEnd, priced as one op per rank)",
         "host_copy_bw": "assumed: a single-threaded host memcpy",
         "compile_s": "assumed 60 s for a block's forward + backward (inductor + Triton on a server CPU); a GPU "
                      "check measures it",

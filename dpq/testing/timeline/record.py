@@ -52,8 +52,10 @@ CUDA semantics recorded (and replayed by :func:`dpq.testing.timeline.replay.simu
 * ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()`` of a device tensor, ``Event.synchronize``,
   ``Stream.synchronize`` and device synchronize are host syncs; a *sync point* is a maximal run of
   host waits with no op issued between them (the host stalls once, until the last of them);
-* collectives (:class:`ModelNccl`, NCCL's semantics: one kernel per lane on its stream, issued
-  in a group) end together, ``latency + wire bytes / link`` after the last member started;
+* the communicator is the one the plan picks for as many distinct GPUs (CuPy's NCCL:
+  :class:`ModelCupyNccl`, its own code recorded: staging, folds, host calls into NCCL); a group's
+  NCCL calls of one rank are one kernel on that rank's stream, and the members of a group (also
+  :class:`ModelNccl`'s collectives) end together, ``latency + wire bytes / link`` after the last started;
   ``torch.distributed`` collectives (under torchrun) are one such kernel on the current stream,
   the other ranks assumed to start at the same time; object collectives are host syncs;
 * dpq's gradient buckets are built with one tuned tensor each while recording (so a bucket's
@@ -93,11 +95,15 @@ from torch.utils.flop_counter import flop_registry
 
 import dpq.streams as dpq_streams
 from dpq.comm_base import CommunicatorBase, ordered_sum
+from dpq.nccl_comm import CupyNcclCommunicator
+from dpq.nccl_lifecycle import NcclCommSet
 from dpq.phases import Observer
+from dpq.testing.fake_cupy_nccl import ITEMSIZE, FakeNccl
 from dpq.testing.timeline.shapes import TensorMeta
 from dpq.testing.timeline.work import attention_flops, is_view_schema, named_args, work_of
 
-__all__ = ["HOST", "ModelNccl", "Op", "TimelineModel", "device_of_place", "lead_of", "place_of_device", "without_modes"]
+__all__ = ["HOST", "ModelCupyNccl", "ModelNccl", "Op", "TimelineModel", "device_of_place", "lead_of", "place_of_device",
+           "without_modes"]
 
 HOST = None  # the place of host memory; devices are 1..N
 _DEVICE = torch.Tensor.device  # the getset descriptor whose __get__ the function mode answers
@@ -153,6 +159,7 @@ class Op:
     phase: str = ""
     group: int | None = None  # collective: members of one group end together
     group_size: int = 1
+    in_communicator: bool = False  # issued by the communicator's own code (ModelCupyNccl: staging, folds, calls)
 
 
 def lead_of(shape: tuple[int, ...], seqlen: int) -> int:
@@ -338,8 +345,11 @@ class ModelBackend(dpq_streams.Backend):
 
     def communicator_for(self, devices: Sequence[torch.device]) -> tuple[str, str] | None:
         places = [place_of_device(d) for d in devices]
-        if len(set(places)) == len(places) and HOST not in places:
-            return "model-nccl", f"{len(places)} logical GPUs: NCCL semantics (timeline model)"
+        if len(places) > 1 and len(set(places)) == len(places) and HOST not in places:
+            # the plan's choice for as many distinct GPUs (whose NCCL kinds are the model's: TimelineModel)
+            from dpq.communicators import choose_communicator
+
+            return choose_communicator([torch.device("cuda", p) for p in places])
         return None
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -366,6 +376,7 @@ class ModelNccl(CommunicatorBase):
     def __init__(self, lanes, model: TimelineModel | None = None) -> None:
         super().__init__(lanes)
         self.model = model if model is not None else TimelineModel.active
+        self.model.communicators.append(self.name)
 
     def _group(self, op: str, bufs_per_lane: list[list[torch.Tensor]], wire_factor: float,
                compute: Callable[[], None]) -> None:
@@ -407,6 +418,96 @@ class ModelNccl(CommunicatorBase):
     def _reduce(self, bufs, root):
         self._group("reduce", [[b] for b in bufs], 1.0,
                     lambda: ordered_sum(list(bufs), bufs[root]))
+
+
+class _ModelNcclLibrary(FakeNccl):
+    """``cupy.cuda.nccl`` for :class:`ModelCupyNccl`: the fake's data movement (:mod:`dpq.testing.fake_cupy_nccl`)
+    and, per call, the host's call into NCCL; at ``groupEnd`` each rank's calls of the group as one NCCL
+    kernel on the stream it named (NCCL runs a group's work of one rank as one kernel launch), every
+    member of the group ending together, the rank's wire bytes its sends (a collective's: its ring's)."""
+
+    def __init__(self, model: TimelineModel, lanes) -> None:
+        super().__init__()
+        self.model, self.lanes = model, lanes
+
+    def groupEnd(self):
+        pending = list(self.pending)
+        with self.model.paused(), without_modes():  # the fake's sums (native order) are NCCL's, not the lanes' ops
+            super().groupEnd()
+        self.model.nccl_group(pending, self.lanes)
+
+
+class ModelCupyNccl(CupyNcclCommunicator):
+    """dpq's CuPy NCCL communicator (what the plan picks for distinct GPUs where CuPy's NCCL imports, as
+    ``auto-round-dp[cuda12]`` installs it) running its own code on the logical devices: its staging
+    allocations, ``ordered_sum`` folds and host calls are recorded as they are issued, its NCCL calls by
+    :class:`_ModelNcclLibrary`. ``available`` answers True: the machine presets the model prices have it."""
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    def __init__(self, lanes, *, shared: bool = False, allow_shared_gpu: bool | None = None,
+                 order: str = "canonical") -> None:
+        CommunicatorBase.__init__(self, lanes)
+        self._set_order(order)
+        self.model = TimelineModel.active
+        self.model.communicators.append(self.name if order == "canonical" else f"{self.name} ({order})")
+        places = [place_of_device(lane.device) for lane in self.lanes]
+        self._nccl = _ModelNcclLibrary(self.model, self.lanes)
+        self.shared = False
+        self._set = NcclCommSet(self.name, places, self._nccl.NcclCommunicator.initAll(places), self._nccl)
+
+    def _stream(self, k: int) -> int:
+        return k  # the handle NCCL is given: the model maps it back to lane k's stream
+
+    def _issue(self, collective: Callable, *args) -> None:
+        with self.model.communicator_code():
+            collective(self, *args)
+
+    def _all_reduce(self, bufs) -> None:
+        self._issue(CupyNcclCommunicator._all_reduce, bufs)
+
+    def _reduce_scatter(self, send, recv) -> None:
+        self._issue(CupyNcclCommunicator._reduce_scatter, send, recv)
+
+    def _all_gather(self, send, recv) -> None:
+        self._issue(CupyNcclCommunicator._all_gather, send, recv)
+
+    def _broadcast(self, bufs, root) -> None:
+        self._issue(CupyNcclCommunicator._broadcast, bufs, root)
+
+    def _reduce(self, bufs, root) -> None:
+        self._issue(CupyNcclCommunicator._reduce, bufs, root)
+
+
+_WRITE_ONLY = {"aten::copy_", "aten::fill_", "aten::zero_"}  # their destination is written, not read
+
+
+def _traffic(schema, args, kwargs, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What an elementwise kernel moves, each tensor once per direction: every input read, every output
+    written; an argument it writes in place (``Tensor(a!)``) written once, also where the op returns
+    nothing (``_foreach_add_``), and not read where the op only writes it (``copy_``'s destination, an
+    ``out=`` argument)."""
+    written, write_only = [], set()
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        targets = _tensors(args[i] if i < len(args) else kwargs.get(a.name))
+        written += targets
+        if a.kwarg_only or schema.name in _WRITE_ONLY:
+            write_only |= {t._cdata for t in targets}
+    seen = {t._cdata for t in written}
+    reads = [t for t in ins if t._cdata not in write_only]
+    return reads + [t for t in outs if t._cdata not in seen] + written
+
+
+def _wire_elems(call, world: int) -> float:
+    """Elements one rank's NCCL call puts on the wire: a send its count, a receive none, a collective
+    its ring's (an all-gather sends every other rank's chunk on, a reduce-scatter (W-1)/W of its input)."""
+    ring = {"send": 1.0, "recv": 0.0, "broadcast": 1.0, "allGather": world - 1.0, "reduceScatter": world - 1.0,
+            "allReduce": 2 * (world - 1) / world, "reduce": (world - 1) / world}
+    return call.count * ring[call.op]
 
 
 # -- the recorder ---------------------------------------------------------------------------------
@@ -493,6 +594,8 @@ class TimelineModel:
         self.streams: list[ModelStream] = []
         self.violations: list[str] = []
         self.lanes: list = []
+        self.communicators: list[str] = []  # the name of every communicator the run made, in order
+        self._in_communicator = 0
         self._places: dict[int, int | None] = {}
         self._sizes: dict[int, tuple[int | None, int]] = {}  # storage -> (place, bytes) counted in live
         self.live: dict[int | None, int] = defaultdict(int)
@@ -668,7 +771,17 @@ class TimelineModel:
         s = self._node_stream()
         return f"autograd dev{s.place}" if s is not None else "main"
 
+    @contextlib.contextmanager
+    def communicator_code(self):
+        """Ops recorded meanwhile are the communicator's own (``Op.in_communicator``)."""
+        self._in_communicator += 1
+        try:
+            yield
+        finally:
+            self._in_communicator -= 1
+
     def _add(self, op: Op) -> Op:
+        op.in_communicator = self._in_communicator > 0
         if self._bucket is not None and op.kind != "marker":
             op.bucket, op.bucket_numel = self._bucket
         phase = op.phase or self._phase
@@ -776,6 +889,25 @@ class TimelineModel:
                                 wire_factor=wire_factor, group=gid,
                                 group_size=len(members)))
 
+    def nccl_group(self, calls, lanes) -> None:
+        """One NCCL group of :class:`ModelCupyNccl` (``calls``: the fake's records, rank = lane index):
+        each call a host call into NCCL, then each rank's calls as one kernel on its lane's stream,
+        every member ending together, each putting its sends (a collective: its ring's bytes) on the wire."""
+        if self.paused_now or not calls:
+            return
+        world, by_rank = len(lanes), defaultdict(list)
+        for c in calls:
+            self._add(self._new(f"nccl {c.op} (host call)", "nccl_call"))
+            by_rank[c.rank].append(c)
+        gid = next(self._groups)
+        for rank, mine in by_rank.items():
+            lane = lanes[rank]
+            stream = lane.stream if lane.stream is not None else self.current_stream(place_of_device(lane.device))
+            sent = sum(_wire_elems(c, world) for c in mine)
+            self._add(self._new(f"nccl {'+'.join(dict.fromkeys(c.op for c in mine))}", "collective", stream=stream,
+                                link="nccl", tensors=((round(sent), round(sent * ITEMSIZE[mine[0].dtype]), 0),),
+                                wire_factor=1.0, group=gid, group_size=len(by_rank)))
+
     def on_op(self, func, args, kwargs, out) -> None:
         schema = func._schema
         name = schema.name
@@ -837,8 +969,9 @@ class TimelineModel:
             return
         stream = self.current_stream(place)
         work = work_of(name)
+        moved = _traffic(schema, args, kwargs, ins, outs) if work == "elementwise" else ins + outs
         op = self._new(name, "kernel", stream=stream, flops=_flops(func, work, args, kwargs, out), work=work,
-                       tensors=self.metas(ins + outs), phase="grads" if _accumulating_grad() else "")
+                       tensors=self.metas(moved), phase="grads" if _accumulating_grad() else "")
         # autograd's device threads run its C++ nodes without the GIL, Python hooks with it
         op.gil = op.thread == "main" or _issued_from_python()
         written = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i < len(schema.arguments)
@@ -942,6 +1075,8 @@ class TimelineModel:
         self._restore.append(lambda: dpq_streams.install_backend("cpu", real_cpu))
         communicators.register_communicator("model-nccl", ModelNccl)
         self._restore.append(lambda: communicators.register_communicator("model-nccl", None))
+        real_cupy = communicators.register_communicator("cupy-nccl", ModelCupyNccl)  # the plan's pick on GPUs
+        self._restore.append(lambda: communicators.register_communicator("cupy-nccl", real_cupy))
         self._observing = phases.observing(_Observer(self))
         self._observing.__enter__()
         self._restore.append(lambda: self._observing.__exit__(None, None, None))

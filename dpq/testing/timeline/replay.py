@@ -23,9 +23,11 @@ loss readback as one captured graph (a design, dpq does not build it): the host 
 small copies (the sample indices and the learning rate into the graph's static buffers) per
 lane-iteration, and nothing else until the readback. Either way every kernel keeps its device time.
 
-Not modelled: a small kernel sharing the GPU with a large one, NCCL's kernels slowing the compute
-beside them, copy-engine and link contention, the caching allocator, a graph's own capture and its
-memory, clocks and temperature.
+NCCL's kernels take SMs (Note [NCCL takes SMs]): a kernel that runs while one of its device's NCCL
+kernels does is longer by ``GpuClass.nccl_sm_share`` of the overlap.
+
+Not modelled: a small kernel sharing the GPU with a large one, copy-engine and link contention, the
+caching allocator, a graph's own capture and its memory, clocks and temperature.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class Pricing:
     # CUDA graphs (module docstring): None as recorded, "regions" (compiled regions through CUDA graph
     # trees) or "iteration" (each lane's steady iteration as one captured graph; a design, not built)
     graphs: str | None = None
+    # torchrun's P processes x L lanes (Note [P processes x 1 lane]): each process's lanes' ops issued by
+    # threads of its own, each process with its own GIL; 1: one process issues every lane (as recorded)
+    processes: int = 1
     roles: RoleMap = field(init=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +125,8 @@ class Pricing:
             return host.eager_op_s + self.scaled_bytes(op) / host.host_copy_bw
         if op.kind == "view":
             return host.view_op_s
+        if op.kind == "nccl_call":
+            return host.nccl_call_s
         if op.kind == "kernel" and op.region:
             if self.graphs == "regions":
                 return 0.0
@@ -247,17 +254,20 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     host_cost = {op.id: pricing.host_s(op) for op in ops}
     if pricing.graphs == "iteration":
         host_cost = _iterations_graphed(ops, host_cost, pricing.host, model)
+    threads = (_process_threads(ops, model, pricing.processes) if pricing.processes > 1
+               else {op.id: op.thread for op in ops})
     end: dict[int, float] = {}
     waits: list[float] | None = None
     for _ in range(12):
-        issue, host_end, syncs, waited = _host_pass(ops, host_cost, end)
-        start, end = _device_pass(device_ops, issue, duration)
+        issue, host_end, syncs, waited = _host_pass(ops, host_cost, end, threads)
+        start, end = _device_pass(device_ops, issue, duration, pricing.gpu.nccl_sm_share)
         if waits is not None and all(abs(a - b) <= 1e-12 for a, b in zip(waits, waited, strict=True)):
             break
         waits = waited
     end = {**host_end, **end}
     lane_streams = [{lane.stream.sid} if lane.stream is not None else set() for lane in model.lanes]
-    iterations = _summaries(ops, issue, start, end, syncs, lane_streams)
+    iterations = _summaries(ops, issue, start, end, syncs, lane_streams, threads,
+                            host_cost if pricing.processes > 1 else None)
     return Timeline(ops, issue, start, end, iterations, lane_streams, pricing,
                     None if buckets is None else [b.numel for b in buckets])
 
@@ -284,58 +294,111 @@ def _iterations_graphed(ops: list[Op], cost: dict[int, float], host: HostCosts,
     return out
 
 
-def _host_pass(ops: list[Op], cost: dict[int, float], device_end: dict[int, float]):
+def _process_threads(ops: list[Op], model: TimelineModel, processes: int) -> dict[int, str]:
+    """Note [P processes x 1 lane]: under torchrun with one lane per process, each process issues its own
+    lane's ops on its own main thread (and autograd's thread for its device), under its own GIL. The
+    record is one process issuing every lane, so each op goes to the process of its lane: a device op's
+    by its stream's device, an autograd thread's by its device, a sync by the op it waits for, and a
+    host-only op (a view, a graph call, a host call into NCCL) to the lane of the next device op its
+    thread issues (the op it prepares), else the one before. Thread names get ``#k`` (process k).
+    What one process does for every lane at once (the readback's host work) goes to one of them: a
+    slight undercount of each process's own copy of it; the exchange is the recorded communicator's (one
+    process's), not the process group's. With ``processes`` < lanes, process k has lanes k*L .. k*L+L-1."""
+    lane_of_place = {lane.stream.place: k for k, lane in enumerate(model.lanes) if lane.stream is not None}
+    by_id = {op.id: op for op in ops}
+
+    def lane_of(op: Op) -> int | None:
+        if op.stream is not None:
+            return lane_of_place.get(op.stream.place)
+        if op.thread.startswith("autograd dev"):
+            return lane_of_place.get(int(op.thread.removeprefix("autograd dev")))
+        if op.kind == "sync" and op.wait_for is not None and op.wait_for in by_id:
+            target = by_id[op.wait_for]
+            return lane_of_place.get(target.stream.place) if target.stream is not None else None
+        return None
+
+    known = {op.id: lane_of(op) for op in ops}
+    following: dict[str, int | None] = {}
+    for op in reversed(ops):  # a host-only op: the lane of the next device op of its thread
+        if known[op.id] is None:
+            known[op.id] = following.get(op.thread)
+        else:
+            following[op.thread] = known[op.id]
+    before: dict[str, int] = {}
+    out = {}
+    for op in ops:
+        lane = known[op.id] if known[op.id] is not None else before.get(op.thread, 0)
+        before[op.thread] = lane
+        out[op.id] = f"{op.thread}#{lane * processes // max(1, len(model.lanes))}"
+    return out
+
+
+def _process(thread: str) -> str:
+    """The process a thread key belongs to ("" where one process issues every lane)."""
+    return thread.partition("#")[2]
+
+
+def _host_pass(ops: list[Op], cost: dict[int, float], device_end: dict[int, float], threads: dict[int, str]):
     """Every op's issue time, host ops' ends, the sync points and what each waited for, with the
-    devices' end times of the last device pass (none yet: no host wait)."""
+    devices' end times of the last device pass (none yet: no host wait). ``threads``: each op's issuing
+    thread (``name#k`` for process k's under Note [P processes x 1 lane]); every process has its own GIL
+    and its own ``main``, each joined at a backward's end by its own autograd threads."""
     host: dict[str, float] = defaultdict(float)
-    gil = Busy()  # Python's GIL: one holder at a time
+    gils: dict[str, Busy] = defaultdict(Busy)  # Python's GIL per process: one holder at a time
     issue: dict[int, float] = {}
     host_end: dict[int, float] = {}
-    issued_end = 0.0  # the latest device end among the ops issued so far (a device-wide sync waits for it)
-    bw_begin = None
+    issued_end: dict[str, float] = defaultdict(float)  # per process: the latest device end of the ops issued so far
+    mains = sorted({t for t in threads.values() if t.partition("#")[0] == "main"}) or ["main"]
+    bw_begin: dict[str, float] | None = None
     bw_threads: set[str] = set()
     syncs: list[Sync] = []
     waited_for: list[float] = []
     last_op_since_sync = True
     for op in ops:
-        th = op.thread
+        th = threads[op.id]
+        proc = _process(th)
         if op.kind == "marker":
             if op.name == "bw_begin":
-                bw_begin, bw_threads = host["main"], set()
+                bw_begin, bw_threads = {_process(m): host[m] for m in mains}, set()
             elif op.name == "bw_end":
-                host["main"] = max([host["main"], *(host[t] for t in bw_threads)])
+                for m in mains:
+                    host[m] = max([host[m], *(host[t] for t in bw_threads if _process(t) == _process(m))])
                 bw_begin = None
-            issue[op.id] = host_end[op.id] = host["main"]
+            issue[op.id] = host_end[op.id] = host[mains[0]]
+            for m in mains:  # where each process's main stands at the boundary (_main_issue)
+                host_end[(op.id, m)] = host[m]
             continue
-        if th != "main" and bw_begin is not None and th not in bw_threads:
+        if not th.startswith("main") and bw_begin is not None and th not in bw_threads:
             bw_threads.add(th)
-            host[th] = max(host[th], bw_begin)
+            host[th] = max(host[th], bw_begin.get(proc, 0.0))
         if op.host_after is not None:
             host[th] = max(host[th], issue.get(op.host_after, 0.0))
         if op.kind == "sync":
-            waited = device_end.get(op.wait_for, 0.0) if op.wait_for is not None else issued_end
+            waited = device_end.get(op.wait_for, 0.0) if op.wait_for is not None else issued_end[proc]
             waited_for.append(waited)
             stall = max(0.0, waited - host[th])
-            if last_op_since_sync:
-                syncs.append(Sync(op.iteration, op.site, op.name, stall))
-            elif syncs:
-                syncs[-1].stall_s += stall
+            if proc == _process(mains[0]):  # one process's sync points (each process has its own)
+                if last_op_since_sync:
+                    syncs.append(Sync(op.iteration, op.site, op.name, stall))
+                elif syncs:
+                    syncs[-1].stall_s += stall
+                last_op_since_sync = False
             host[th] = max(host[th], waited)
             issue[op.id] = host_end[op.id] = host[th]
-            last_op_since_sync = False
             continue
-        last_op_since_sync = True
-        begin = gil.place(host[th], cost[op.id]) if op.gil else host[th]
+        if proc == _process(mains[0]):
+            last_op_since_sync = True
+        begin = gils[proc].place(host[th], cost[op.id]) if op.gil else host[th]
         host[th] = begin + cost[op.id]
         issue[op.id] = host[th]
-        if op.kind in ("host", "call", "view"):
+        if op.kind in ("host", "call", "view", "nccl_call"):
             host_end[op.id] = host[th]
         else:
-            issued_end = max(issued_end, device_end.get(op.id, 0.0))
+            issued_end[proc] = max(issued_end[proc], device_end.get(op.id, 0.0))
     return issue, host_end, syncs, waited_for
 
 
-def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, float]):
+def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, float], nccl_share: float = 0.0):
     """Start and end of every device op: each stream in order, an op once issued and once every op it
     waits for ended, a collective's members together, a kernel when its device runs no other; the
     earliest op that can start goes first."""
@@ -347,6 +410,7 @@ def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, flo
     end: dict[int, float] = {}
     stream_free: dict[int, float] = defaultdict(float)
     device_free: dict[int, float] = defaultdict(float)
+    nccl_busy: dict[int, list[tuple[float, float]]] = defaultdict(list)  # device -> its NCCL kernels' spans
     waiting: dict[int, list[int]] = defaultdict(list)  # op -> the streams whose head waits for it
     groups: dict[int, dict[int, tuple[float, int]]] = defaultdict(dict)  # group -> member -> (ready, stream)
     # (start, ready, op, stream); a group: (start, start, -1 - group, -1). Of kernels that could start at
@@ -388,6 +452,7 @@ def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, flo
             by_id = {queues[s][0].id: queues[s][0] for _, s in members.values()}
             for mid, (ready, _) in members.items():
                 start[mid], end[mid] = ready, at + duration[mid]
+                nccl_busy[by_id[mid].stream.place].append((ready, end[mid]))
             for mid, (_, msid) in members.items():
                 finished(by_id[mid], msid)
             continue
@@ -396,7 +461,15 @@ def _device_pass(ops: list[Op], issue: dict[int, float], duration: dict[int, flo
             if device_free[op.stream.place] > at:  # another kernel took the device meanwhile
                 heapq.heappush(heap, (device_free[op.stream.place], ready, oid, sid))
                 continue
-            device_free[op.stream.place] = at + duration[oid]
+            # Note [NCCL takes SMs]: while an NCCL kernel runs on the device (its channels' blocks), a
+            # kernel beside it has the rest of the SMs: it runs longer by that share of the overlap
+            d = duration[oid]
+            if nccl_share > 0 and nccl_busy[op.stream.place]:
+                d += nccl_share * sum(max(0.0, min(at + d, e) - max(at, s)) for s, e in nccl_busy[op.stream.place])
+            device_free[op.stream.place] = at + d
+            start[oid], end[oid] = at, at + d
+            finished(op, sid)
+            continue
         start[oid], end[oid] = at, at + duration[oid]
         finished(op, sid)
     return start, end
@@ -453,7 +526,7 @@ def _uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, fl
     return total
 
 
-def _summaries(ops, issue, start, end, syncs, lane_streams) -> list[IterationSummary]:
+def _summaries(ops, issue, start, end, syncs, lane_streams, threads, costs=None) -> list[IterationSummary]:
     n = max((op.iteration for op in ops), default=-1) + 1
     marks = {op.iteration: issue[op.id] for op in ops if op.kind == "marker" and op.name.startswith("iteration")}
     by_iter: dict[int, list[Op]] = defaultdict(list)
@@ -481,7 +554,8 @@ def _summaries(ops, issue, start, end, syncs, lane_streams) -> list[IterationSum
                 if op.stream.place == lane0_place:
                     coll.append((start[op.id], end[op.id]))
                 continue
-            if cls is not None and op.stream.sid in lane0_streams:
+            # lane 0's device work on any of its streams (the exchange's on its communication stream too)
+            if cls is not None and (op.stream.sid in lane0_streams or op.stream.place == lane0_place):
                 lane0[cls] += end[op.id] - start[op.id]
         total, union = sum(busy), _union(all_intervals)
         ideal = total - max(busy, default=0.0)
@@ -490,21 +564,31 @@ def _summaries(ops, issue, start, end, syncs, lane_streams) -> list[IterationSum
         seconds = done[i] - (done[i - 1] if i > 0 else marks.get(0, 0.0))
         wire = sum(b - a for a, b in coll)
         out.append(IterationSummary(i, seconds, [s for s in syncs if s.iteration == i], busy, overlap,
-                                    _main_issue(it_ops, issue, end), dict(lane0), wire,
+                                    _main_issue(it_ops, issue, end, threads, costs), dict(lane0), wire,
                                     _uncovered(coll, all_intervals)))
     return out
 
 
-def _main_issue(ops, issue, end) -> float:
-    """The main thread's own host time in these ops (issue costs, not the time it waited)."""
-    total, prev = 0.0, None
+def _main_issue(ops, issue, end, threads, costs=None) -> float:
+    """The main thread's own host time in these ops (issue costs, not the time it waited). With one
+    process per lane (Note [P processes x 1 lane]; ``costs``: each op's host cost) every process's main
+    thread's issue costs, summed: its GIL is its own lane's autograd thread's while the backward runs,
+    a wait of the main thread (blocked in ``backward()`` then) that is not issue time."""
+    if costs is not None:
+        return sum(costs[op.id] for op in ops if op.thread == "main" and op.kind not in ("marker", "sync"))
+    total, prev = 0.0, {}
     for op in ops:
+        th = threads[op.id]
         if op.thread != "main":
             continue
-        if op.kind in ("marker", "sync"):
-            prev = end[op.id]
+        if op.kind == "marker":  # every process's main stands at the boundary
+            prev.update({k[1]: v for k, v in end.items() if isinstance(k, tuple) and k[0] == op.id})
+            prev[th] = end[op.id]
             continue
-        if prev is not None:
-            total += max(0.0, issue[op.id] - prev)
-        prev = issue[op.id]
+        if op.kind == "sync":
+            prev[th] = end[op.id]
+            continue
+        if th in prev:
+            total += max(0.0, issue[op.id] - prev[th])
+        prev[th] = issue[op.id]
     return total

@@ -73,10 +73,18 @@ def record_block(compile: bool = True):
 
 
 @functools.cache
+def shared_block(compile: bool = True):
+    """:func:`record_block`, made once per process: what the tests that replay the same block share
+    (a recording is an auto-round run; each replay takes the block's ``fresh_block()`` and restores
+    its RNG, so sharing changes no record)."""
+    return record_block(compile)
+
+
+@functools.cache
 def recorded_run(compile: bool, world: int, iters: int = 2) -> TimelineModel:
-    """:func:`run_adapter` of :func:`record_block` at ``world``, made once per process (the tests and
+    """:func:`run_adapter` of :func:`shared_block` at ``world``, made once per process (the tests and
     the benchmarks that replay the same record share it)."""
-    return run_adapter(record_block(compile), world, iters=iters)
+    return run_adapter(shared_block(compile), world, iters=iters)
 
 
 def compiles(rec) -> bool:
@@ -138,7 +146,7 @@ def lane_devices(world: int) -> list[str]:
 
 
 def run_adapter(rec, world: int, *, pool: str = "home", cache: str | None = None, iters: int = 4,
-                mutations: Sequence[str] = (), overlap: bool | None = None) -> TimelineModel:
+                mutations: Sequence[str] = (), overlap: bool | None = None, order: str = "canonical") -> TimelineModel:
     """``rec``'s block through ``dpq.autoround.enable(world)`` on logical GPUs; the model's record.
     Under torchrun (a process group initialised), ``world`` is this rank's lanes. ``cache``: where
     auto-round keeps the best iteration's values (default: the host for a host pool, else the device)."""
@@ -150,7 +158,7 @@ def run_adapter(rec, world: int, *, pool: str = "home", cache: str | None = None
             _mutated(model, mutations):
         model.place(block, "cpu:1")
         _place_pool(model, rec, pool, world)
-        dpq_ar.enable(world, lane_devices(world), parallel_overlap=overlap)
+        dpq_ar.enable(world, lane_devices(world), parallel_overlap=overlap, parallel_order=order)
         try:
             rec.restore_rng()
             rec.serial_quantize_block(block)
