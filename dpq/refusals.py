@@ -55,11 +55,13 @@ def _list(names: Sequence[str], limit: int = 3) -> str:
 # "api" dpq.parallel_tune's arguments. A Python caller is told the keyword it typed, never a flag.
 _NAMES = {
     "cli": {"world": "--parallel_quantization", "devices": "--parallel_devices", "debug": "--parallel_debug",
-            "overlap": "--parallel_overlap", "timeout": "--parallel_timeout", "batch": "--batch_size"},
+            "overlap": "--parallel_overlap", "timeout": "--parallel_timeout", "batch": "--batch_size",
+            "order": "--parallel_order"},
     "enable": {"world": "parallel_quantization=", "devices": "parallel_devices=", "debug": "parallel_debug=",
-               "overlap": "parallel_overlap=", "timeout": "parallel_timeout=", "batch": "batch_size="},
+               "overlap": "parallel_overlap=", "timeout": "parallel_timeout=", "batch": "batch_size=",
+               "order": "parallel_order="},
     "api": {"world": "world=", "devices": "devices=", "debug": "debug_identical=", "overlap": "overlap=",
-            "timeout": "timeout=", "batch": "batch_size="},
+            "timeout": "timeout=", "batch": "batch_size=", "order": "order="},
 }
 
 
@@ -608,9 +610,12 @@ def bad_overlap(value: object, caller: str = "cli") -> str:
             "GPUs have no peer access; or None), 'on' (or True), or 'off' (or False)")
 
 
-def bad_order(value: object) -> str:
-    return (f"--parallel_order {value!r} is not a setting. Fix: canonical (the default: the bits depend on the "
-            f"world alone) or native (NCCL's own sums) (Python: parallel_order='canonical' or 'native')")
+def bad_order(value: object, caller: str = "cli") -> str:
+    if caller == "cli":
+        return (f"--parallel_order {value!r} is not a setting. Fix: canonical (the default: the bits depend on the "
+                "world alone) or native (NCCL's own sums)")
+    return (f"{_named(caller)['order']}{value!r} is not a setting. Fix: 'canonical' (the default: the bits depend "
+            "on the world alone) or 'native' (NCCL's own sums)")
 
 
 REPORT_PATH_EMPTY = f"--parallel_report is empty. {_REPORT_FIX}"

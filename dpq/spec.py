@@ -131,7 +131,7 @@ class ParallelSpec:
         object.__setattr__(self, "debug", bool(self.debug))
         object.__setattr__(self, "overlap", overlap_setting(self.overlap, self.caller))
         object.__setattr__(self, "timeout", float(self.timeout))
-        object.__setattr__(self, "order", order_setting(self.order))
+        object.__setattr__(self, "order", order_setting(self.order, self.caller))
 
     @classmethod
     def build(cls, parallel_quantization: object = DEFAULTS["parallel_quantization"],
@@ -223,11 +223,11 @@ def overlap_setting(value: object, caller: str = "cli") -> bool | None:
     raise ValueError(f"dpq: {refusals.bad_overlap(value, caller)}")
 
 
-def order_setting(value: object) -> str:
+def order_setting(value: object, caller: str = "cli") -> str:
     """--parallel_order's value: 'canonical' or 'native' (any case); ValueError for anything else."""
     if isinstance(value, str) and value.strip().lower() in ("canonical", "native"):
         return value.strip().lower()
-    raise ValueError(f"dpq: {refusals.bad_order(value)}")
+    raise ValueError(f"dpq: {refusals.bad_order(value, caller)}")
 
 
 def invalid(world: object, devices: object = None, *, overlap: object = None,
@@ -253,7 +253,7 @@ def invalid(world: object, devices: object = None, *, overlap: object = None,
     except ValueError as e:
         found.append(str(e).removeprefix("dpq: "))
     try:
-        order_setting(order)
+        order_setting(order, caller)
     except ValueError as e:
         found.append(str(e).removeprefix("dpq: "))
     if (problem := _timeout_problem(timeout, timeout_floor, caller)) is not None:
