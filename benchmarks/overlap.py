@@ -62,7 +62,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from dpq.exchange import OVERLAP_BUCKET_CAP, FullSumExchange, GradBuckets, SignExchange  # noqa: E402
+from dpq.exchange import OVERLAP_BUCKET_CAP, ExchangePlan, FullSumExchange, GradBuckets, SignExchange  # noqa: E402
 from dpq.fallback_p2p import LocalCommunicator  # noqa: E402
 from dpq.mirror import ReplicaSet  # noqa: E402
 from dpq.streams import make_lanes  # noqa: E402
@@ -159,7 +159,7 @@ class NoExchange:
     name = "none"
     overlap = False
     exact_signs = False
-    bucket_cap_elems = OVERLAP_BUCKET_CAP  # the buckets the overlapped modes use
+    plan = ExchangePlan(overlap=False, buckets=OVERLAP_BUCKET_CAP)  # the buckets the overlapped modes use
 
     def __init__(self, comm) -> None:
         self.comm = comm
@@ -307,7 +307,8 @@ def measure_world(case: Case, world: int, args) -> dict:
 
     # 2. wire bytes and collectives of one iteration's exchange (an infinitely fast link)
     probe_link = SimulatedLink(LocalCommunicator(make_lanes(["cpu"] * world)), bandwidth_GBps=1e9)
-    engine, replicas = make_engine(case, world, lambda lanes: policy(probe_link, overlap=False), cap)
+    after = ExchangePlan.overlapped(policy.name, False)
+    engine, replicas = make_engine(case, world, lambda lanes: policy(probe_link, after), cap)
     iterate(engine, batches[:1])
     wire, collectives = probe_link.wire_bytes, probe_link.collectives
     replicas.close()
@@ -323,7 +324,7 @@ def measure_world(case: Case, world: int, args) -> dict:
         def make(lanes):
             link = SimulatedLink(LocalCommunicator(lanes), bandwidth_GBps=bandwidth, latency_s=latency)
             links.append(link)
-            return policy(link, overlap=overlap)
+            return policy(link, ExchangePlan.overlapped(policy.name, overlap))
         return make
 
     modes = {
@@ -485,7 +486,7 @@ def breakdown(case: Case, world: int, args, row: dict, cap: int) -> list[str]:
         def make(lanes, overlap=overlap):
             nonlocal link
             link = SimulatedLink(LocalCommunicator(lanes), bandwidth_GBps=row["link_GBps"], latency_s=row["latency_s"])
-            return policy(link, overlap=overlap)
+            return policy(link, ExchangePlan.overlapped(policy.name, overlap))
 
         engine, replicas = make_engine(case, world, make, cap)
         iterate(engine, [batch] * 2)

@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from dpq.exchange import WHOLE_BLOCK_CAP  # noqa: E402
+from dpq.exchange import Buckets  # noqa: E402
 from dpq.plan import overlap_choice  # noqa: E402
 from dpq.testing.timeline.calibration import (  # noqa: E402
     Calibration,
@@ -355,7 +355,7 @@ def mirror_prices_gib(bkey: str, world: int) -> tuple[float, float]:
     block = _meta_block(shape)
     inputs = [torch.empty(1, shape.seqlen, shape.hidden, device="meta", dtype=torch.bfloat16)] * shape.batch
     largest, whole = (price_mirror(block, inputs, shape.batch, world, bucket_cap_elems=cap) / 2**30
-                      for cap in (2**22, WHOLE_BLOCK_CAP))
+                      for cap in (2**22, Buckets.BLOCK))
     return largest, whole
 
 

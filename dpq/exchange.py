@@ -34,7 +34,8 @@ complete in (tested: both policies, W = 2..4, several bucket caps).
 Which thread issues what (contract 4: one thread issues; every collective comes from the thread
 that called ``backward``):
 
-* Every lane on the CPU (default: overlap on). Autograd runs CPU backward on the thread that
+* Every lane on the CPU (the plan's exchange overlaps there: ``dpq.plan.exchange_plan``).
+  Autograd runs CPU backward on the thread that
   called ``backward``, so the hooks run on the issuing thread, and the hook that completes a
   bucket issues it (checked at each hook: a hook on another thread raises; tests and
   ``benchmarks/overlap.py`` exercise it). On CPU the lanes' backwards run one after another
@@ -76,6 +77,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import Tensor
@@ -96,17 +98,89 @@ from dpq.sign_bits import (
 )
 from dpq.streams import Lane
 
-__all__ = ["OVERLAP_BUCKETS", "OVERLAP_BUCKET_CAP", "SHARE_CAP", "WHOLE_BLOCK_CAP", "BackwardExchange",
-           "FullSumExchange", "GradBuckets", "SignExchange", "bucket_cap", "bucket_layout"]
+__all__ = ["OVERLAP_BUCKETS", "OVERLAP_BUCKET_CAP", "POLICIES", "BackwardExchange", "BucketCap", "Buckets",
+           "ExchangePlan", "FullSumExchange", "GradBuckets", "SignExchange", "bucket_cap", "bucket_layout",
+           "exchange_for"]
 
 # A bucket's fewest elements when buckets are exchanged as the backward fills them (small enough that
 # the first is ready early; DDP's default 25 MB is 6.5M fp32 elements).
 OVERLAP_BUCKET_CAP = 2**22
-# An overlapped exchange's cap (``bucket_cap_elems``): the block in about OVERLAP_BUCKETS buckets, none
-# smaller than OVERLAP_BUCKET_CAP (:func:`bucket_cap`; Note [overlap buckets as a share of the block]).
-SHARE_CAP = -1
-OVERLAP_BUCKETS = 8
-WHOLE_BLOCK_CAP = 2**62  # a cap no block reaches: one bucket
+OVERLAP_BUCKETS = 8  # an overlapped exchange's buckets per block (Buckets.SHARE)
+
+
+class Buckets(Enum):
+    """How large the gradient buckets grow, as the plan decides it (:func:`bucket_cap` turns it into
+    elements for a block's tensors); a fixed cap is an ``int`` of elements (:data:`BucketCap`)."""
+
+    SHARE = "share"  # the block in about OVERLAP_BUCKETS buckets, none under OVERLAP_BUCKET_CAP (overlapped)
+    LARGEST = "largest"  # as large as the largest tensor (Note [buckets as large as the largest tensor])
+    BLOCK = "block"  # one bucket for the whole block (Note [one bucket where it fits] in dpq.plan)
+
+
+BucketCap = Buckets | int  # a bucket policy, or a fixed cap in elements (tests, benchmarks, observers)
+
+
+def _check_cap(cap: BucketCap) -> BucketCap:
+    if isinstance(cap, Buckets):
+        return cap
+    if isinstance(cap, bool) or not isinstance(cap, int):
+        raise TypeError(f"dpq: a bucket cap is a dpq.exchange.Buckets or a number of elements, got {cap!r}")
+    if cap < 1:
+        raise ValueError(f"dpq: a bucket cap must be positive, got {cap}")
+    return cap
+
+
+# Each policy's wire dtype (the sums on the wire): the sign exchange's in bf16 (Note [the summed gradient
+# in bf16 on the wire]) or fp32, the full sums' in fp32.
+POLICIES: dict[str, tuple[torch.dtype, ...]] = {"sign": (torch.bfloat16, torch.float32), "full": (torch.float32,)}
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """What the exchange runs, decided once (``dpq.plan``: ``Plan.exchange``) and used as given by the
+    session, the exchange and the buckets: the ``policy`` ("sign": sign of the summed gradient; "full":
+    the sums), the dtype of the sums on the wire (``wire_dtype``; default the policy's first in
+    :data:`POLICIES`), whether buckets are exchanged during the backward (``overlap``), whether on a
+    second stream per lane where the lanes have streams (``second_stream``: the GPU lanes' overlap,
+    ``dpq.comm_streams``; host lanes overlap on the issuing thread) and how large the buckets grow
+    (``buckets``). Validated on construction."""
+
+    policy: str = "full"
+    overlap: bool = False
+    buckets: BucketCap = Buckets.LARGEST
+    second_stream: bool = False
+    wire_dtype: torch.dtype = None  # type: ignore[assignment]  # set in __post_init__: the policy's default
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"dpq: the exchange policy is one of {sorted(POLICIES)}, got {self.policy!r}")
+        for name in ("overlap", "second_stream"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"dpq: ExchangePlan.{name} is a bool, got {getattr(self, name)!r}")
+        if self.second_stream and not self.overlap:
+            raise ValueError("dpq: an exchange on a second stream is one during the backward (overlap)")
+        _check_cap(self.buckets)
+        wires = POLICIES[self.policy]
+        if self.wire_dtype is None:
+            object.__setattr__(self, "wire_dtype", wires[0])
+        elif self.wire_dtype not in wires:
+            raise ValueError(f"dpq: the {self.policy} exchange's sums travel in {' or '.join(map(str, wires))}, "
+                             f"not {self.wire_dtype}")
+
+    @classmethod
+    def overlapped(cls, policy: str, overlap: bool, after_backward: Buckets = Buckets.LARGEST, *,
+                   second_stream: bool = False) -> ExchangePlan:
+        """``policy`` during the backward in buckets of a share of the block (Note [overlap buckets as a
+        share of the block]), or after it in ``after_backward``'s."""
+        return cls(policy, overlap=overlap, buckets=Buckets.SHARE if overlap else after_backward,
+                   second_stream=second_stream)
+
+    @classmethod
+    def on_lanes(cls, policy: str, lanes: Sequence[Lane]) -> ExchangePlan:
+        """The exchange a caller without a plan gets on ``lanes`` (tests, benchmarks): what the plan
+        decides for them with ``--parallel_overlap auto`` and no GPU pair without peer access (during the
+        backward on host lanes: Note [host lanes exchange during the backward] in ``dpq.plan``)."""
+        return cls.overlapped(policy, not any(lane.accelerator for lane in lanes))
 
 
 class GradBuckets:
@@ -124,20 +198,19 @@ class GradBuckets:
     whose forward uses the parameters in list order): an engine may exchange bucket i
     while backward still fills the rest. Every bucket boundary is a parameter boundary; a
     bucket holds consecutive parameters whose sizes add up to at most ``bucket_cap_elems``,
-    except that a larger parameter gets a bucket of its own; None: at most the largest
-    parameter (:func:`bucket_cap`).
+    except that a larger parameter gets a bucket of its own, or as :class:`Buckets` says
+    (:func:`bucket_cap`).
     """
 
     def __init__(
         self,
         params_per_lane: Sequence[Sequence[torch.nn.Parameter]],
-        bucket_cap_elems: int | None = OVERLAP_BUCKET_CAP,
+        bucket_cap_elems: BucketCap = OVERLAP_BUCKET_CAP,
         lanes: Sequence[Lane] | None = None,
     ) -> None:
         if len(params_per_lane) == 0:
             raise ValueError("dpq: GradBuckets needs the parameters of at least one lane")
-        if bucket_cap_elems is not None and bucket_cap_elems < 1 and bucket_cap_elems != SHARE_CAP:
-            raise ValueError(f"dpq: bucket_cap_elems must be positive, got {bucket_cap_elems}")
+        _check_cap(bucket_cap_elems)
         if lanes is not None and len(lanes) != len(params_per_lane):
             raise ValueError(f"dpq: {len(lanes)} lanes for {len(params_per_lane)} parameter lists")
         self.params: list[list[torch.nn.Parameter]] = [list(ps) for ps in params_per_lane]
@@ -350,9 +423,10 @@ def _reverse_offsets(sizes: Sequence[int]) -> list[int]:
     return offsets
 
 
-def bucket_cap(sizes: Sequence[int], cap: int | None) -> int:
-    """The cap :func:`bucket_layout` uses: ``cap``; for None the largest of ``sizes``, for
-    :data:`SHARE_CAP` an :data:`OVERLAP_BUCKETS`-th of their sum (each at least :data:`OVERLAP_BUCKET_CAP`).
+def bucket_cap(sizes: Sequence[int], cap: BucketCap) -> int:
+    """The cap :func:`bucket_layout` uses for tensors of ``sizes``: a fixed ``cap`` as it is;
+    ``Buckets.LARGEST`` the largest of ``sizes``, ``Buckets.SHARE`` an :data:`OVERLAP_BUCKETS`-th of their
+    sum (each at least :data:`OVERLAP_BUCKET_CAP`), ``Buckets.BLOCK`` their sum (one bucket).
 
     Note [overlap buckets as a share of the block]
     Overlapped, a bucket goes out once its last gradient is written, so the first must be small enough to
@@ -373,11 +447,15 @@ def bucket_cap(sizes: Sequence[int], cap: int | None) -> int:
     as the plan prices it (``dpq.plan``: three fp32 copies of the largest bucket), so buckets up to
     the largest parameter add no memory the plan does not already count: a 70B-class block goes
     from 11 buckets to 5, an 8B-class one from 8 to 5 (the timeline model's layouts). Fewer still,
-    one for the whole block (:data:`WHOLE_BLOCK_CAP`), where the plan found the memory for its
+    one for the whole block (``Buckets.BLOCK``), where the plan found the memory for its
     scratch on every lane (Note [one bucket where it fits] in ``dpq.plan``)."""
-    if cap == SHARE_CAP:
+    if cap is Buckets.SHARE:
         return max(OVERLAP_BUCKET_CAP, -(-sum(sizes) // OVERLAP_BUCKETS))
-    return cap if cap is not None else max([OVERLAP_BUCKET_CAP, *sizes])
+    if cap is Buckets.LARGEST:
+        return max([OVERLAP_BUCKET_CAP, *sizes])
+    if cap is Buckets.BLOCK:
+        return max(1, sum(sizes))
+    return _check_cap(cap)
 
 
 def bucket_layout(sizes: Sequence[int], cap: int) -> list[list[int]]:
@@ -404,24 +482,26 @@ def _range_of(ids: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) 
 class _Exchange:
     """Runs a policy bucket by bucket and counts the communicator's wire bytes.
 
-    ``overlap``: exchange buckets during the backward (:meth:`during_backward`). None (default):
-    on when every lane is on the CPU (verified), off on accelerators (module docstring).
+    ``plan``: what it runs, as given (the session passes the block plan's, ``dpq.plan.Plan.exchange``):
+    ``plan.overlap`` exchanges buckets during the backward (:meth:`during_backward`), ``plan.buckets``
+    lays the engine's gradient buckets out. None: :meth:`ExchangePlan.on_lanes` of the communicator's
+    lanes (callers without a plan: tests, benchmarks).
     """
 
     name = "exchange"
 
-    def __init__(self, comm: Communicator, *, overlap: bool | None = None, buckets: str = "largest") -> None:
+    def __init__(self, comm: Communicator, plan: ExchangePlan | None = None) -> None:
         self.comm = comm
-        self.overlap = not any(lane.accelerator for lane in comm.lanes) if overlap is None else bool(overlap)
-        if buckets not in ("largest", "block"):
-            raise ValueError(f"dpq: buckets must be 'largest' or 'block' (dpq.plan.Plan.buckets), got {buckets!r}")
-        # Note [buckets as large as the largest tensor]: small buckets only where they overlap; without
-        # overlap one bucket for the whole block where the plan found the memory for it (Note [one bucket
-        # where it fits] in dpq.plan)
-        self.bucket_cap_elems: int | None = (SHARE_CAP if self.overlap
-                                             else WHOLE_BLOCK_CAP if buckets == "block" else None)
+        self.plan = plan if plan is not None else ExchangePlan.on_lanes(self.name, comm.lanes)
+        if self.plan.policy != self.name:
+            raise ValueError(f"dpq: a {self.plan.policy} exchange plan given to the {self.name} exchange")
         self.last_wire_bytes = 0  # bytes of the last exchange() call
         self.total_wire_bytes = 0  # bytes of every bucket ever exchanged
+
+    @property
+    def overlap(self) -> bool:
+        """Buckets are exchanged as the last backward fills them (the plan's ``overlap``)."""
+        return self.plan.overlap
 
     def exchange(self, buckets: GradBuckets) -> None:
         """Every bucket, in buffer order; afterwards every lane's grads hold the identical result."""
@@ -758,12 +838,9 @@ class SignExchange(_Exchange):
     exact_signs = True
     _apart = False  # keep_signs_apart() was asked: the signs stay int8 beside the grads
 
-    def __init__(self, comm: Communicator, *, overlap: bool | None = None, buckets: str = "largest",
-                 wire: torch.dtype = torch.bfloat16) -> None:
-        super().__init__(comm, overlap=overlap, buckets=buckets)
-        if wire not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"dpq: the sign exchange's sums travel in bfloat16 or float32, not {wire}")
-        self.wire = wire
+    def __init__(self, comm: Communicator, plan: ExchangePlan | None = None) -> None:
+        super().__init__(comm, plan)
+        self.wire = self.plan.wire_dtype
 
     def keep_signs_apart(self) -> bool:
         """The signs stay int8 in a buffer of their own per lane group (one byte per element, written by
@@ -887,3 +964,8 @@ class SignExchange(_Exchange):
             cached = buckets.scratch[self.name] = (list(lanes), sign_groups(lanes, self.comm.world, lengths,
                                                                             self.wire), {})
         return cached  # keyed by the lanes held in the entry (identity)
+
+
+def exchange_for(comm: Communicator, plan: ExchangePlan) -> _Exchange:
+    """The exchange ``plan`` names (its ``policy``), over ``comm``."""
+    return {"sign": SignExchange, "full": FullSumExchange}[plan.policy](comm, plan)

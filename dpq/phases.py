@@ -63,8 +63,9 @@ class Observer:
     def buckets_laid_out(self, buckets: object, cap: int) -> None:
         """``dpq.exchange.GradBuckets`` laid out the flat gradients in buckets of at most ``cap`` elements."""
 
-    def bucket_cap(self, sizes: Sequence[int], cap: int) -> int:
-        """The cap the buckets are laid out with: ``cap`` (what the exchange plan says). The timeline
+    def bucket_cap(self, sizes: Sequence[int], cap: object) -> object:
+        """The cap the buckets are laid out with: ``cap`` (what the exchange plan says: a
+        ``dpq.exchange.Buckets`` or a number of elements). The timeline
         model records one tensor per bucket, so it answers 1 and lays the target's buckets out itself."""
         return cap
 
@@ -117,8 +118,9 @@ class _Notify:
 notify = _Notify()
 
 
-def bucket_cap(sizes: Sequence[int], cap: int) -> int:
-    """The cap the observers leave (each may replace the one before it)."""
+def bucket_cap(sizes: Sequence[int], cap: object) -> object:
+    """The cap the observers leave (each may replace the one before it): a ``dpq.exchange.BucketCap``
+    (typed ``object`` here: dpq.exchange imports this module)."""
     for observer in list(_OBSERVERS):
         cap = observer.bucket_cap(sizes, cap)
     return cap

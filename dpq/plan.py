@@ -25,13 +25,13 @@ import torch
 
 from dpq import refusals
 from dpq.communicators import COMMUNICATORS, choose_communicator, pair_without_peer
-from dpq.exchange import SHARE_CAP, WHOLE_BLOCK_CAP, bucket_cap
+from dpq.exchange import BucketCap, Buckets, ExchangePlan, bucket_cap
 from dpq.lane_devices import DeviceEntry, entry_problem, parse_device_spec, validate_world
 from dpq.sign_bits import SIGN_TABLE_BYTES
 from dpq.streams import backend, default_accelerator_type
 
 __all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "Plan", "PlanRefused", "PlanRequest", "default_devices",
-           "overlap_choice", "price_home", "price_mirror", "price_runtime", "resolve"]
+           "exchange_plan", "overlap_choice", "price_home", "price_mirror", "price_runtime", "resolve"]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -93,14 +93,14 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # said, but no reason to refuse (e.g. devices left unused)
     communicator: str = "local"  # a name in dpq.communicators.COMMUNICATORS ("": chosen on the lanes)
     communicator_reason: str = ONE_LANE_EXCHANGE
-    exchange: str = "full"  # "sign": sign of the summed gradient; "full": full fp32 sums
+    # what the exchange runs, used as given (dpq.exchange.ExchangePlan: the policy, "sign" or "full", its wire
+    # dtype, overlap, the gradient buckets; :func:`exchange_plan`)
+    exchange: ExchangePlan = field(default_factory=ExchangePlan)
     exchange_reason: str = ""
     lane_bytes: list[int] = field(default_factory=list)  # the price each lane was checked with (a prefix when
     # 'auto' stopped at a lane that does not fit); empty when nothing was priced
-    buckets: str = "largest"  # the gradient buckets of an exchange after the backward (:func:`_bucket_choice`)
-    buckets_reason: str = ""
-    overlap: bool = False  # the exchange during the backward, on a second stream per GPU lane (:func:`overlap_choice`)
-    overlap_reason: str = ""
+    buckets_reason: str = ""  # the gradient buckets of an exchange after the backward (:func:`_bucket_choice`)
+    overlap_reason: str = ""  # the exchange during the backward on GPU lanes (:func:`overlap_choice`)
     order: str = "canonical"  # the order the communicator sums in (ORDERS; said in communicator_reason)
 
     @property
@@ -191,12 +191,39 @@ def _finish(plan: Plan, request: PlanRequest, choices: _Choices) -> Plan:
         reason += f"; {kind.order_note}"
     order, said = _order(communicator, request.order, len(plan.devices))
     reason += f"; {said}" if said else ""
-    exchange, exchange_reason = _exchange(request.pure_sign)
+    policy, exchange_reason = _exchange(request.pure_sign)
     buckets, buckets_reason = _bucket_choice(plan.devices, request, choices)
     overlap, overlap_reason = choices.overlap(plan.devices)
+    exchange = exchange_plan(policy, plan.devices, request.overlap, overlap, buckets)
     return replace(plan, communicator=communicator, communicator_reason=reason, exchange=exchange,
-                   exchange_reason=exchange_reason, buckets=buckets, buckets_reason=buckets_reason,
-                   overlap=overlap, overlap_reason=overlap_reason, order=order)
+                   exchange_reason=exchange_reason, buckets_reason=buckets_reason, overlap_reason=overlap_reason,
+                   order=order)
+
+
+def exchange_plan(policy: str, devices: Sequence[torch.device], setting: bool | None, gpu_overlap: bool,
+                  after_backward: Buckets) -> ExchangePlan:
+    """What the exchange over ``devices`` runs: ``policy``, during the backward where ``gpu_overlap``
+    (:func:`overlap_choice` for ``setting``; then on a second stream per lane where the lanes have streams)
+    says so, or on host lanes unless ``setting`` is False (Note [host lanes exchange during the backward]);
+    then in buckets of a share of the block, else in ``after_backward``'s (:func:`_bucket_choice`).
+
+    Note [host lanes exchange during the backward]
+    On lanes without an accelerator (the backend's answer, as ``dpq.streams.Lane.accelerator`` gives it:
+    a tool's logical accelerators on the CPU are accelerators) autograd runs every lane's backward on the
+    issuing thread, so a bucket's hook can issue its collective there with no second stream and no
+    uncompiled forward (``dpq.exchange``, the module docstring): ``auto`` and ``on`` exchange during the
+    backward, ``off`` after it. A second stream per lane (``second_stream``) follows :func:`overlap_choice`
+    alone: the session gives one to lanes that have streams."""
+    overlap = gpu_overlap or (setting is None and _host_lanes(devices))
+    return ExchangePlan.overlapped(policy, overlap, after_backward, second_stream=gpu_overlap)
+
+
+def _host_lanes(devices: Sequence[torch.device]) -> bool:
+    """No lane on an accelerator (a device type without a backend counts as one: not a host lane)."""
+    try:
+        return not any(backend(d).accelerator for d in devices)
+    except ValueError:
+        return False
 
 
 def overlap_choice(setting: bool | None, devices: Sequence[torch.device], processes: int = 1,
@@ -236,8 +263,8 @@ def overlap_choice(setting: bool | None, devices: Sequence[torch.device], proces
                   f"forward uncompiled")
 
 
-def _bucket_choice(devices: list[torch.device], request: PlanRequest, choices: _Choices) -> tuple[str, str]:
-    """("block" | "largest", why): how large the gradient buckets of an exchange that runs after the
+def _bucket_choice(devices: list[torch.device], request: PlanRequest, choices: _Choices) -> tuple[Buckets, str]:
+    """(``Buckets.BLOCK`` | ``Buckets.LARGEST``, why): how large the gradient buckets of an exchange that runs after the
     backward are (``dpq.exchange.bucket_cap``; an overlapping exchange keeps its small cap).
 
     Note [one bucket where it fits]
@@ -251,29 +278,29 @@ def _bucket_choice(devices: list[torch.device], request: PlanRequest, choices: _
     here: the largest tensor, on every rank. Decided from the block and the devices alone, so every lane
     of the process agrees."""
     if len(devices) < 2 or request.price is None:
-        return "largest", ""
+        return Buckets.LARGEST, ""
     if request.processes > 1:
-        return "largest", ("an exchange after the backward runs buckets as large as the largest tensor: across "
+        return Buckets.LARGEST, ("an exchange after the backward runs buckets as large as the largest tensor: across "
                            "processes the ranks lay their buckets out alike without comparing their free memory")
-    whole = replace(request, price=replace(request.price, bucket_cap_elems=WHOLE_BLOCK_CAP))
+    whole = replace(request, price=replace(request.price, bucket_cap_elems=Buckets.BLOCK))
     explicit = validate_world(request.world, request.caller) != "auto"
     refused = _memory_refusals(devices, whole, _home(request), explicit, choices, [])
     short = list(dict.fromkeys(str(devices[k]) for k, _ in refused))
     if short:
-        return "largest", (f"an exchange after the backward runs buckets as large as the largest tensor: one "
+        return Buckets.LARGEST, (f"an exchange after the backward runs buckets as large as the largest tensor: one "
                            f"bucket for the whole block does not fit {', '.join(short)}")
-    return "block", ("an exchange after the backward runs one gradient bucket for the whole block (its scratch fits "
-                     "every lane)")
+    return Buckets.BLOCK, ("an exchange after the backward runs one gradient bucket for the whole block (its scratch "
+                           "fits every lane)")
 
 
 def _block_terms(block: torch.nn.Module, inputs: Sequence[torch.Tensor], samples_per_iter: int, world: int,
-                 bucket_cap_elems: int, compute_dtype: torch.dtype | None) -> dict:
+                 bucket_cap_elems: BucketCap, compute_dtype: torch.dtype | None) -> dict:
     """Every block-dependent term a lane may hold (``price_mirror`` and ``price_home`` take theirs)."""
     two_d = [p for p in block.parameters() if p.dim() == 2]
     n = sum(p.numel() for p in two_d)
     tuned = n + n // 8
     share = -(-max(1, samples_per_iter) // world)
-    cap = bucket_cap([tuned], bucket_cap_elems)  # SHARE_CAP: an eighth of the tuned values (dpq.exchange)
+    cap = bucket_cap([tuned], bucket_cap_elems)  # Buckets.SHARE: an eighth of the tuned values (dpq.exchange)
     bucket = min(tuned, max(cap, max((p.numel() for p in two_d), default=0)))
     parts = {
         "weights": sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers())),
@@ -304,7 +331,7 @@ def price_mirror(
     samples_per_iter: int,
     world: int | None = None,
     *,
-    bucket_cap_elems: int = 2**22,
+    bucket_cap_elems: BucketCap = 2**22,
     compute_dtype: torch.dtype | None = None,
     detail: dict | None = None,
 ) -> int:
@@ -320,7 +347,7 @@ def price_mirror(
       path: padded send copy, receive chunk, packed and unpacked planes; bounded by 3 fp32 copies
       of a bucket). A bucket exceeds the cap only by holding one parameter larger than it
       (``dpq.exchange``), so the largest is at most max(cap, the largest weight); the cap
-      ``dpq.exchange.SHARE_CAP`` (an overlapped exchange) is an eighth of the tuned values;
+      ``dpq.exchange.Buckets.SHARE`` (an overlapped exchange) is an eighth of the tuned values;
     * ``activations``: what one forward + loss + backward of the lane's own share of each
       iteration's samples, ceil(samples_per_iter / world), allocates at its peak beyond the
       weight-sized terms above: per token, :data:`ACTIVATION_BYTES` per element of every linear
@@ -352,7 +379,7 @@ def price_home(
     *,
     processes: int = 1,
     lanes_elsewhere: int = 0,
-    bucket_cap_elems: int = 2**22,
+    bucket_cap_elems: BucketCap = 2**22,
     compute_dtype: torch.dtype | None = None,
     detail: dict | None = None,
 ) -> int:
@@ -461,7 +488,7 @@ class BlockPrice:
     inputs: Sequence[torch.Tensor]
     samples_per_iter: int
     compute_dtype: torch.dtype | None = None
-    bucket_cap_elems: int = 2**22
+    bucket_cap_elems: BucketCap = 2**22
 
     def mirror(self, world: int | None = None, detail: dict | None = None) -> int:
         return price_mirror(self.block, self.inputs, self.samples_per_iter, world,
@@ -513,7 +540,7 @@ def _lane_prices(devices: list[torch.device], request: PlanRequest, home: torch.
     elsewhere = sum(d != home for d in devices[1:])
     overlap = choices.overlap(devices)[0] if n > 1 else False
     if overlap:  # the overlapped exchange's buckets (dpq.exchange.bucket_cap): scratch for the largest
-        price = replace(price, bucket_cap_elems=SHARE_CAP)
+        price = replace(price, bucket_cap_elems=Buckets.SHARE)
     for k, dev in enumerate(devices):
         is_home = k == 0 and dev == home
         block = (price.home(world, processes=request.processes, lanes_elsewhere=elsewhere) if is_home

@@ -52,7 +52,7 @@ from dpq.communicators import build_planned, select_communicator
 from dpq.compiles import CompileWatch
 from dpq.cost_model import AutoWorld
 from dpq.distributed import ProcessSet, RankPlan, Topology, agree, in_collective, peer_lost
-from dpq.exchange import FullSumExchange, SignExchange
+from dpq.exchange import exchange_for
 from dpq.mirror import ReplicaSet, release_cached_memory
 from dpq.plan import ONE_LANE_EXCHANGE, BlockPrice, Plan, PlanRefused, PlanRequest, resolve
 from dpq.process_group import ProcessGroupCommunicator
@@ -364,7 +364,7 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
     # the plan's choice (Note [overlap where the wire is slow]) on lanes that have streams, known before
     # the task starts: the adapter then gives the lanes a block forward whose backward fills the buckets
     # as it runs (Note [overlap needs gradients during the backward])
-    ran = replace(ran, overlap=ran.plan.overlap and any(lane.stream is not None for lane in lanes))
+    ran = replace(ran, overlap=ran.plan.exchange.second_stream and any(lane.stream is not None for lane in lanes))
     spec = task.start(ran)
     if spec is None:
         return None, task.finish(None, ran), ran
@@ -382,9 +382,8 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
                 ran = replace(ran, in_process="local", in_process_reason=ONE_LANE_EXCHANGE)
             comm.close()
             comm, ran = _exchange_communicator(config, ran, lanes)
-    # overlap None: the exchange's own default (on for CPU lanes, off on accelerators)
-    exchange = (SignExchange if ran.plan.exchange == "sign" else FullSumExchange)(
-        comm, overlap=True if ran.overlap else config.overlap, buckets=ran.plan.buckets)
+    exchange = exchange_for(comm, ran.plan.exchange)  # the plan's, as given (Note [host lanes exchange during
+    # the backward] in dpq.plan: CPU lanes overlap without a second stream)
     t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
     engine, stuck = None, False

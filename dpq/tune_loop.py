@@ -72,7 +72,7 @@ import torch
 
 from dpq import refusals
 from dpq.comm_base import Communicator
-from dpq.exchange import GradBuckets
+from dpq.exchange import ExchangePlan, GradBuckets
 from dpq.mirror import ReplicaSet
 from dpq.phases import Watched, phase
 from dpq.sign_step import foreach_sign_step, step_choice
@@ -124,7 +124,7 @@ class Exchange(Protocol):
 
     comm: Communicator  # over this process's lanes; its world spans every process (dpq.process_group)
     exact_signs: bool  # after exchange(): the grads hold exact signs (dpq.sign_step)
-    bucket_cap_elems: int | None  # the gradient buckets' cap (dpq.exchange.bucket_cap; None: the largest tensor)
+    plan: ExchangePlan  # what it runs: the gradient buckets' layout (plan.buckets), overlap (plan.overlap)
     overlap: bool  # buckets are exchanged as the last backward fills them (during_backward), else after it
 
     def exchange(self, buckets: GradBuckets) -> None: ...
@@ -214,7 +214,7 @@ class TuneEngine(Watched):
         # and taken from it by autograd as they are (no flat buffer to zero and add into, no second
         # copy of the tuned values' gradients in memory: the world-1 overhead).
         self.buckets = GradBuckets([replicas.tuned_params(k) for k in range(replicas.local_lanes)],
-                                   bucket_cap_elems=exchange.bucket_cap_elems,
+                                   bucket_cap_elems=exchange.plan.buckets,
                                    lanes=replicas.lanes) if self.world > 1 else None
         self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
         # The step: the optimizers' own (one per lane), or, when the caller vouches that they are

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dpq.comm_streams import CommStreams, comm_lanes
-from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
+from dpq.exchange import ExchangePlan, FullSumExchange, GradBuckets, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
 from dpq.streams import make_lanes
@@ -52,7 +52,8 @@ def _tune(chk, world, policy, streams, overlap, iters):
         rs = ReplicaSet(MLP(), lanes, NAMES)
         try:
             engine = TuneEngine(rs, lane_loss, lambda m: (torch.optim.SGD(
-                [dict(m.named_parameters())[n] for n in NAMES], lr=0.05), None), policy(comm, overlap=overlap),
+                [dict(m.named_parameters())[n] for n in NAMES], lr=0.05), None),
+                policy(comm, ExchangePlan.overlapped(policy.name, overlap)),
                 sample_numel=lambda i: DATA[i].numel())
             engine.buckets = GradBuckets([rs.tuned_params(k) for k in range(world)], bucket_cap_elems=100,
                                          lanes=lanes)  # several buckets

@@ -150,7 +150,7 @@ class SmallBuckets(GradBuckets):
 
     made: ClassVar[list[int]] = []  # the bucket count of each one made
 
-    def __init__(self, params_per_lane, bucket_cap_elems: int | None = None, lanes=None) -> None:
+    def __init__(self, params_per_lane, bucket_cap_elems=None, lanes=None) -> None:
         # 64 whatever the exchange asks (without overlap it asks for buckets as large as the largest tensor)
         super().__init__(params_per_lane, 64, lanes)
         SmallBuckets.made.append(len(self.bucket_ranges))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dpq.communicators import select_communicator
-from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
+from dpq.exchange import Buckets, ExchangePlan, FullSumExchange, GradBuckets, SignExchange
 from dpq.sign_bits import sign_padded_length
 from dpq.streams import make_lanes
 
@@ -164,7 +164,7 @@ def test_full_sum(world, comm_name):
 @pytest.mark.parametrize("comm_name", ["local", "p2p", "host"])
 def test_sign(world, comm_name, wire):
     comm = comm_for(world, comm_name)
-    ex = SignExchange(comm, wire=wire)
+    ex = SignExchange(comm, ExchangePlan("sign", wire_dtype=wire))
     total_before = 0
     for n in LENGTHS:
         b = GradBuckets(lane_params(world, [(n,), (5,)]), bucket_cap_elems=n)
@@ -207,7 +207,7 @@ def test_sign_matches_torch_sign_on_nan_and_inf(world, wire):
         grads[0][13], grads[1][13] = float("inf"), float("-inf")  # inf + -inf = NaN
     for buf, g in zip(b.buffers, grads, strict=True):
         buf.copy_(g)
-    SignExchange(comm_for(world), wire=wire).exchange(b)
+    SignExchange(comm_for(world), ExchangePlan("sign", wire_dtype=wire)).exchange(b)
     expected = wire_sign(grads, wire)
     assert expected[5] == 0 and expected[9] == 1 and expected[11] == -1
     assert_same_bits_everywhere(b)
@@ -227,7 +227,7 @@ def test_sign_handles_bucket_already_aligned(wire):
     b = GradBuckets(lane_params(world, [(n,)]))
     b.attach()
     grads = fill_grads(b, seed=3)
-    ex = SignExchange(comm_for(world), wire=wire)
+    ex = SignExchange(comm_for(world), ExchangePlan("sign", wire_dtype=wire))
     ex.exchange(b)
     assert torch.equal(b.buffers[1], wire_sign(grads, wire))
     (copies,) = [g.pad_copies for g in ex._plan(b, 0).groups]
@@ -489,15 +489,15 @@ def test_buckets_without_overlap_are_as_large_as_the_largest_tensor():
     a share of the block (at least the 2^22 cap); one that does not (accelerator lanes' default) asks
     for buckets up to the largest tensor, so the engine's GradBuckets issue fewer buckets, none larger
     than that tensor."""
-    from dpq.exchange import OVERLAP_BUCKET_CAP, SHARE_CAP, bucket_cap
+    from dpq.exchange import OVERLAP_BUCKET_CAP, bucket_cap
 
     comm = comm_for(2)
-    assert SignExchange(comm).bucket_cap_elems == SHARE_CAP  # CPU lanes: overlap on
-    assert SignExchange(comm, overlap=False).bucket_cap_elems is None
+    assert SignExchange(comm).plan.buckets is Buckets.SHARE  # CPU lanes: overlap on
+    assert SignExchange(comm, ExchangePlan.overlapped("sign", False)).plan.buckets is Buckets.LARGEST
     sizes = [5 * 2**20, 2**20, 2**20, 3 * 2**22, 7]
-    assert bucket_cap(sizes, None) == 3 * 2**22 and bucket_cap([7], None) == OVERLAP_BUCKET_CAP
+    assert bucket_cap(sizes, Buckets.LARGEST) == 3 * 2**22 and bucket_cap([7], Buckets.LARGEST) == OVERLAP_BUCKET_CAP
     small = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=OVERLAP_BUCKET_CAP)
-    large = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=None)
+    large = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=Buckets.LARGEST)
     assert len(small.bucket_ranges) == 4 and len(large.bucket_ranges) == 3
     assert [e - s for s, e in large.bucket_ranges] == [7, 3 * 2**22, 7 * 2**20]  # the three smaller together
 
@@ -506,22 +506,24 @@ def test_overlapped_buckets_are_a_share_of_the_block():
     """Note [overlap buckets as a share of the block]: an overlapped exchange lays a large block out in
     about eight buckets (a parameter larger than the share still gets one of its own), a small one with
     buckets of the 2^22 floor; the plan prices the scratch of such a bucket."""
-    from dpq.exchange import OVERLAP_BUCKET_CAP, OVERLAP_BUCKETS, SHARE_CAP, bucket_cap, bucket_layout
+    from dpq.exchange import OVERLAP_BUCKET_CAP, OVERLAP_BUCKETS, bucket_cap, bucket_layout
 
     even = [2**22] * 32  # 2^27 elements: an eighth is 2^24, four tensors per bucket
-    assert bucket_cap(even, SHARE_CAP) == 2**24 and len(bucket_layout(even, bucket_cap(even, SHARE_CAP))) == 8
+    assert bucket_cap(even, Buckets.SHARE) == 2**24 and len(bucket_layout(even, bucket_cap(even, Buckets.SHARE))) == 8
     mlp_heavy = [2**24, 2**21, 2**21, 2**24, 2**26, 2**26, 2**26]  # q, k, v, o, gate, up, down
-    layout = bucket_layout(mlp_heavy, bucket_cap(mlp_heavy, SHARE_CAP))
+    layout = bucket_layout(mlp_heavy, bucket_cap(mlp_heavy, Buckets.SHARE))
     assert layout == [[6], [5], [4], [3, 2, 1], [0]] and OVERLAP_BUCKETS == 8  # o, v, k together
-    assert bucket_cap([7, 2**20], SHARE_CAP) == OVERLAP_BUCKET_CAP
+    assert bucket_cap([7, 2**20], Buckets.SHARE) == OVERLAP_BUCKET_CAP
     with pytest.raises(ValueError, match="must be positive"):
         GradBuckets(lane_params(1, [(4,)]), bucket_cap_elems=-2)
+    with pytest.raises(TypeError, match=r"a dpq\.exchange\.Buckets or a number of elements"):
+        GradBuckets(lane_params(1, [(4,)]), bucket_cap_elems=None)  # no sentinel stands for a policy
     from dpq.plan import price_mirror  # 64 equal weights: the share (9.4M elements) is above 2^22 and every weight
 
     block = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False, device="meta") for _ in range(64)))
     inputs = [torch.empty(1, 8, 1024, device="meta")]
     detail_share, detail_floor = {}, {}
-    price_mirror(block, inputs, 8, 2, bucket_cap_elems=SHARE_CAP, detail=detail_share)
+    price_mirror(block, inputs, 8, 2, bucket_cap_elems=Buckets.SHARE, detail=detail_share)
     price_mirror(block, inputs, 8, 2, bucket_cap_elems=OVERLAP_BUCKET_CAP, detail=detail_floor)
     assert detail_share["exchange"] - detail_floor["exchange"] == 3 * 4 * (-(-(64 * 2**20 * 9 // 8) // 8) - 2**22)
 
@@ -529,17 +531,25 @@ def test_overlapped_buckets_are_a_share_of_the_block():
 def test_one_bucket_for_the_whole_block_where_the_plan_says_so():
     """Note [one bucket where it fits] (dpq.plan): an exchange after the backward whose plan found the
     memory lays the whole block out as one bucket; one that overlaps keeps its small cap whatever the
-    plan said; anything but the plan's two words is refused by name."""
-    from dpq.exchange import SHARE_CAP, WHOLE_BLOCK_CAP
-
+    plan said; an exchange plan that is not one is refused on construction, by name."""
     comm = comm_for(2)
-    assert SignExchange(comm, overlap=False, buckets="block").bucket_cap_elems == WHOLE_BLOCK_CAP
-    assert SignExchange(comm, buckets="block").bucket_cap_elems == SHARE_CAP  # CPU lanes: overlap on
+    after = SignExchange(comm, ExchangePlan.overlapped("sign", False, Buckets.BLOCK))
+    assert after.plan.buckets is Buckets.BLOCK and not after.overlap
+    assert ExchangePlan.overlapped("sign", True, Buckets.BLOCK).buckets is Buckets.SHARE
     sizes = [5 * 2**20, 2**20, 2**20, 3 * 2**22, 7]
-    one = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=WHOLE_BLOCK_CAP)
+    one = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=Buckets.BLOCK)
     assert one.bucket_ranges == [(0, sum(sizes))]
-    with pytest.raises(ValueError, match=r"buckets must be 'largest' or 'block'.*'all'"):
-        SignExchange(comm, overlap=False, buckets="all")
+    with pytest.raises(TypeError, match=r"a dpq\.exchange\.Buckets or a number of elements.*'all'"):
+        ExchangePlan("sign", buckets="all")
+    with pytest.raises(TypeError, match="overlap is a bool"):
+        ExchangePlan("sign", overlap=None)  # decided before it reaches the exchange
+    with pytest.raises(ValueError, match="policy is one of"):
+        ExchangePlan("signs")
+    with pytest.raises(ValueError, match=r"full exchange's sums travel in torch\.float32"):
+        ExchangePlan("full", wire_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a full exchange plan given to the sign exchange"):
+        SignExchange(comm, ExchangePlan("full"))
+    assert ExchangePlan("sign").wire_dtype == torch.bfloat16 and ExchangePlan("full").wire_dtype == torch.float32
 
 
 @pytest.mark.parametrize("backwards", [1, 2])
@@ -565,7 +575,7 @@ def test_one_copy_per_lane_gives_the_hooks_bits(backwards):
         with torch.no_grad():
             for p in (p for lane in params for p in lane):
                 p.copy_(torch.randn(p.shape, generator=gen))
-        b = GradBuckets(params, bucket_cap_elems=None)
+        b = GradBuckets(params, bucket_cap_elems=Buckets.LARGEST)
         b.attach_by_copy(hooks=hooks)
         for step in range(backwards):
             for k, (w, v, _unused) in enumerate(params):  # the third parameter gets no gradient

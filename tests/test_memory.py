@@ -322,7 +322,7 @@ def test_one_bucket_where_every_lane_has_the_memory(monkeypatch):
     import dataclasses
 
     import dpq.plan as plan_mod
-    from dpq.exchange import WHOLE_BLOCK_CAP
+    from dpq.exchange import Buckets
     from dpq.plan import BlockPrice, PlanRequest, price_runtime, resolve
 
     free = {0: 2**40, 1: 2**40, 2: 2**40, 3: 2**40}
@@ -331,15 +331,16 @@ def test_one_bucket_where_every_lane_has_the_memory(monkeypatch):
     # two 2048 x 2048 weights: the block (9.4M tuned values) is larger than its largest tensor
     block = torch.nn.Sequential(torch.nn.Linear(2048, 2048, device="meta"), torch.nn.Linear(2048, 2048, device="meta"))
     price = BlockPrice(block, [torch.empty(1, 16, 2048, device="meta")], 8)
-    whole = dataclasses.replace(price, bucket_cap_elems=WHOLE_BLOCK_CAP)
+    whole = dataclasses.replace(price, bucket_cap_elems=Buckets.BLOCK)
     assert whole.mirror(4) > price.mirror(4)
     devices = "cuda:0,cuda:1,cuda:2,cuda:3"
     plan = resolve(PlanRequest(world=4, devices=devices, home="cuda:0", price=price))
-    assert plan.buckets == "block" and "whole block" in plan.buckets_reason
+    assert plan.exchange.buckets is Buckets.BLOCK and "whole block" in plan.buckets_reason
     free[2] = whole.mirror(4) + price_runtime(torch.device("cuda", 2), home=False, communicator="cupy-nccl",
                                                world=4) - 1
     plan = resolve(PlanRequest(world=4, devices=devices, home="cuda:0", price=price))
-    assert plan.local_lanes == 4 and plan.buckets == "largest" and "does not fit cuda:2" in plan.buckets_reason
+    assert plan.local_lanes == 4 and plan.exchange.buckets is Buckets.LARGEST
+    assert "does not fit cuda:2" in plan.buckets_reason
     free[2] = 2**40
     plan = resolve(PlanRequest(world=2, devices="cuda:0,cuda:1", home="cuda:0", price=price, processes=2))
-    assert plan.buckets == "largest" and "across processes" in plan.buckets_reason
+    assert plan.exchange.buckets is Buckets.LARGEST and "across processes" in plan.buckets_reason

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
+from dpq.exchange import ExchangePlan, FullSumExchange, GradBuckets, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.streams import make_lanes
 from dpq.testing.simulated_link import SimulatedLink
@@ -46,7 +46,8 @@ def run(world, policy, cap, overlap):
     """(buffers after the exchange, buckets issued during backward) for one lane-parallel backward."""
     nets, xs = lanes_nets(world)
     lanes = make_lanes(["cpu"] * world)
-    ex = policy(LocalCommunicator(lanes), overlap=overlap)
+    plan = None if overlap is None else ExchangePlan.overlapped(policy.name, overlap)  # None: the lanes' default
+    ex = policy(LocalCommunicator(lanes), plan)
     buckets = GradBuckets([n.tuned() for n in nets], bucket_cap_elems=cap, lanes=lanes)
     buckets.attach()
     losses = [n(x) for n, x in zip(nets, xs, strict=True)]
@@ -94,7 +95,7 @@ def test_overlap_default_on_cpu_off_on_accelerators():
             self.lanes = [Lane(0, torch.device("cuda", 0)), Lane(1, torch.device("cuda", 1))]
 
     assert not SignExchange(_Comm()).overlap
-    assert SignExchange(_Comm(), overlap=True).overlap
+    assert SignExchange(_Comm(), ExchangePlan.overlapped("sign", True)).overlap
 
 
 def test_lanes_outside_the_last_backward_count_as_ready():

@@ -3,6 +3,8 @@ sees of them, and the watchdog's ``doing`` while each runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,7 +44,7 @@ def test_an_iteration_is_its_phases_in_order(micro):
     has its end; each lane's forward is a phase of its global lane; the watchdog's doing is the phase
     while it runs, and the loop's again after it."""
     engine, _ = make_engine(2, "sum" if micro else "mean", micro_batch=micro)
-    engine.policy.overlap = False
+    engine.policy.plan = dataclasses.replace(engine.policy.plan, overlap=False)
     seen = Seen()
     with phases.observing(seen):
         iteration(engine, [3, 9, 1, 14, 0, 7, 5, 11])  # micro-batch 2: each lane's 4 samples in 2 micro-steps

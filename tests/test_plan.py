@@ -191,9 +191,9 @@ def test_the_plan_carries_its_overlap_choice(monkeypatch):
 
     _four_fake_gpus(monkeypatch, lambda k: 2**40, total=2**40, peer=False)  # GeForce cards: no P2P
     plan = resolve(PlanRequest(world=2, devices="cuda:0,cuda:1", home="cuda:0"))
-    assert plan.overlap and "no peer access" in plan.overlap_reason
+    assert plan.exchange.overlap and "no peer access" in plan.overlap_reason
     plan = resolve(PlanRequest(world=2, devices="cuda:0,cuda:1", home="cuda:0", overlap=False))
-    assert not plan.overlap and plan.overlap_reason == "--parallel_overlap off"
+    assert not plan.exchange.overlap and plan.overlap_reason == "--parallel_overlap off"
 
 
 @pytest.mark.parametrize("value, held", [("auto", None), (None, None), ("on", True), (True, True), ("OFF", False),

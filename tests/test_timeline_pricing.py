@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from dpq.exchange import bucket_cap, bucket_layout
+from dpq.exchange import Buckets, bucket_cap, bucket_layout
 from dpq.testing.timeline.calibration import Calibration, ModelCounts, rebase
 from dpq.testing.timeline.devices import GPUS, HOST
 from dpq.testing.timeline.replay import BREAKDOWN, Pricing, op_class, simulate
@@ -142,11 +142,11 @@ def check_buckets(tl, model, block: str, cap="recorded") -> None:
 
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_timeline_exchange_has_the_target_blocks_buckets(two_lanes, block):
-    from dpq.exchange import WHOLE_BLOCK_CAP
+    from dpq.exchange import Buckets
 
     # accelerator lanes, no overlap, and the recorded block fits anywhere: the plan's one bucket for the
     # whole block (Note [one bucket where it fits]), and so the target's
-    assert two_lanes.bucket_layout[1] == WHOLE_BLOCK_CAP
+    assert two_lanes.bucket_layout[1] is Buckets.BLOCK
     tl = replay(two_lanes, block, "h100")
     check_buckets(tl, two_lanes, block)
     assert len(tl.buckets) == 1
@@ -154,7 +154,7 @@ def test_timeline_exchange_has_the_target_blocks_buckets(two_lanes, block):
     # as large as the largest tensor]): the three 28672 x 8192 values alone, attention's four with the
     # norms, the scales
     tl = replay(two_lanes, block, "h100", buckets="largest")
-    check_buckets(tl, two_lanes, block, cap=None)
+    check_buckets(tl, two_lanes, block, cap=Buckets.LARGEST)
     if block == "70b":
         assert len(tl.buckets) == 5 and max(tl.buckets) == 28672 * 8192
 
@@ -178,7 +178,7 @@ def test_timeline_one_bucket_for_every_block_fails(two_lanes, monkeypatch):
 
     monkeypatch.setattr("dpq.testing.timeline.replay.target_buckets", one_bucket)
     with pytest.raises(AssertionError):
-        check_buckets(replay(two_lanes, "70b", "h100", buckets="largest"), two_lanes, "70b", cap=None)
+        check_buckets(replay(two_lanes, "70b", "h100", buckets="largest"), two_lanes, "70b", cap=Buckets.LARGEST)
 
 
 # -- the default path is the compiled one -------------------------------------------------------------

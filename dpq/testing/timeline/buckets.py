@@ -27,7 +27,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from dpq.exchange import bucket_cap, bucket_layout
+from dpq.exchange import BucketCap, bucket_cap, bucket_layout
 from dpq.testing.timeline.record import Op
 from dpq.testing.timeline.shapes import RoleMap
 
@@ -40,7 +40,7 @@ class TargetBucket:
     members: tuple[int, ...]  # the recorded buckets (one tuned tensor each) it joins
 
 
-def target_buckets(layout: tuple[list[int], int] | None, roles: RoleMap) -> list[TargetBucket] | None:
+def target_buckets(layout: tuple[list[int], BucketCap] | None, roles: RoleMap) -> list[TargetBucket] | None:
     """The target's buckets in dpq's buffer order (None: the record exchanged nothing)."""
     if layout is None:
         return None

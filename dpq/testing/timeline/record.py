@@ -95,6 +95,7 @@ from torch.utils.flop_counter import flop_registry
 
 import dpq.streams as dpq_streams
 from dpq.comm_base import CommunicatorBase, ordered_sum
+from dpq.exchange import BucketCap
 from dpq.nccl_comm import CupyNcclCommunicator
 from dpq.nccl_lifecycle import NcclCommSet
 from dpq.phases import Observer
@@ -619,7 +620,7 @@ class TimelineModel:
         self.region_graphs: list[tuple[str, int]] = []
         self.region_calls: list[tuple[str, int | None, int]] = []  # every region call: (name, place, lead samples)
         self.compiles: list[tuple[str, float]] = []  # every dynamo compile while recording: (compile id, host s)
-        self.bucket_layout: tuple[list[int], int] | None = None  # the gradient buckets dpq built: sizes, cap
+        self.bucket_layout: tuple[list[int], BucketCap] | None = None  # the gradient buckets dpq built: sizes, cap
         self._bucket: tuple[int, int] | None = None  # the bucket being exchanged: (index, elements)
 
     # -- places ----------------------------------------------------------------------------------
@@ -1217,10 +1218,10 @@ class _Observer(Observer):
     def lanes_made(self, lanes: Sequence) -> None:
         self.model.lanes = list(lanes)
 
-    def bucket_cap(self, sizes: Sequence[int], cap: int) -> int:
+    def bucket_cap(self, sizes: Sequence[int], cap: BucketCap) -> int:
         # recorded with one tuned tensor per bucket (each bucket's ops then wait for exactly its tensor's
-        # gradients), the cap dpq asked for kept for laying out the target's buckets (None:
-        # dpq.exchange.bucket_cap of the target's own tensors)
+        # gradients), the cap dpq asked for (a dpq.exchange.Buckets, or elements) kept for laying out the
+        # target's buckets (dpq.exchange.bucket_cap of the target's own tensors)
         self.model.bucket_layout = (list(sizes), cap)
         return 1
 

@@ -37,7 +37,7 @@ import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from dpq.exchange import WHOLE_BLOCK_CAP
+from dpq.exchange import Buckets
 from dpq.testing.timeline.buckets import expand, target_buckets
 from dpq.testing.timeline.devices import GpuClass, HostCosts
 from dpq.testing.timeline.record import Op, TimelineModel
@@ -245,8 +245,8 @@ def simulate(model: TimelineModel, pricing: Pricing) -> Timeline:
     at a sync for a device op, and the devices wait for the host's issue, so the two passes repeat
     until every sync's wait stays put."""
     layout = model.bucket_layout
-    if pricing.buckets == "largest" and layout is not None and layout[1] == WHOLE_BLOCK_CAP:
-        layout = (layout[0], None)  # dpq.exchange.bucket_cap: as large as the largest tensor
+    if pricing.buckets == "largest" and layout is not None and layout[1] is Buckets.BLOCK:
+        layout = (layout[0], Buckets.LARGEST)  # dpq.exchange.bucket_cap: as large as the largest tensor
     buckets = target_buckets(layout, pricing.roles)
     ops = expand(model.ops, buckets)
     device_ops = [op for op in ops if op.stream is not None and op.kind in ("kernel", "copy", "collective", "wait")]
