@@ -179,7 +179,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         result["drew"] = str(err)
     Sampler.seed = 1234
     # a refusal on a pair's second rank reaches the first before any work; the group goes on
-    devices = ["cpu", "cpu"] if rank % 2 == 0 else ["cpu", "nowhere"]
+    devices = ["cpu", "cpu"] if rank % 2 == 0 else ["cpu", "cuda:7"]  # well formed; no such lane here
     try:
         run(SessionConfig(ParallelSpec(2, devices), processes=procs["pair"]), make_task("sign"))
     except PlanRefused as err:
@@ -273,7 +273,7 @@ def test_refusal_on_one_rank_stops_every_rank(spawned):
     _, results = spawned
     for rank, got in enumerate(results):  # each pair's second rank refused its device list: both raised its reason
         first, second = PAIRS[rank // 2]
-        assert any(r.startswith(f"rank {second}: ") and "nowhere" in r for r in got["refused"]), got["refused"]
+        assert any(r.startswith(f"rank {second}: ") and "cuda:7" in r for r in got["refused"]), got["refused"]
         assert not any(r.startswith(f"rank {first}: ") for r in got["refused"])
 
 
@@ -410,7 +410,7 @@ def test_agreement_counts_only_physical_accelerators(monkeypatch, device, shared
         return Topology.alone(1), []
 
     monkeypatch.setattr(session, "agree", agree)
-    monkeypatch.setattr(session, "plan_for", lambda config, task: Plan([torch.device(device)]))
+    monkeypatch.setattr(session, "block_plan", lambda config, task: Plan([torch.device(device)]))
     task = SimpleNamespace(extra_reasons=[], samples_per_iter=8, pool_samples=None, asked_samples=None)
     session._agreed_plan(SessionConfig(ParallelSpec(1, [device])), task, procs=None, plan=None)
     assert told[0].devices == ([device] if shared else [])

@@ -99,7 +99,7 @@ def quiet_process():
 class _FaultyReplicas(session.ReplicaSet):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
-        if self.world > 1:
+        if self.local_lanes > 1:
             self.modules[1].register_forward_pre_hook(ForwardFault(after=1))
 
 

@@ -336,11 +336,12 @@ def test_a_non_canonical_communicator_says_so_in_the_plan(monkeypatch):
     from dpq.nccl_comm import TorchNcclCommunicator
 
     monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("torch-nccl", "two GPUs"))
-    plan = plan_mod._finish(plan_mod.Plan([torch.device("cpu")] * 2), plan_mod.PlanRequest())
+    request = plan_mod.PlanRequest()
+    plan = plan_mod._finish(plan_mod.Plan([torch.device("cpu")] * 2), request, plan_mod._Choices(request))
     assert plan.communicator_reason == f"two GPUs; {TorchNcclCommunicator.order_note}"
     monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("local", "same device"))
-    assert plan_mod._finish(plan_mod.Plan([torch.device("cpu")] * 2), plan_mod.PlanRequest()).communicator_reason \
-        == "same device"
+    assert plan_mod._finish(plan_mod.Plan([torch.device("cpu")] * 2), request,
+                            plan_mod._Choices(request)).communicator_reason == "same device"
 
 
 def test_auto_rounds_own_ddp_lane_is_never_on_dpqs_path(monkeypatch):
