@@ -4,7 +4,7 @@
 
 Not collected by the normal test run (testpaths = tests). Each benchmark reports its bus
 bandwidth in ``extra_info["GB/s"]``: the communicator's ring wire bytes per call (the same
-formula for every communicator, see ``dpq.comm_base.ring_wire_bytes``) over the mean time.
+formula for every communicator, see ``dpq.comm.comm_base.ring_wire_bytes``) over the mean time.
 On CPU lanes this measures the summing and copying machinery, not an interconnect.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpq.communicators import select_communicator
-from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
+from dpq.comm.communicators import select_communicator
+from dpq.engine.exchange import FullSumExchange, GradBuckets, SignExchange
 from dpq.streams import make_lanes
 
 NUMEL = 4 * 2**20  # 4M fp32 elements (16 MiB) per lane

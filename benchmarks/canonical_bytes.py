@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.canonical_bytes
 
 Two counts for 2^20 fp32 values (4 MiB), next to the ring's bytes (NCCL's bus bytes,
-``dpq.comm_base.ring_wire_bytes``):
+``dpq.comm.comm_base.ring_wire_bytes``):
 
 * CuPy NCCL (the recording fake of ``cupy.cuda.nccl`` in tests/, which really moves the bytes):
   the bytes of every ``send`` call per rank, W = 2, 4, 8;
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from dpq.comm_base import ring_wire_bytes  # noqa: E402
+from dpq.comm.comm_base import ring_wire_bytes  # noqa: E402
 
 N = 1 << 20
 OPS = ("reduce_scatter", "all_reduce", "all_gather")
@@ -47,7 +47,7 @@ def _args(op: str, lanes: int, world: int) -> tuple:
 def nccl_send_bytes() -> list[tuple[int, str, int, int]]:
     """(W, op, most bytes any rank sent, ring bytes) through the fake CuPy NCCL."""
     from dpq.nccl_comm import CupyNcclCommunicator
-    from dpq.testing import fake_cupy_nccl
+    from dpqlab import fake_cupy_nccl
 
     class _Setter:  # what fake_cupy_nccl.install needs of pytest's monkeypatch
         def setitem(self, d, k, v):
@@ -75,8 +75,8 @@ def nccl_send_bytes() -> list[tuple[int, str, int, int]]:
 
 
 def _worker(rank: int, store: str, out: str) -> None:
+    from dpq.comm.process_group import ProcessGroupCommunicator
     from dpq.fallback_p2p import LocalCommunicator
-    from dpq.process_group import ProcessGroupCommunicator
     from dpq.streams import make_lanes
 
     torch.set_num_threads(1)

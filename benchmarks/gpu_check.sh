@@ -35,7 +35,7 @@ for arg in "$@"; do
     --only=*) PART="${arg#--only=}" ;;
     --fetch-wheels)
       PY="${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
-      exec "$PY" -m benchmarks.gpu_check.wheels fetch --dest .whl ;;
+      exec "$PY" -m dpqlab.gpu_check.wheels fetch --dest .whl ;;
     *) echo "unknown argument: $arg (see the top of $0)" >&2; exit 2 ;;
   esac
 done
@@ -62,14 +62,14 @@ if [ -z "$DRY" ] && ! "$PY" -c "import auto_round" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-"$PY" -m benchmarks.gpu_check plan --part "$PART" 2>&1 | tee -a "$LOG"
+"$PY" -m dpqlab.gpu_check plan --part "$PART" 2>&1 | tee -a "$LOG"
 
 step() {  # step NAME SECONDS: one step under a timeout; output appended to the log
   local name=$1 limit=$2
   [ -n "$DRY" ] && limit=$((limit * 4))
   echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
   local t0=$SECONDS
-  timeout -k 5 "$limit" "$PY" -m benchmarks.gpu_check "$name" --state "$STATE" --out "$OUT" $DRY </dev/null 2>&1 \
+  timeout -k 5 "$limit" "$PY" -m dpqlab.gpu_check "$name" --state "$STATE" --out "$OUT" $DRY </dev/null 2>&1 \
     | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   echo "$rc $limit $((SECONDS - t0))" >"$STATE/$name.rc"
@@ -87,8 +87,8 @@ while read -r name limit; do
   if ! step "$name" "$limit" && [ "$name" = versions ]; then
     stopped="the versions step failed: see its missing wheels"
   fi
-done < <("$PY" -m benchmarks.gpu_check plan --names --part "$PART")
-"$PY" -m benchmarks.gpu_check summarize --state "$STATE" --out "$OUT" $DRY --part "$PART" 2>&1 | tee -a "$LOG"
+done < <("$PY" -m dpqlab.gpu_check plan --names --part "$PART")
+"$PY" -m dpqlab.gpu_check summarize --state "$STATE" --out "$OUT" $DRY --part "$PART" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 echo "summary: $OUT/summary.json, calibration: $OUT/calibration.json (exit $rc)"
 exit "$rc"

@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from dpq.testing.timeline.calibration import Calibration, issuing_bound
+from dpqlab.timeline.calibration import Calibration, issuing_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "PERFORMANCE.md"

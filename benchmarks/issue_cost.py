@@ -20,7 +20,7 @@ Per lane-iteration = per iteration / W. The issuing thread's share on a GPU mach
 threads). "Lanes one thread can feed" for a block class on a GPU class: with W lanes an
 iteration needs ``W * issue + backward_lane`` of host time and ``compute / W`` of device time,
 ``compute = FLOPs / achievable throughput``; the thread keeps the GPUs busy while
-``W * issue + backward_lane <= compute / W``. FLOPs per iteration (``dpq.cost_model.block_flops``):
+``W * issue + backward_lane <= compute / W``. FLOPs per iteration (``dpq.planning.cost_model.block_flops``):
 6 x tokens x linear params + 12 x samples x seqlen^2 x hidden, for a batch of 8 x 2048 tokens.
 """
 
@@ -41,8 +41,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from dpq import phases, tune_loop  # noqa: E402
-from dpq.cost_model import CostInputs, block_flops, predict  # noqa: E402
+from dpq import tune_loop  # noqa: E402
+from dpq.engine import phases  # noqa: E402
+from dpq.planning.cost_model import CostInputs, block_flops, predict  # noqa: E402
 
 # (name, hidden, intermediate, kv dim): Llama-3-8B, Qwen2.5-32B, Llama-3-70B blocks
 BLOCKS = [("8B-class", 4096, 14336, 1024), ("32B-class", 5120, 27648, 1024), ("70B-class", 8192, 28672, 1024)]
@@ -52,11 +53,11 @@ SAMPLES, SEQLEN = 8, 2048
 # (machine, lanes, GPU throughput, per-lane bus bandwidth, latency per collective): stated, not measured here
 MACHINES = [("4 x RTX 3090, PCIe, no P2P", 4, 25e12, 10e9, 50e-6), ("8 x H100 SXM, NVLink", 8, 400e12, 350e9, 20e-6)]
 ITERS = 200  # auto-round's default
-BUCKET_CAP = 2**22  # dpq.exchange.GradBuckets' default
+BUCKET_CAP = 2**22  # dpq.engine.exchange.GradBuckets' default
 
 
 def speedup_table(issue_s: float, overlap: float) -> list[str]:
-    """Modeled block-time speedup over one lane (dpq.cost_model.predict), sign exchange."""
+    """Modeled block-time speedup over one lane (dpq.planning.cost_model.predict), sign exchange."""
     out = ["| machine | block | tuned values | compute ms/iter (1 lane) | issue ms/lane-iter | W | exchange ms/iter "
            "| exposed ms/iter | speedup vs 1 lane | best W (speedup) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -82,12 +83,12 @@ def linear_params(hidden: int, intermediate: int, kv: int) -> int:
     return 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate
 
 
-# the engine's phases that make its iteration but the step (dpq.phases)
+# the engine's phases that make its iteration but the step (dpq.engine.phases)
 ITERATION_PHASES = ("split", "forward", "readback queue", "backward", "exchange", "readback")
 
 
 class _PhaseTimes(phases.Observer):
-    """The engine's phases timed into ``parts`` (Note [observers, not patches] in ``dpq.phases``): each
+    """The engine's phases timed into ``parts`` (Note [observers, not patches] in ``dpq.engine.phases``): each
     lane's forward and loss, each bucket's exchange, the step, and the iteration's other phases."""
 
     def __init__(self, parts: dict) -> None:
@@ -140,7 +141,7 @@ def instrument(parts: dict):
 @contextlib.contextmanager
 def step_kind(one_op: bool):
     """``one_op=False``: every lane runs auto-round's ``SignSGD.step`` (the adapter does not ask for
-    dpq.sign_step's one-op step), for the A/B of ``--step-ab``."""
+    dpq.engine.sign_step's one-op step), for the A/B of ``--step-ab``."""
     from dpq.autoround import tune
 
     real = tune.one_op_sign_step
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
                    help="skip the measurement: print the modeled speedups for this issue cost (ms per lane-iteration)")
     p.add_argument("--overlap", type=float, default=0.6, help="hidden fraction for the model (benchmarks.overlap)")
     p.add_argument("--step-ab", action="store_true",
-                   help="also A/B the step: dpq.sign_step's one-op step vs each lane's SignSGD.step (rounds "
+                   help="also A/B the step: dpq.engine.sign_step's one-op step vs each lane's SignSGD.step (rounds "
                         "interleaved)")
     p.add_argument("--profile-forward", action="store_true",
                    help="also say where one lane's forward+loss spends its time (aten ops, auto-round's wrapper)")
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
         print("\n" + line)
     if ab:
         print("\nThe step A/B, rounds interleaved (ms per lane-iteration, medians; per-lane = each lane's "
-              "SignSGD.step, one-op = dpq.sign_step):\n")
+              "SignSGD.step, one-op = dpq.engine.sign_step):\n")
         print("| W | step per-lane | step one-op | ratio | issue per-lane | issue one-op | ratio |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for w, old in ab.items():
@@ -307,8 +308,8 @@ def main(argv=None) -> int:
             print(f"| {name} | {gpu} ({tput / 1e12:.0f} TFLOP/s) | {flops / 1e12:.1f} | {c * 1e3:.0f} "
                   f"| {c / 8 / issue:.1f} | {fed} |")
     for share in (1.0, 1 / 3):
-        print(f"\nModeled speedup (dpq.cost_model, sign exchange, {ITERS} iters, overlap {args.overlap}), issue = "
-              f"{share:.2g} x the CPU-measured {issue * 1e3:.2f} ms:\n")
+        print(f"\nModeled speedup (dpq.planning.cost_model, sign exchange, {ITERS} iters, overlap {args.overlap}), "
+              f"issue = {share:.2g} x the CPU-measured {issue * 1e3:.2f} ms:\n")
         print("\n".join(speedup_table(issue * share, args.overlap)))
     return 0
 

@@ -10,7 +10,7 @@ the layer's seven Linear weights in fp32 (the shapes of auto-round's rounding va
 loss the MSE against the layer's fp32 outputs, under bf16 autocast where auto-round would use
 it on this CPU (``--amp``), as auto-round's.
 
-The exchange goes over :class:`dpq.testing.simulated_link.SimulatedLink` around the local
+The exchange goes over :class:`dpqlab.simulated_link.SimulatedLink` around the local
 communicator: the real sums, then each collective completes after ``latency + bytes /
 bandwidth``. The bandwidth is set so that one iteration's exchange takes about one lane's
 backward time (``--exchange-vs-backward``, default 1.0). One lane's backward is measured as
@@ -62,12 +62,18 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from dpq.exchange import OVERLAP_BUCKET_CAP, ExchangePlan, FullSumExchange, GradBuckets, SignExchange  # noqa: E402
+from dpq.engine.exchange import (  # noqa: E402
+    OVERLAP_BUCKET_CAP,
+    ExchangePlan,
+    FullSumExchange,
+    GradBuckets,
+    SignExchange,
+)
 from dpq.fallback_p2p import LocalCommunicator  # noqa: E402
 from dpq.mirror import ReplicaSet  # noqa: E402
 from dpq.streams import make_lanes  # noqa: E402
-from dpq.testing.simulated_link import SimulatedLink  # noqa: E402
 from dpq.tune_loop import TuneEngine, iteration  # noqa: E402
+from dpqlab.simulated_link import SimulatedLink  # noqa: E402
 
 TUNED = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
@@ -421,7 +427,7 @@ class Breakdown:
 
     @contextlib.contextmanager
     def patched(self, link):
-        from dpq import exchange as ex
+        from dpq.engine import exchange as ex
 
         saved = [(ex, n, getattr(ex, n)) for n in ("pack_into", "unpack_into")]
         saved += [(ex._Exchange, n, getattr(ex._Exchange, n)) for n in ("exchange_bucket", "wait")]

@@ -21,7 +21,7 @@ def measure_phases(world, devices=None, *, iters: int = 0, nsamples: int = 16, s
     from dpq.autoround import integration, seams_common, shard_seams
     from dpq.autoround.run import Run
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
-    from dpq.spec import ParallelSpec
+    from dpq.planning.spec import ParallelSpec
 
     model = build_tiny_llama(TinyLlamaConfig())
     if tune_parallel:

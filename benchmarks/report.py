@@ -222,8 +222,8 @@ def tuned_numel(rec, device) -> int:
 
 
 def comm_throughput(devices, sizes: list[tuple[str, int]], budget_s: float = 0.3) -> list[dict]:
-    from dpq.comm_base import ring_wire_bytes
-    from dpq.communicators import COMMUNICATORS
+    from dpq.comm.comm_base import ring_wire_bytes
+    from dpq.comm.communicators import COMMUNICATORS
     from dpq.streams import make_lanes
 
     lanes = make_lanes(devices)
@@ -378,7 +378,7 @@ def main(argv=None) -> int:
     if args.iters is not None and args.short_iters is not None and args.iters <= args.short_iters:
         p.error("--iters must be larger than --short-iters")
 
-    from dpq.lane_devices import parse_device_spec
+    from dpq.planning.lane_devices import parse_device_spec
 
     entries = parse_device_spec(args.devices)
     if errors := [e.error for e in entries if e.error]:

@@ -5,7 +5,7 @@
     .venv/bin/python -m benchmarks.timeline --world 8 --preset 8b-h100 --eager
     .venv/bin/python -m benchmarks.timeline --table --calibration benchmarks/calibration/NVIDIA_H200-2026-12-04.json
 
-What it does (``dpq/testing/timeline/`` says exactly what is modelled and from what):
+What it does (``dpqlab/timeline/`` says exactly what is modelled and from what):
 
 1. records a tiny bf16 Llama block as auto-round tunes it (``scenarios.record_block``), with auto-round's
    default torch.compile on (``compile``: each compiled region as the kernels inductor generates
@@ -44,21 +44,21 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from dpq.exchange import Buckets  # noqa: E402
-from dpq.plan import overlap_choice  # noqa: E402
-from dpq.testing.timeline.calibration import (  # noqa: E402
+from dpq.engine.exchange import Buckets  # noqa: E402
+from dpq.planning.plan import overlap_choice  # noqa: E402
+from dpqlab.timeline.calibration import (  # noqa: E402
     Calibration,
     block_shape,
     counts_of,
     issuing_scale,
     rebase,
 )
-from dpq.testing.timeline.devices import GPUS, HOST, GpuClass, HostCosts  # noqa: E402
-from dpq.testing.timeline.record import TimelineModel  # noqa: E402
-from dpq.testing.timeline.replay import BREAKDOWN, GRAPHS, Pricing, Timeline, simulate  # noqa: E402
-from dpq.testing.timeline.roofline import roofline  # noqa: E402
-from dpq.testing.timeline.scenarios import LEGACY, record_block, run_adapter, run_api  # noqa: E402
-from dpq.testing.timeline.shapes import BLOCKS, RECORDED, BlockShape  # noqa: E402
+from dpqlab.timeline.devices import GPUS, HOST, GpuClass, HostCosts  # noqa: E402
+from dpqlab.timeline.record import TimelineModel  # noqa: E402
+from dpqlab.timeline.replay import BREAKDOWN, GRAPHS, Pricing, Timeline, simulate  # noqa: E402
+from dpqlab.timeline.roofline import roofline  # noqa: E402
+from dpqlab.timeline.scenarios import LEGACY, record_block, run_adapter, run_api  # noqa: E402
+from dpqlab.timeline.shapes import BLOCKS, RECORDED, BlockShape  # noqa: E402
 
 PRESETS = {"70b-3090": ("70b", "3090"), "8b-h100": ("8b", "h100"), "70b-h100": ("70b", "h100")}
 MACHINES = [("4 x RTX 3090 (PCIe)", "3090", 4), ("8 x H100 (NVLink)", "h100", 8)]  # --table
@@ -279,7 +279,7 @@ def compiles_per_run(model: TimelineModel) -> int:
 
 
 def auto_overlap(gpu: GpuClass, lanes: int) -> tuple[bool, str]:
-    """What ``--parallel_overlap auto`` takes on ``lanes`` GPUs of this class (dpq.plan.overlap_choice,
+    """What ``--parallel_overlap auto`` takes on ``lanes`` GPUs of this class (dpq.planning.plan.overlap_choice,
     asked about the class's peer access)."""
     return overlap_choice(None, [f"cuda:{i}" for i in range(lanes)], peer=lambda a, b: gpu.peer_access)
 
@@ -327,7 +327,7 @@ def table(records: dict[tuple[str, int], TimelineModel], cal: Calibration | None
 def _priced(model: TimelineModel, bkey: str, gpu_key: str, gpu, host: HostCosts, world: int,
             graphs: str | None = None, processes: int = 1) -> Timeline:
     """``model`` replayed on a ``bkey`` block on ``gpu`` with the buckets the plan takes there (in
-    ``processes`` processes: Note [P processes x 1 lane] in dpq/testing/timeline/replay.py)."""
+    ``processes`` processes: Note [P processes x 1 lane] in dpqlab/timeline/replay.py)."""
     return simulate(model, Pricing(RECORDED, BLOCKS[bkey], gpu, host, graphs=graphs, processes=processes,
                                    buckets=plan_buckets(bkey, gpu_key, world)))
 
@@ -349,7 +349,7 @@ def _meta_block(shape: BlockShape) -> torch.nn.Module:
 def mirror_prices_gib(bkey: str, world: int) -> tuple[float, float]:
     """The plan's price of a mirror lane of a ``bkey`` block at ``world`` (GiB, margin included): with
     buckets as large as the largest tensor, and with one bucket for the whole block."""
-    from dpq.plan import price_mirror
+    from dpq.planning.plan import price_mirror
 
     shape = BLOCKS[bkey]
     block = _meta_block(shape)
@@ -367,7 +367,7 @@ def plan_buckets(bkey: str, gpu_key: str, world: int) -> str:
 
 def bucket_price_lines() -> list[str]:
     """The plan's price of a mirror lane at each machine's lane count, with buckets as large as the largest
-    tensor and with one bucket for the whole block (Note [one bucket where it fits] in ``dpq.plan``), against
+    tensor and with one bucket for the whole block (Note [one bucket where it fits] in ``dpq.planning.plan``), against
     the card's memory: which of the two the table lays out on that card."""
     out = ["", "The plan's price of a mirror lane at all lanes (GiB, margin included; Note [one bucket where it "
            "fits]); the table lays out what the plan takes:", "",
@@ -406,7 +406,7 @@ def table_lines(rows: list[Row]) -> list[str]:
                        f"{tl.lanes_per_thread():.1f} | {tl.syncs_per_iteration()} |")
         out += ["", f"Where an iteration goes ({label}; ms per iteration, lane 0's device time by class; wire: its "
                     "collectives; exposed: collectives while no lane computes; host: the issuing thread per "
-                    "lane-iteration; roofline: the analytic 1-lane time, dpq/testing/timeline/roofline.py):", "",
+                    "lane-iteration; roofline: the analytic 1-lane time, dpqlab/timeline/roofline.py):", "",
                 "| machine | block | lanes | " + " | ".join(BREAKDOWN) + " | wire | exposed | host/lane-iter | "
                 "iteration | roofline |", "|---|---|---:|" + "---:|" * (len(BREAKDOWN) + 5)]
         for r in sel:
@@ -427,7 +427,7 @@ def graphs_lines(rows: list[Row]) -> list[str]:
     if not sel:
         return []
     out = ["", "CUDA graphs per lane, priced, not built (torch.compile on, all lanes; Pricing.graphs in "
-               "dpq/testing/timeline/replay.py; speedup over 1 lane as built; host: the issuing thread per "
+               "dpqlab/timeline/replay.py; speedup over 1 lane as built; host: the issuing thread per "
                "lane-iteration, ms):", "",
            "| machine | block | as built: speedup | host | regions as graph trees: speedup | host | "
            "each lane's iteration one graph: speedup | host | exposed exchange, ms | lane 0's device work, ms |",
@@ -451,7 +451,7 @@ def overlap_lines(rows: list[Row]) -> list[str]:
         return []
     out = ["", "--parallel_overlap at all lanes (on: the exchange during the backward on a second stream per lane, "
                "with torch.compile the lanes' block forward uncompiled; Note [overlap where the wire is slow] in "
-               "dpq/plan.py; speedup over 1 lane):", "",
+               "dpq/planning/plan.py; speedup over 1 lane):", "",
            "| path | machine | block | off: speedup | exposed, ms | host/lane-iter, ms | on: speedup | exposed, ms | "
            "host/lane-iter, ms | auto takes |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sel:
@@ -465,12 +465,12 @@ def overlap_lines(rows: list[Row]) -> list[str]:
         out.append(f"| {r.path} | {r.machine} | {BLOCKS[r.block].name} | " + " | ".join(cells)
                    + f" | {'on' if on else 'off'} |")
     reasons = dict.fromkeys(f"{r.machine}: {r.overlap[1]}" for r in sel)
-    return [*out, "", "auto's reasons (dpq.plan.overlap_choice, asked about each card's peer access):",
+    return [*out, "", "auto's reasons (dpq.planning.plan.overlap_choice, asked about each card's peer access):",
             *(f"- {why}" for why in reasons)]
 
 
 def order_lines(rows: list[Row]) -> list[str]:
-    """--parallel_order at all lanes (Note [canonical or native order] in dpq/plan.py): the canonical order
+    """--parallel_order at all lanes (Note [canonical or native order] in dpq/planning/plan.py): the canonical order
     the plan takes by default against NCCL's native reduce-scatter (compile path, overlap as auto takes it)."""
     sel = [r for r in rows if r.native is not None]
     if not sel:
@@ -491,7 +491,7 @@ def order_lines(rows: list[Row]) -> list[str]:
 
 
 def spread_lines(rows: list[Row]) -> list[str]:
-    """P x L priced (Note [P processes x 1 lane] in dpq/testing/timeline/replay.py): all lanes in one process
+    """P x L priced (Note [P processes x 1 lane] in dpqlab/timeline/replay.py): all lanes in one process
     (as built), in one process per lane (torchrun --nproc-per-node W ... --parallel_quantization 1), and the
     best spread; each process its own issuing thread and GIL."""
     sel = [r for r in rows if r.spread]
@@ -555,13 +555,13 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", choices=sorted(GPUS), help="the GPU class (overrides the preset's)")
     p.add_argument("--eager", action="store_true", help="auto-round with --disable_torch_compile (default: compile on)")
     p.add_argument("--pool", choices=("home", "host", "spread"), default="home",
-                   help="where the calibration pool lives (dpq/testing/timeline/scenarios.py)")
+                   help="where the calibration pool lives (dpqlab/timeline/scenarios.py)")
     p.add_argument("--path", choices=("adapter", "api"), default="adapter",
                    help="the auto-round adapter (enable()) or dpq.parallel_tune")
     p.add_argument("--iters", type=int, default=3, help="iterations recorded (the first also stages per-block data)")
     p.add_argument("--host-per-op-us", type=float, default=None,
                    help="price the issuing host so that an eager op costs this (every host cost scaled alike; "
-                        "default: the stated server-CPU figures of dpq/testing/timeline/devices.py)")
+                        "default: the stated server-CPU figures of dpqlab/timeline/devices.py)")
     p.add_argument("--calibration", default="auto",
                    help="a calibration.json a GPU check wrote, 'auto' (the newest in benchmarks/calibration/) "
                         "or 'none'")

@@ -1,7 +1,7 @@
 """One real auto-round block and the three ways to tune it, shared by bench_tune.py and report.py.
 
 The block is recorded mid-run from ``AutoRound(...).quantize()`` on the tiny Llama
-(``dpq.testing.autoround_blocks.record_autoround_blocks``), so it carries exactly what auto-round's
+(``dpqlab.autoround_blocks.record_autoround_blocks``), so it carries exactly what auto-round's
 ``SignRoundQuantizer.quantize_block`` receives. Every run tunes a fresh deep copy of it with
 the RNG restored to the recorded state, so the serial run and dpq's runs draw the same
 sample indices and do the same work.
@@ -46,7 +46,7 @@ def _autoround_device_map(device: str) -> Iterator[None]:
 
 def record_block(device: str | torch.device = "cpu", iters: int = 20, index: int = 0, **shape):
     """Record the tiny Llama's blocks as auto-round tunes them; return block ``index``."""
-    from dpq.testing.autoround_blocks import record_autoround_blocks
+    from dpqlab.autoround_blocks import record_autoround_blocks
 
     kw = {"nsamples": NSAMPLES, "seqlen": SEQLEN, "batch_size": BATCH_SIZE, **shape}
     device = torch.device(device)

@@ -18,9 +18,9 @@ What a cancel does:
   unwinds as an interrupt does (the session puts the block back, the output's staging folder is
   removed); the watcher ends the process if that has not happened within ``BACKSTOP_S``.
 * several processes: this rank reports the cancel to the others (``peers``, the run's
-  :class:`dpq.distributed.ProcessSet`), then leaves when every rank has reported one (a cancel of
+  :class:`dpq.planning.distributed.ProcessSet`), then leaves when every rank has reported one (a cancel of
   the whole job: at once), or after ``NAMING_S`` (a peer that lost its process meanwhile has been
-  seen by then: its collectives fail at once, and :meth:`~dpq.distributed.ProcessSet.stop` names
+  seen by then: its collectives fail at once, and :meth:`~dpq.planning.distributed.ProcessSet.stop` names
   it; the watcher waits for that, up to the set's ``grace_s``). The watcher then says so, removes
   the staging folders registered with :func:`on_exit` and ends the process (``os._exit``: a main
   thread blocked in a collective cannot unwind).
@@ -29,7 +29,7 @@ What a cancel does:
 place. A cancel before it refuses it (raises :class:`Cancelled`); one during it waits for its end.
 
 :func:`end_process` is how any thread ends this process when its main thread cannot unwind (the
-watcher after a cancel; the iteration watchdog, :mod:`dpq.watchdog`, when the issuing thread is
+watcher after a cancel; the iteration watchdog, :mod:`dpq.engine.watchdog`, when the issuing thread is
 stuck): a move into place finishes first, the reason is said, :func:`ending` tells the cleanups
 registered with :func:`on_exit` why (so a report can say it: a cancel, which signal, or a hang), the
 cleanups run (staging folders removed, the report written) and the process exits with the status
@@ -74,7 +74,7 @@ class Cancelled(KeyboardInterrupt):
 
 
 class Peers(Protocol):
-    """The other ranks of the run, as the watcher needs them (:class:`dpq.distributed.ProcessSet`)."""
+    """The other ranks of the run, as the watcher needs them (:class:`dpq.planning.distributed.ProcessSet`)."""
 
     grace_s: float
 
@@ -91,7 +91,7 @@ class _State:
     raised: bool = False  # one process: the main thread's handler raised Cancelled
     parent: int | None = None  # the launcher's pid (None: not watched)
     peers: Peers | None = None
-    failing_since: float | None = None  # the main thread is naming a failed rank (dpq.distributed)
+    failing_since: float | None = None  # the main thread is naming a failed rank (dpq.planning.distributed)
     protected: threading.Lock = field(default_factory=threading.Lock)
     in_protected: bool = False
     moved: bool = False  # a protected step finished after the cancel arrived (the output is in place)
@@ -189,7 +189,7 @@ def ending() -> tuple[str, str] | None:
 
 
 def note_failing() -> None:
-    """The main thread is naming a failed rank (:meth:`dpq.distributed.ProcessSet.stop`): a cancel
+    """The main thread is naming a failed rank (:meth:`dpq.planning.distributed.ProcessSet.stop`): a cancel
     arriving now (torchrun stops the other workers when one fails) lets it finish."""
     if _state.failing_since is None:
         _state.failing_since = time.monotonic()

@@ -1,7 +1,7 @@
 """Communicators without in-process NCCL: local, peer copies, host staging, XPU copies.
 
-Which communicator a run's lanes use is :mod:`dpq.communicators`' job; the NCCL ones are in
-:mod:`dpq.nccl_comm`, the torch.distributed process-group one in :mod:`dpq.process_group`.
+Which communicator a run's lanes use is :mod:`dpq.comm.communicators`' job; the NCCL ones are in
+:mod:`dpq.nccl_comm`, the torch.distributed process-group one in :mod:`dpq.comm.process_group`.
 
 Local, peer-copy, host-staged and xpu-copy communicators share one algorithm
 (:class:`_RootReduce`): bring every lane's buffer to one *place* (lane 0's device, or host
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dpq.comm_base import CommunicatorBase, ordered_sum
+from dpq.comm.comm_base import CommunicatorBase, ordered_sum
 from dpq.streams import Lane, backend, copy_between, device_key, join, unique_lanes
 
 __all__ = ["HostStagedCommunicator", "LocalCommunicator", "PeerCopyCommunicator", "XpuCopyCommunicator"]

@@ -2,7 +2,7 @@
 
 The :class:`Communicator` protocol and the contract every communicator keeps (bitwise
 identical results on every lane, ring wire bytes, world-1 shortcuts) are in
-:mod:`dpq.comm_base` (:class:`CommunicatorBase`); re-exported here.
+:mod:`dpq.comm.comm_base` (:class:`CommunicatorBase`); re-exported here.
 
 NCCL communicators here use one process driving several GPUs: communicators from
 ``ncclCommInitAll`` and every rank's calls inside one ``groupStart/groupEnd``, which is the
@@ -16,7 +16,7 @@ owner and a fold in rank order, so its bits are the local communicator's;
 ``torch.cuda.nccl`` has no send/recv, so :class:`TorchNcclCommunicator` keeps NCCL's own
 order and says so (``canonical_order = False``, ``order_note``).
 
-NCCL lifecycle (kept in :mod:`dpq.nccl_lifecycle`, re-exported here):
+NCCL lifecycle (kept in :mod:`dpq.comm.nccl_lifecycle`, re-exported here):
 
 * **One communicator set per device tuple per run.** ``ncclCommInitAll`` costs seconds on
   8 GPUs, so the NCCL handles are an :class:`NcclCommSet` cached by (kind, device ids)
@@ -47,8 +47,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from dpq.comm_base import CommunicatorBase, chunk_bounds, ordered_sum
-from dpq.nccl_lifecycle import (
+from dpq.comm.comm_base import CommunicatorBase, chunk_bounds, ordered_sum
+from dpq.comm.nccl_lifecycle import (
     NcclCommSet,
     NcclInitFailed,
     fail_group,
@@ -206,7 +206,7 @@ class CupyNcclCommunicator(CommunicatorBase):
     received parts of the own chunk per rank, allocated for the lane's stream.
     **Not run on hardware**: the send/recv sequence and the sums are tested on CPU through a
     recording fake of ``cupy.cuda.nccl`` that performs the transfers
-    (``dpq/testing/fake_cupy_nccl.py``); no multi-GPU machine was available.
+    (``dpqlab/fake_cupy_nccl.py``); no multi-GPU machine was available.
 
     Two ranks on one GPU are refused before any NCCL call unless NCCL >= 2.30 runs with
     ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (``allow_shared_gpu=None`` checks exactly that).
@@ -340,7 +340,7 @@ class CupyNcclCommunicator(CommunicatorBase):
         One group: rank k sends chunk j of ``bufs[k]`` to rank j and receives every other rank's
         part of chunk k into a staging buffer (allocated for lane k's stream, where NCCL writes it
         and the sum reads it). Then, on lane k's stream, ``outs[k]`` = the fold over ranks in rank
-        order (:func:`dpq.comm_base.ordered_sum`), its own part read in place.
+        order (:func:`dpq.comm.comm_base.ordered_sum`), its own part read in place.
         """
         dtype, world, isz, size = bufs[0].dtype, self.world, bufs[0].element_size(), _sizes(bounds)
         staging, calls = [], []
@@ -437,7 +437,7 @@ class TorchNcclCommunicator(CommunicatorBase):
     """
 
     name = "torch-nccl"
-    priority = 1  # after CuPy's (the plan's choice: dpq.communicators.choose_communicator)
+    priority = 1  # after CuPy's (the plan's choice: dpq.comm.communicators.choose_communicator)
     chosen_because = "{world} distinct GPUs, CuPy absent (pip install auto-round-dp[cuda12]): torch.cuda.nccl"
 
     @classmethod

@@ -48,9 +48,10 @@ def _list(names: Sequence[str], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
-# -- the world and the lane devices (dpq.plan) ----------------------------------------------------
+# -- the world and the lane devices (dpq.planning.plan) -------------------------------------------
 
-# How a text names a setting, for whoever asked (dpq.plan.PlanRequest.caller, dpq.spec.ParallelSpec.caller):
+# How a text names a setting, for whoever asked (dpq.planning.plan.PlanRequest.caller,
+# dpq.planning.spec.ParallelSpec.caller):
 # "cli" auto-round-dp's flags; "enable" the same names as keywords (dpq.autoround.enable, dpq.plan_for);
 # "api" dpq.parallel_tune's arguments. A Python caller is told the keyword it typed, never a flag.
 _NAMES = {
@@ -336,7 +337,7 @@ def pool_spread_devices(n: int, devices: Sequence[str]) -> str:
                       "--calibration_data_device with a single device to shard it")
 
 
-# -- 'auto''s cost model (dpq.cost_model through dpq.autoround.integration) -----------------------
+# -- 'auto''s cost model (dpq.planning.cost_model through dpq.autoround.integration) --------------
 
 
 def auto_world_needs_auto(world: object) -> str:  # enable(world, auto_world=...) with a world other than 'auto'
@@ -808,7 +809,7 @@ def lanes_hung(block: str, world: int, communicator: str, lanes: str, waited_s: 
 
 def issuing_thread_hung(block: str, world: int, doing: str, iteration: int, waited_s: float, timeout_s: float,
                         communicator: str, aborted: bool) -> str:
-    """The iteration watchdog (dpq.watchdog): the issuing thread spent --parallel_timeout in one iteration
+    """The iteration watchdog (dpq.engine.watchdog): the issuing thread spent --parallel_timeout in one iteration
     outside the waits that check their own deadline; ``doing``: where it was (e.g. "lane 0's forward");
     ``aborted``: aborting the communicator ended work it may wait for (NCCL's abort)."""
     comm = (f"the {communicator} communicators were aborted, which ends the collectives it may wait for" if aborted
@@ -869,14 +870,14 @@ def patch_mismatch(version: str, checked: Sequence[str], problems: Sequence[str]
             "--no-deps), or run without dpq (--parallel_quantization off)")
 
 
-# -- several processes (dpq.distributed, auto-round-dp under torchrun) ---------------------------
+# -- several processes (dpq.planning.distributed, auto-round-dp under torchrun) ------------------
 
 OFF_UNDER_TORCHRUN = ("--parallel_quantization off under torchrun (WORLD_SIZE > 1) would run the whole job once per "
                       "process, every process writing the same --output_dir. Fix: a world per process "
                       "(--parallel_quantization 1 for one lane each, or auto), or run without torchrun")
 
 # A no-grad pass's reason to run on home alone (the format of refusals.home_alone): sample-ordered
-# forwards run over the global lanes (dpq.shard_processes); these do not yet.
+# forwards run over the global lanes (dpq.sharded.shard_processes); these do not yet.
 PASS_HOOKS_PROCESSES = (
     "several processes (torch.distributed) and this pass merges hook statistics (sums, maxima, ordered sinks), which "
     "have no canonical order across processes yet: every rank runs it on its own home device: this pass runs on home "
@@ -1001,7 +1002,7 @@ _RANK_FAILURE_FIX = {
 
 
 def rank_failure(head: str, rank: int, reports: Sequence[str], kind: str = "raised") -> str:
-    """A multi-process run stopped (dpq.distributed.RankFailure). ``head``: one of the texts above
+    """A multi-process run stopped (dpq.planning.distributed.RankFailure). ``head``: one of the texts above
     (:func:`rank_raised` ...), ``rank``: this rank, ``reports``: each rank's report, "rank N raised|lost|cancelled:
     ...", ``kind``: how it started (a key of ``_RANK_FAILURE_FIX``)."""
     return "\n".join([f"dpq: {head}",

@@ -3,7 +3,7 @@
 ::
 
     run(config, task)
-      plan     block_plan: dpq.plan.resolve -> Plan(lanes, communicator, exchange, reasons), frozen
+      plan     block_plan: dpq.planning.plan.resolve -> Plan(lanes, communicator, exchange, reasons), frozen
       ran      LaneRun: what the block's lanes run, read by the task and the records (the plan stays
                as resolved): the lanes and their Topology (P = 1 in one process) as agreed across
                processes, then as 'auto' kept them; the communicator as built; the optimizer step
@@ -24,10 +24,10 @@ run from the same RNG state, and under an explicit world raises the task's error
 the error itself when the task has none). Interrupts are restored and re-raised.
 
 Several processes (``SessionConfig.processes``, torchrun): every rank plans its own lanes and
-the plans are agreed first (:func:`dpq.distributed.agree`: one refusal stops every rank before
+the plans are agreed first (:func:`dpq.planning.distributed.agree`: one refusal stops every rank before
 any work, with every rank's reasons); the communicator is ``ProcessGroupCommunicator`` over this
 process's lanes. Any failure there is fatal on every rank: no serial rerun (the ranks could not
-agree on it), home restored exactly as above, and a :class:`dpq.distributed.RankFailure` naming
+agree on it), home restored exactly as above, and a :class:`dpq.planning.distributed.RankFailure` naming
 the rank it started on (``ProcessSet.stop``).
 """
 
@@ -46,20 +46,21 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dpq import cancel, phases, refusals
-from dpq.comm_streams import CommStreams, comm_lanes
-from dpq.communicators import build_planned, select_communicator
-from dpq.compiles import CompileWatch
-from dpq.cost_model import AutoWorld
-from dpq.distributed import ProcessSet, RankPlan, Topology, agree, in_collective, peer_lost
-from dpq.exchange import exchange_for
+from dpq import cancel, refusals
+from dpq.comm.comm_streams import CommStreams, comm_lanes
+from dpq.comm.communicators import build_planned, select_communicator
+from dpq.comm.process_group import ProcessGroupCommunicator
+from dpq.engine import phases
+from dpq.engine.compiles import CompileWatch
+from dpq.engine.exchange import exchange_for
+from dpq.engine.watchdog import GRACE_S
 from dpq.mirror import ReplicaSet, release_cached_memory
-from dpq.plan import ONE_LANE_EXCHANGE, BlockPrice, Plan, PlanRefused, PlanRequest, resolve
-from dpq.process_group import ProcessGroupCommunicator
-from dpq.spec import ParallelSpec, SpecSettings
+from dpq.planning.cost_model import AutoWorld
+from dpq.planning.distributed import ProcessSet, RankPlan, Topology, agree, in_collective, peer_lost
+from dpq.planning.plan import ONE_LANE_EXCHANGE, BlockPrice, Plan, PlanRefused, PlanRequest, resolve
+from dpq.planning.spec import ParallelSpec, SpecSettings
 from dpq.streams import Lane, make_lanes
 from dpq.tune_loop import LanesHung, LoopOutcome, TuneEngine, TuneSpec, run_loop
-from dpq.watchdog import GRACE_S
 
 __all__ = ["BlockRun", "BlockSnapshot", "BlockTask", "LaneRun", "SessionConfig", "agree_plan", "block_plan",
            "lanes_for", "release_run", "run"]
@@ -76,21 +77,21 @@ OVERLAP_NOTE = "; on a second stream per lane (overlap)"  # the communicator rea
 
 @dataclass
 class SessionConfig(SpecSettings):
-    """What the user asked for, as ``spec`` (:class:`dpq.spec.ParallelSpec`, validated where it came in:
-    the CLI, ``enable()``, ``parallel_tune``), read through :class:`dpq.spec.SpecSettings`: ``world``
+    """What the user asked for, as ``spec`` (:class:`dpq.planning.spec.ParallelSpec`, validated where it came in:
+    the CLI, ``enable()``, ``parallel_tune``), read through :class:`dpq.planning.spec.SpecSettings`: ``world``
     ('auto', 'off' or an int), ``devices`` (None: the plan's default), ``debug_identical`` (check the
     lanes bitwise after every step), ``overlap`` and ``timeout``. With ``processes`` (more than one),
     ``world``/``devices`` are each process's local lanes and the global world is the processes times
-    the agreed local lane count (:func:`dpq.distributed.agree`). ``auto_world``: under 'auto', the run's
+    the agreed local lane count (:func:`dpq.planning.distributed.agree`). ``auto_world``: under 'auto', the run's
     cost model; after the memory check it keeps the first W of the fitting lanes, W by predicted time
     (None: every fitting lane)."""
 
     spec: ParallelSpec = field(default_factory=lambda: ParallelSpec("auto"))
     auto_world: AutoWorld | None = None  # one per run: 'auto' picks the world by predicted time
     # Several processes (torchrun): the group this run spans, given explicitly
-    # (dpq.distributed.ProcessSet.detect()); ``world`` and ``devices`` are then this process's lanes.
+    # (dpq.planning.distributed.ProcessSet.detect()); ``world`` and ``devices`` are then this process's lanes.
     processes: ProcessSet | None = None
-    caller: str = "cli"  # how a refusal's fix names settings (dpq.plan.PlanRequest.caller)
+    caller: str = "cli"  # how a refusal's fix names settings (dpq.planning.plan.PlanRequest.caller)
 
     def watchdog_s(self) -> float:
         """The readback's deadline: the timeout in one process; across processes a little less
@@ -101,14 +102,14 @@ class SessionConfig(SpecSettings):
 
 @dataclass(frozen=True)
 class LaneRun:
-    """What one block's lanes run, beside the :class:`dpq.plan.Plan` they came from (``plan``, as
+    """What one block's lanes run, beside the :class:`dpq.planning.plan.Plan` they came from (``plan``, as
     resolved). ``devices``: this process's lanes (the plan's, as many as the processes agreed on,
     then as many as 'auto''s cost model kept; lane 0 home); ``topology``: the processes x these
-    lanes (:meth:`dpq.distributed.Topology.alone` in one process, or where every rank runs the
+    lanes (:meth:`dpq.planning.distributed.Topology.alone` in one process, or where every rank runs the
     block alone), its ``lanes`` always ``len(devices)``. ``in_process``/``in_process_reason``: the
     communicator among this process's lanes as built, and why (the plan's choice, or the one made on the lanes);
     ``across``: the process-group communicator's name across processes ("" in one process);
-    ``overlap``: the exchange on a second stream per lane (:mod:`dpq.comm_streams`). ``notes``: what
+    ``overlap``: the exchange on a second stream per lane (:mod:`dpq.comm.comm_streams`). ``notes``: what
     the run said beyond the plan's notes (the agreement, 'auto''s choice); ``step``: the optimizer
     step the lanes run, and why (the engine's). Built anew at each of these points
     (``dataclasses.replace``), never changed."""
@@ -153,7 +154,7 @@ class LaneRun:
     @property
     def communicator(self) -> str:
         """The exchange's communicator by name: the process group's across processes, else the
-        in-process one; ``+comm-streams`` with overlap (:class:`dpq.comm_streams.CommStreams`)."""
+        in-process one; ``+comm-streams`` with overlap (:class:`dpq.comm.comm_streams.CommStreams`)."""
         name = self.across or self.in_process
         return name + CommStreams.SUFFIX if self.overlap else name
 
@@ -185,7 +186,7 @@ class BlockTask:
     own serial run of the block (run when the plan says serial, and as ``auto``'s fallback); None:
     the session's engine runs even at world 1. ``lane_error(err, ran)``: the error an explicit world
     raises when the run fails (``ran``: the lanes as planned and agreed).
-    ``samples_per_iter``, ``price`` (the block's lane prices, :class:`dpq.plan.BlockPrice`) or
+    ``samples_per_iter``, ``price`` (the block's lane prices, :class:`dpq.planning.plan.BlockPrice`) or
     ``mirror_bytes`` (a flat one per mirror), ``extra_reasons`` (tuner features the lanes cannot
     split) and ``pure_sign`` (the update needs only sign(sum of grads)) go to the plan."""
 
@@ -219,7 +220,7 @@ class BlockRun:
     serial: bool = False
     fell_back: bool = False
     failure: str = ""  # repr of the lane failure when fell_back
-    # torch.compile during the lanes' forwards and backwards, per local lane (dpq.compiles); None: serial
+    # torch.compile during the lanes' forwards and backwards, per local lane (dpq.engine.compiles); None: serial
     compiles: CompileWatch | None = None
 
     @property
@@ -242,7 +243,7 @@ def block_device(block: torch.nn.Module) -> torch.device | None:
 
 
 def block_plan(config: SessionConfig, task: BlockTask) -> Plan:
-    """The block's plan (raises :class:`dpq.plan.PlanRefused` for an explicit world it cannot serve)."""
+    """The block's plan (raises :class:`dpq.planning.plan.PlanRefused` for an explicit world it cannot serve)."""
     return resolve(PlanRequest(world=config.world, devices=config.devices, samples_per_iter=task.samples_per_iter,
                                pool_samples=task.pool_samples, asked_samples=task.asked_samples, caller=config.caller,
                                home=task.home if task.home is not None else block_device(task.block),
@@ -254,7 +255,7 @@ def block_plan(config: SessionConfig, task: BlockTask) -> Plan:
 
 def lanes_for(request: PlanRequest) -> tuple[Plan, list[Lane] | None]:
     """A no-grad pass's plan and lanes (None: home alone). The sharded passes' entry point: the
-    same plan as the tuner's; their teardown is ``dpq.shard``'s (``ReplicaSet.close``)."""
+    same plan as the tuner's; their teardown is ``dpq.sharded.shard``'s (``ReplicaSet.close``)."""
     plan = resolve(request)
     return plan, (make_lanes(plan.devices) if plan.local_lanes >= 2 else None)
 
@@ -312,7 +313,7 @@ def run(config: SessionConfig, task: BlockTask, *, plan: Plan | None = None) -> 
 
 def _stop_every_rank(procs: ProcessSet, err: BaseException, lost: bool) -> None:
     """Several processes: this rank's failure (or a peer's, seen as a failed collective) stops
-    every rank (dpq.distributed: reports, the rank it started on named). Raises."""
+    every rank (dpq.planning.distributed: reports, the rank it started on named). Raises."""
     failure = procs.stop(err, lost)
     if not isinstance(err, Exception):
         raise err  # an interrupt stays an interrupt; the peers were told
@@ -328,8 +329,8 @@ def _agreed_plan(config: SessionConfig, task: BlockTask, procs: ProcessSet, plan
 
 def agree_plan(config: SessionConfig, procs: ProcessSet, samples_per_iter: int, cannot_split: bool,
                make_plan: Callable[[], Plan], pool_samples: int = 0, asked_samples: int = 0) -> LaneRun:
-    """This rank's plan (``make_plan()``; :class:`dpq.plan.PlanRefused` counts as this rank's
-    refusal) agreed with every other rank's (dpq.distributed.agree): the same local lane count
+    """This rank's plan (``make_plan()``; :class:`dpq.planning.plan.PlanRefused` counts as this rank's
+    refusal) agreed with every other rank's (dpq.planning.distributed.agree): the same local lane count
     everywhere, or the same refusal everywhere (raised on every rank), or serial everywhere
     (each rank alone: ``topology.several`` False; ``cannot_split``: the tuner has features the lanes
     cannot split). Returns the plan's lanes as agreed, with the agreement's notes. An adapter calls
@@ -383,7 +384,7 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
             comm.close()
             comm, ran = _exchange_communicator(config, ran, lanes)
     exchange = exchange_for(comm, ran.plan.exchange)  # the plan's, as given (Note [host lanes exchange during
-    # the backward] in dpq.plan: CPU lanes overlap without a second stream)
+    # the backward] in dpq.planning.plan: CPU lanes overlap without a second stream)
     t_loop = time.perf_counter()
     replicas = ReplicaSet(task.block, lanes, spec.tuned)  # lanes wait for the current stream first (R1)
     engine, stuck = None, False
@@ -407,7 +408,7 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
     finally:
         # R5, on success and on failure alike: the current stream and every lane join before
         # the mirrors go and before the adapter unwraps (or the session restores) the home block;
-        # the lanes first join their communication streams (dpq.comm_streams, C4).
+        # the lanes first join their communication streams (dpq.comm.comm_streams, C4).
         comm.join()
         # Teardown order: the engine's optimizers (which hold the mirrors' tuned values), flat gradient
         # buffers and exchange scratch go first, so that the cache the replicas empty next holds them
@@ -419,7 +420,7 @@ def _run_lanes(config: SessionConfig, ran: LaneRun, task: BlockTask, procs: Proc
 
 
 def _end_stuck_run(procs: ProcessSet | None) -> Callable[[str], None] | None:
-    """How the iteration watchdog ends a run whose issuing thread does not come back (dpq.watchdog):
+    """How the iteration watchdog ends a run whose issuing thread does not come back (dpq.engine.watchdog):
     only the command's process is ended (:func:`dpq.cancel.installed`; a library caller's never is,
     None), its hang first reported to the other ranks, then said, reported, the staging folder
     removed (:func:`dpq.cancel.end_process`), exit status 1."""
@@ -447,7 +448,7 @@ def _exchange_communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane
                            procs: ProcessSet | None = None) -> tuple[object, LaneRun]:
     """The run's communicator, and ``ran`` with it as built; with ``ran.overlap`` (asked for, on
     lanes that have streams): over a second stream per lane, so the exchange runs beside the
-    backward (dpq.comm_streams), in one process and across processes alike (the process-group
+    backward (dpq.comm.comm_streams), in one process and across processes alike (the process-group
     communicator over the communication lanes: its legs inside the process and its transfers across)."""
     comm, ran = _communicator(config, ran, comm_lanes(lanes) if ran.overlap else lanes, procs)
     comm = CommStreams(comm, lanes) if ran.overlap else comm
@@ -472,7 +473,7 @@ def _communicator(config: SessionConfig, ran: LaneRun, lanes: list[Lane],
 
 
 def _choose_world(auto, comm, ran: LaneRun, task: BlockTask, spec: TuneSpec) -> tuple[int, str]:
-    """'auto': the world by predicted block time over the fitting lanes (dpq.cost_model), with
+    """'auto': the world by predicted block time over the fitting lanes (dpq.planning.cost_model), with
     the link probed on these lanes, and the note saying the choice and its prediction (the run's notes)."""
     params = dict(task.block.named_parameters(remove_duplicate=False))
     tuned = [params[n] for n in spec.tuned if n in params]

@@ -68,8 +68,8 @@ R8  Every host wait has a deadline (:func:`wait_events`): the host polls the eve
     state only: they queue nothing, so R6's one sync per iteration stays one.
 
 Lane methods whose name says "current" must be called outside every :meth:`Lane.issue`
-context: inside one, the current stream would be that lane's. ``tests/stream_checker.py``
-checks all of this on CPU lanes with logical streams and vector clocks; ``dpq/testing/timeline/``
+context: inside one, the current stream would be that lane's. ``dpqlab/stream_checker.py``
+checks all of this on CPU lanes with logical streams and vector clocks; ``dpqlab/timeline/``
 replays an iteration on logical devices with CUDA's copy and host-sync semantics (R6, R7).
 
 Streams are the run's (:meth:`Backend.run_stream`): every lane, communication lane and side
@@ -131,7 +131,7 @@ class Backend:
 
     def communicator_for(self, devices: Sequence[torch.device]) -> tuple[str, str] | None:
         """(communicator name, reason) where this backend names the communicator for several lanes on
-        ``devices`` (all of its type), before ``dpq.communicators.choose_communicator``'s own rules;
+        ``devices`` (all of its type), before ``dpq.comm.communicators.choose_communicator``'s own rules;
         None (every real backend): those rules decide. A simulated backend (the timeline model's) names its own."""
         return None
 
@@ -272,7 +272,7 @@ def install_backend(type_: str, be: Backend) -> Backend | None:
     """``be`` answers for device type ``type_`` from now on; returns the backend it replaces (install
     that again to undo). The declared seam through which a simulated device (the timeline model's
     logical accelerators) takes the runtime's accelerator path (Note [observers, not patches] in
-    ``dpq.phases``)."""
+    ``dpq.engine.phases``)."""
     before = _BACKENDS.get(type_)
     _BACKENDS[type_] = be
     return before

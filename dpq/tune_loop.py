@@ -5,7 +5,7 @@ best-iteration snapshot, early stop) around the engine; the tuner's specifics (i
 its best-parameter snapshot, its optimizer and loss) come in a :class:`TuneSpec` that the
 adapter (``dpq/autoround/``) fills. This module knows nothing of auto-round.
 
-One iteration: the engine's phases (``dpq.phases``), which :func:`run_loop` calls in order::
+One iteration: the engine's phases (``dpq.engine.phases``), which :func:`run_loop` calls in order::
 
     split      the serial run's global indices into W contiguous slices (sizes differ by <= 1),
                each cut into chunks of ``micro_batch`` (gradient accumulation inside the lane)
@@ -44,7 +44,7 @@ and :class:`LanesHung` names the block, the communicator and the lanes whose wor
 finished; the session's failure policy then applies (contract 6), unless the abort could not end
 that work (``LanesHung.stuck``): then nothing more is queued on those devices. The issuing thread
 itself, stuck where no check of its own runs, is watched by another thread that holds each
-iteration's deadline (:class:`dpq.watchdog.IterationWatchdog`: it aborts the communicators, and
+iteration's deadline (:class:`dpq.engine.watchdog.IterationWatchdog`: it aborts the communicators, and
 ends the process when the thread does not come back and the process is the command's); the
 engine notes where the thread is (``doing``) for its text, and raises :class:`LanesHung` at the next
 iteration (or the loop's end) when a deadline passed while the thread was away.
@@ -71,14 +71,14 @@ from typing import Literal, Protocol
 import torch
 
 from dpq import refusals
-from dpq.comm_base import Communicator
-from dpq.exchange import ExchangePlan, GradBuckets
+from dpq.comm.comm_base import Communicator
+from dpq.engine.exchange import ExchangePlan, GradBuckets
+from dpq.engine.phases import Watched, phase
+from dpq.engine.sign_step import foreach_sign_step, step_choice
+from dpq.engine.split import chunks, contiguous_ranges
+from dpq.engine.watchdog import IterationWatchdog
 from dpq.mirror import ReplicaSet
-from dpq.phases import Watched, phase
-from dpq.sign_step import foreach_sign_step, step_choice
-from dpq.split import chunks, contiguous_ranges
 from dpq.streams import HostCopy, Lane, WaitExpired, wait_events
-from dpq.watchdog import IterationWatchdog
 
 __all__ = ["Iteration", "LaneLoss", "LanesHung", "LoopOutcome", "OptimizerFactory", "TuneEngine", "TuneSpec",
            "iteration", "run_loop"]
@@ -108,7 +108,7 @@ class LanesHung(RuntimeError):
 
 
 class DuringBackward(Protocol):
-    """The last backward's exchange (``dpq.exchange.BackwardExchange``): entered around the backward;
+    """The last backward's exchange (``dpq.engine.exchange.BackwardExchange``): entered around the backward;
     its own roots and seeds go into the same backward call (the issuer's node on accelerators)."""
 
     roots: list[torch.Tensor]
@@ -120,10 +120,10 @@ class DuringBackward(Protocol):
 
 
 class Exchange(Protocol):
-    """Everything the engine asks of an exchange policy (``dpq.exchange``)."""
+    """Everything the engine asks of an exchange policy (``dpq.engine.exchange``)."""
 
-    comm: Communicator  # over this process's lanes; its world spans every process (dpq.process_group)
-    exact_signs: bool  # after exchange(): the grads hold exact signs (dpq.sign_step)
+    comm: Communicator  # over this process's lanes; its world spans every process (dpq.comm.process_group)
+    exact_signs: bool  # after exchange(): the grads hold exact signs (dpq.engine.sign_step)
     plan: ExchangePlan  # what it runs: the gradient buckets' layout (plan.buckets), overlap (plan.overlap)
     overlap: bool  # buckets are exchanged as the last backward fills them (during_backward), else after it
 
@@ -192,7 +192,7 @@ class TuneEngine(Watched):
             raise ValueError("dpq: gradient accumulation (micro_batch) needs reduction='sum', as in auto-round")
         self.replicas = replicas
         self.lane_loss = lane_loss
-        self.policy = exchange  # the exchange policy (dpq.exchange)
+        self.policy = exchange  # the exchange policy (dpq.engine.exchange)
         self.reduction = reduction
         self.micro_batch = micro_batch
         self.loss_scale = loss_scale
@@ -203,7 +203,7 @@ class TuneEngine(Watched):
         self.optimizers, self.schedulers = _optimizers(replicas, make_optimizer)
         self.last = IterationStats()
         # The world is the global lanes: the exchange's communicator spans every process
-        # (dpq.process_group), so its world is P x L and this process's L lanes (``replicas.local_lanes``)
+        # (dpq.comm.process_group), so its world is P x L and this process's L lanes (``replicas.local_lanes``)
         # start at global lane `lane_offset`.
         self.world = exchange.comm.world
         self.lane_offset = exchange.comm.lane_offset
@@ -218,7 +218,7 @@ class TuneEngine(Watched):
                                    lanes=replicas.lanes) if self.world > 1 else None
         self._loss_dtype = torch.float32  # a rank without a chunk in any micro-step yet (gathered losses)
         # The step: the optimizers' own (one per lane), or, when the caller vouches that they are
-        # pure SignSGD (one_op_sign_step), dpq.sign_step's one foreach op per device and lr. That
+        # pure SignSGD (one_op_sign_step), dpq.engine.sign_step's one foreach op per device and lr. That
         # adds the grads as exact signs: the sign exchange leaves them so; otherwise (world 1: no
         # exchange runs) they are signed first, in place (torch._foreach_sign_, serial's sign op).
         self.one_op_sign_step, self.step_note = step_choice(one_op_sign_step, self.optimizers,
@@ -228,12 +228,12 @@ class TuneEngine(Watched):
         if self.one_op_sign_step and self.world > 1:
             exchange.keep_signs_apart()
         # The issuing thread's host time in backward() and step(), less the backward calls and the
-        # readback (waits): on accelerator lanes, the issue cost dpq.cost_model prices.
+        # readback (waits): on accelerator lanes, the issue cost dpq.planning.cost_model prices.
         self.issue_s = 0.0
         # Where the issuing thread is (what it does, the global lane or None) and in which iteration: the
         # iteration watchdog's text. It holds each iteration's deadline from another thread (timeout_s
         # set): ``on_stuck`` ends a run whose issuing thread does not come back (None: not this run's to
-        # end), ``in_collective`` says it waits for other ranks (dpq.watchdog).
+        # end), ``in_collective`` says it waits for other ranks (dpq.engine.watchdog).
         self.doing: tuple[str, int | None] = ("loop", None)
         self.iteration = -1
         self.watch = IterationWatchdog(timeout_s, self._expired, on_stuck, in_collective=in_collective or (
@@ -244,7 +244,7 @@ class TuneEngine(Watched):
         return self.replicas.lanes
 
     def begin_iteration(self, i: int) -> None:
-        """Iteration ``i`` starts: its deadline armed (dpq.watchdog). Raises :class:`LanesHung` when
+        """Iteration ``i`` starts: its deadline armed (dpq.engine.watchdog). Raises :class:`LanesHung` when
         the previous one's passed (the thread came back late; the communicators are aborted)."""
         self.iteration, self.doing = i, ("loop", None)
         if self.watch is not None:
@@ -283,7 +283,7 @@ class TuneEngine(Watched):
             return 1.0
         return sum(self.sample_numel(i) for i in chunk) / serial_chunk_numel
 
-    # -- the phases (dpq.phases), in the order run_loop calls them --------------------------------
+    # -- the phases (dpq.engine.phases), in the order run_loop calls them -------------------------
 
     def split(self, indices: Sequence[int]) -> Iteration:
         """The serial run's ``indices`` split over the *global* lanes (``self.world``) and cut into
@@ -303,7 +303,7 @@ class TuneEngine(Watched):
         """Micro-step ``m``'s forwards, each local lane's under its own stream, each loss weighted so
         that the lanes' gradients sum to the serial one (module docstring). Before the last micro-step's
         forwards, the exchange that runs during its backward, where it overlaps (on accelerator lanes
-        its issuer node must come first: dpq.exchange)."""
+        its issuer node must come first: dpq.engine.exchange)."""
         with phase("forward", self), self._issuing():
             world, offset = self.world, self.lane_offset
             it.roots, it.seeds, losses = [], [], {}
@@ -354,7 +354,7 @@ class TuneEngine(Watched):
             if len(it.step_losses) == it.steps:
                 it.wire_before = self._wire_bytes()
             if it.during is not None:
-                with it.during:  # its extra roots: the issuer's node on accelerator lanes (dpq.exchange)
+                with it.during:  # its extra roots: the issuer's node on accelerator lanes (dpq.engine.exchange)
                     self._autograd_backward(roots + list(it.during.roots), seeds + list(it.during.seeds))
             else:
                 self._autograd_backward(roots, seeds)
@@ -471,7 +471,7 @@ class TuneEngine(Watched):
                 recv.append(torch.empty(self.world * send[-1].numel(), dtype=torch.uint8, device=lane.device))
         comm = self.policy.comm
         with phase("loss gather", self):
-            comm.begin_bucket()  # communication streams (dpq.comm_streams): C1 ...
+            comm.begin_bucket()  # communication streams (dpq.comm.comm_streams): C1 ...
             comm.all_gather(send, recv)
             comm.join()  # ... and C2: the lanes' streams wait for the gather
         steps = len(step_losses)  # the same on every rank: counted from the global split
@@ -572,7 +572,7 @@ class TuneSpec:
     (e.g. the iteration number); ``sample_numel(i)``: elements of sample ``i`` (loss weights and
     the sum-reduction normaliser); ``token_counts``: valid tokens per sample when the loss is
     masked (the normaliser then counts those); ``one_op_sign_step``: the optimizer is pure SignSGD
-    as :mod:`dpq.sign_step` reproduces it (the adapter checks the class and its source)."""
+    as :mod:`dpq.engine.sign_step` reproduces it (the adapter checks the class and its source)."""
 
     tuned: list[str]
     make_optimizer: OptimizerFactory
@@ -662,7 +662,7 @@ class _Progress:
 
 
 def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
-    """Serial SignRound's loop around the engine's phases (dpq.phases): the same draws, the same loss
+    """Serial SignRound's loop around the engine's phases (dpq.engine.phases): the same draws, the same loss
     normalisation (masked and unmasked), best iteration and early stop."""
     t0 = time.perf_counter()
     global_batch_size = min(spec.nsamples, spec.batch_size * spec.gradient_accumulate_steps)
@@ -672,7 +672,7 @@ def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
     index_sampler = spec.sampler(spec.nsamples, global_batch_size)
     progress = _Progress(spec, engine.replicas.home)
     drawn, wire = [], 0
-    # each iteration's deadline, held by the iteration watchdog (dpq.watchdog)
+    # each iteration's deadline, held by the iteration watchdog (dpq.engine.watchdog)
     with phase("loop", engine, doing=False), engine.deadlines():
         for i in range(spec.iters):
             engine.begin_iteration(i)

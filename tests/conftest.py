@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpq.testing.autoround_blocks import record_autoround_blocks
+from dpqlab.autoround_blocks import record_autoround_blocks
 
 
 def _load_site_hooks():
     """tests/site_hooks: ``DPQ_TEST_CPU_BF16=on|off`` forces auto-round's CPU bf16 detection,
-    applied here before any auto-round object is built; the directory goes first on PYTHONPATH so
+    applied here before any auto-round object is built; the directory goes first on PYTHONPATH (the
+    repository root next: dpqlab, which no install provides) so
     that every subprocess applies it too (and ``DPQ_TEST_MUTANT`` and ``DPQ_TEST_FAULT``,
     which tests set for a subprocess of their own)."""
     hooks_dir = Path(__file__).parent / "site_hooks"
@@ -25,7 +26,9 @@ def _load_site_hooks():
     spec.loader.exec_module(module)
     module.install()
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(hooks_dir)]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(hooks_dir), *path])
+    root = str(Path(__file__).resolve().parent.parent)  # dpqlab (the tools) for subprocesses: not installed
+    path = [p for p in path if p != root]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(hooks_dir), root, *path])
     return module
 
 

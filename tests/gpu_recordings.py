@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 
-from benchmarks.gpu_check import trace
+from dpqlab.gpu_check import trace
 
 MAIN, AUTOGRAD = 1, 2
 LANE_STREAMS = (7, 20)

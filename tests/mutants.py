@@ -14,7 +14,7 @@ MUTANTS = ("lane weight 1", "lane 1 gradient dropped", "lane 1 reads lane 0's sl
 def apply(setattr_, mutant: str) -> None:
     from importlib import import_module
 
-    exchange, tune_loop = import_module("dpq.exchange"), import_module("dpq.tune_loop")  # also mid-import
+    exchange, tune_loop = import_module("dpq.engine.exchange"), import_module("dpq.tune_loop")  # also mid-import
 
     if mutant == "lane weight 1":  # each lane's mean loss unweighted instead of its share of the elements
         setattr_(tune_loop.TuneEngine, "_weight", lambda self, chunk, ref: 1.0)

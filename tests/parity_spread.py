@@ -1,4 +1,4 @@
-"""Measure what the statistical parity tests bound (dpq/testing/parity_stats.py), on this machine:
+"""Measure what the statistical parity tests bound (dpqlab/parity_stats.py), on this machine:
 serial's own seed-to-seed spread of each quantity, and the paired differences of parallel runs
 (the same seeds) from serial, per test setting.
 
@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tests.conftest  # noqa: E402  (applies DPQ_TEST_CPU_BF16 here and for subprocesses)
-from dpq.testing import parity_stats  # noqa: E402
-from dpq.testing.autoround_blocks import record_autoround_blocks  # noqa: E402
+from dpqlab import parity_stats  # noqa: E402
+from dpqlab.autoround_blocks import record_autoround_blocks  # noqa: E402
 from tests import mutants  # noqa: E402
 
 

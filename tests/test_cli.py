@@ -363,7 +363,7 @@ def test_cli_lane_failure_says_what_was_kept(tmp_path):
     left bitwise as it was, without a stray shard beside it, and no partial folder stays behind."""
     from dpq.demo.embedded import DATA_DIR
 
-    prelude = "from dpq.testing.faults import inject_fault; inject_fault(block=1, after=1); "
+    prelude = "from dpqlab.faults import inject_fault; inject_fault(block=1, after=1); "
     report = tmp_path / "report.json"
     before = earlier_model(tmp_path / "out")
     proc = _cli(tmp_path, "--iters", "3", "--batch_size", "4", "--parallel_quantization", "2",
@@ -407,7 +407,7 @@ def test_parallel_overlap_reaches_enable(capsys, monkeypatch):
     """--parallel_overlap (bare or 'on') asks enable() for the overlapped exchange (True), 'off' for none
     (False); without it or with 'auto', the plan's choice (None)."""
     from dpq.autoround import cli, integration
-    from dpq.machine import Machine
+    from dpq.planning.machine import Machine
 
     seen = []
     monkeypatch.setattr(cli, "runner_for", lambda recipe: lambda: None)  # auto-round itself does not run
@@ -425,7 +425,7 @@ def test_parallel_overlap_reaches_enable(capsys, monkeypatch):
 def test_parallel_order_reaches_enable(capsys, monkeypatch):
     """--parallel_order native reaches enable()'s spec; without it, canonical."""
     from dpq.autoround import cli, integration
-    from dpq.machine import Machine
+    from dpq.planning.machine import Machine
 
     seen = []
     monkeypatch.setattr(cli, "runner_for", lambda recipe: lambda: None)  # auto-round itself does not run

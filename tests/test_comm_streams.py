@@ -1,17 +1,17 @@
-"""dpq.comm_streams: the exchange on a second stream per lane, its ordering checked with logical streams."""
+"""dpq.comm.comm_streams: the exchange on a second stream per lane, its ordering checked with logical streams."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dpq.comm_streams import CommStreams, comm_lanes
-from dpq.exchange import ExchangePlan, FullSumExchange, GradBuckets, SignExchange
+from dpq.comm.comm_streams import CommStreams, comm_lanes
+from dpq.engine.exchange import ExchangePlan, FullSumExchange, GradBuckets, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
 from dpq.streams import make_lanes
 from dpq.tune_loop import TuneEngine, iteration
-from tests.stream_checker import StreamOrderChecker, StreamOrderError
+from dpqlab.stream_checker import StreamOrderChecker, StreamOrderError
 
 NAMES = ["l1.weight", "l1.bias", "l2.weight", "l2.bias", "l3.weight"]
 
@@ -133,11 +133,11 @@ def test_parallel_tune_with_overlap_on_lanes_with_streams():
 @pytest.mark.parametrize("policy", [SignExchange, FullSumExchange])
 @pytest.mark.parametrize("mutant", [False, True])
 def test_the_issuers_marks_order_each_bucket(monkeypatch, policy, mutant):
-    """Accelerator lanes' overlap (dpq.exchange): the hooks only mark each lane's part of a bucket (an
+    """Accelerator lanes' overlap (dpq.engine.exchange): the hooks only mark each lane's part of a bucket (an
     event on its stream) and the issuer node issues it, the communication streams waiting for those
     marks only (C1). Forced here on CPU lanes with logical streams: no race, the same bits. Mutant:
     the communication streams ignore the marks; the checker sees the race."""
-    from dpq.exchange import BackwardExchange
+    from dpq.engine.exchange import BackwardExchange
 
     monkeypatch.setattr(BackwardExchange, "_on_devices", lambda self: True)
     issued = []

@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 
 from dpq import nccl_comm
-from dpq.comm_base import Communicator, ring_wire_bytes
-from dpq.communicators import select_communicator
+from dpq.comm.comm_base import Communicator, ring_wire_bytes
+from dpq.comm.communicators import select_communicator
+from dpq.comm.process_group import ProcessGroupCommunicator
 from dpq.fallback_p2p import HostStagedCommunicator, LocalCommunicator, PeerCopyCommunicator, XpuCopyCommunicator
 from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator, cupy_nccl_available
-from dpq.process_group import ProcessGroupCommunicator
 from dpq.refusals import HPU_MULTI_LANE
 from dpq.streams import Lane, make_lanes
-from dpq.testing import fake_cupy_nccl
+from dpqlab import fake_cupy_nccl
 
 WORLDS = [1, 2, 3, 4]
 SIZES = [1, 37, 1000]
@@ -257,8 +257,8 @@ def test_the_registry_orders_the_nccl_kinds(monkeypatch, no_cupy):
     """The plan takes, for lanes on distinct GPUs, the NCCL kind of lowest priority that is available here,
     with its own reason (no kind named in the choice): a kind registered ahead of the others is taken
     where it is available and passed by where it is not."""
-    from dpq import communicators
-    from dpq.comm_base import CommunicatorBase
+    from dpq.comm import communicators
+    from dpq.comm.comm_base import CommunicatorBase
 
     class Planted(CommunicatorBase):
         name, nccl, priority, up = "planted-nccl", True, -1, True
@@ -620,7 +620,7 @@ def test_stream_ordering(name):
 def test_ordered_sum_whatever_out_shares_with_the_parts(where):
     """The canonical fold gives the same bits wherever ``out`` lives: in place on the first part,
     partly over later parts (which must still be read after the first add), or beside them."""
-    from dpq.comm_base import ordered_sum
+    from dpq.comm.comm_base import ordered_sum
 
     buf = torch.randn(20, generator=torch.Generator().manual_seed(3)) * 1e4
     parts = [buf[0:4], buf[4:8], buf[8:12]]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpq.testing import parity_stats
+from dpqlab import parity_stats
 from tests import test_integration as ti
 
 pytestmark = pytest.mark.compile_cli
@@ -51,7 +51,7 @@ def test_compile_cli_world1_saves_the_same_tensors_as_off(compiled_runs):
 
 
 # World 2 against serial with compile on, statistics as tests/test_integration.py's
-# test_cli_world_n_matches_serial_quality (dpq/testing/parity_stats.py): per seed, the paired relative
+# test_cli_world_n_matches_serial_quality (dpqlab/parity_stats.py): per seed, the paired relative
 # differences of each of the 4 blocks' best loss and trajectory (mean per-iteration loss) and of the
 # saved model's KL(fp || q): m = 9 statistics, each a mean over the n = 2 SEEDS held to
 # K * sqrt(2) * COMPILE_SPREAD / sqrt(n), K = Phi^-1(1 - 9e-4 / (2 m)) = 3.89 (bounds: best loss 11.8%,

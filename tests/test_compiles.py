@@ -1,4 +1,4 @@
-"""torch.compile on the lanes (dpq.compiles): the watch counts real dynamo compiles and
+"""torch.compile on the lanes (dpq.engine.compiles): the watch counts real dynamo compiles and
 recompiles, gives each to the lane whose forward caused it, and through the session the lanes
 share one graph where their guards agree (the mirror keeps a wrapper's device attribute as home
 has it) and recompile where a slice's shape differs.
@@ -16,9 +16,9 @@ import torch._dynamo
 
 from dpq import session
 from dpq.autoround.run import BlockRecord
-from dpq.compiles import CompileWatch, _frame_compile
+from dpq.engine.compiles import CompileWatch, _frame_compile
 from dpq.mirror import ReplicaSet
-from dpq.spec import ParallelSpec
+from dpq.planning.spec import ParallelSpec
 from dpq.streams import make_lanes
 from dpq.tune_loop import TuneSpec
 

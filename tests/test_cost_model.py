@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dpq.cost_model import (
+from dpq.fallback_p2p import LocalCommunicator
+from dpq.planning.cost_model import (
     ACHIEVABLE_FLOPS,
     AutoWorld,
     CostInputs,
@@ -16,9 +17,8 @@ from dpq.cost_model import (
     probe_link,
     wire_bytes,
 )
-from dpq.fallback_p2p import LocalCommunicator
 from dpq.streams import make_lanes
-from dpq.testing.simulated_link import SimulatedLink
+from dpqlab.simulated_link import SimulatedLink
 
 
 def test_predict_by_hand():
@@ -96,7 +96,7 @@ def test_auto_picks_every_lane_when_compute_dominates():
 
 def test_choose_world_prefers_fewer_lanes_on_a_tie_and_logs(caplog):
     c = CostInputs(compute_s=0.0, issue_s=0.0, tuned_elems=0, bandwidth_Bps=1.0)
-    with caplog.at_level("INFO", logger="dpq.cost_model"):
+    with caplog.at_level("INFO", logger="dpq.planning.cost_model"):
         assert choose_world([4, 2, 1], 10, c).world == 1
     assert "dpq auto: predicted block time" in caplog.text
 
@@ -212,7 +212,7 @@ def test_auto_keeping_fewer_lanes_leaves_the_plan_as_resolved(tiny_block, monkey
     import torch
 
     from dpq import session
-    from dpq.plan import ONE_LANE_EXCHANGE
+    from dpq.planning.plan import ONE_LANE_EXCHANGE
 
     runs, real_run = [], session.run
 

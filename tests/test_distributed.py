@@ -1,4 +1,4 @@
-"""Several processes x local lanes (dpq.distributed, the session across gloo groups).
+"""Several processes x local lanes (dpq.planning.distributed, the session across gloo groups).
 
 One spawn of 4 processes, everything checked from its files: a tiny block tuned through
 ``session.run`` for a few iterations, with a pure-sign optimizer (sign exchange, mean
@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from dpq import refusals, tune_loop
-from dpq.distributed import ProcessSet, RankFailure, Topology
-from dpq.exchange import GradBuckets
+from dpq.engine.exchange import GradBuckets
 from dpq.fallback_p2p import LocalCommunicator
-from dpq.plan import PlanRefused
+from dpq.planning.distributed import ProcessSet, RankFailure, Topology
+from dpq.planning.plan import PlanRefused
+from dpq.planning.spec import ParallelSpec
 from dpq.session import BlockTask, SessionConfig, run
-from dpq.spec import ParallelSpec
 from dpq.streams import make_lanes
 from dpq.tune_loop import TuneSpec
 from tests.processes import worker_context
@@ -320,7 +320,7 @@ class Gathered(ProcessSet):
 
 
 def test_job_token_from_rank_0():
-    from dpq.distributed import RankPlan, agree
+    from dpq.planning.distributed import RankPlan, agree
 
     plans = [RankPlan("auto", 1, []), RankPlan("auto", 1, [])]
     first, second = Gathered(0, plans), Gathered(1, plans)
@@ -333,13 +333,13 @@ def test_job_token_from_rank_0():
 
 
 def _agree(plans, rank=1, samples=8, pool=0):
-    from dpq.distributed import agree
+    from dpq.planning.distributed import agree
 
     return agree(Gathered(rank, plans), plans[rank], samples, pool)
 
 
 def test_agreement():
-    from dpq.distributed import RankPlan
+    from dpq.planning.distributed import RankPlan
 
     topology, notes = _agree([RankPlan("auto", 3, []), RankPlan("auto", 2, ["lane 2 does not fit"])])
     assert topology == Topology(2, 1, 2) and topology.lane_offset == 2
@@ -401,7 +401,7 @@ def test_agreement_counts_only_physical_accelerators(monkeypatch, device, shared
     from types import SimpleNamespace
 
     from dpq import session
-    from dpq.plan import Plan
+    from dpq.planning.plan import Plan
 
     told = []
 
@@ -438,7 +438,7 @@ def test_the_others_wait_for_rank_0s_save_as_long_as_it_beats(monkeypatch):
     still for the timeout."""
     import threading
 
-    import dpq.distributed as distributed
+    import dpq.planning.distributed as distributed
 
     monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
     store = DictStore()
@@ -467,7 +467,7 @@ def test_the_others_wait_for_rank_0s_save_as_long_as_it_beats(monkeypatch):
 def test_a_cancel_is_reported_and_named(monkeypatch):
     """A rank's cancel (reported by its watcher) is what the others name, and their exit says cancelled."""
     from dpq import cancel
-    from dpq.distributed import _failure_message
+    from dpq.planning.distributed import _failure_message
 
     store = DictStore()
     rank0, rank1 = ProcessSet(0, 2, store), ProcessSet(1, 2, store)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpq.communicators import select_communicator
-from dpq.exchange import Buckets, ExchangePlan, FullSumExchange, GradBuckets, SignExchange
-from dpq.sign_bits import sign_padded_length
+from dpq.comm.communicators import select_communicator
+from dpq.engine.exchange import Buckets, ExchangePlan, FullSumExchange, GradBuckets, SignExchange
+from dpq.engine.sign_bits import sign_padded_length
 from dpq.streams import make_lanes
 
 WORLDS = [1, 2, 3, 4]
@@ -290,7 +290,7 @@ def test_buckets_with_lanes():
         GradBuckets(lane_params(1, [(3,)]), lanes=[cuda_lane])
 
 
-# -- the sign path's buffers and kernels (dpq.sign_bits) -----------------------------------------
+# -- the sign path's buffers and kernels (dpq.engine.sign_bits) ----------------------------------
 
 # Buckets of several padded lengths, aligned (m == n) and not: cap 40 -> [23 | 17+5 | 40 | 31 | 9]
 MIXED = [(9,), (31,), (40,), (5,), (17,), (23,)]
@@ -322,7 +322,7 @@ def test_sign_buffers_reused_across_iterations_and_bucket_sizes(world):
 def test_sign_per_lane_buffers_give_the_shared_bits(world, monkeypatch):
     """Lanes with streams get their own buffers and unpack each their own gathered bytes: the
     same bits as CPU lanes sharing one group."""
-    import dpq.sign_bits as sb
+    import dpq.engine.sign_bits as sb
 
     def exchanged():
         out = []
@@ -360,7 +360,7 @@ def test_sign_buffers_follow_the_lanes():
 def test_pack_and_unpack_signs_are_torch_sign(world):
     """pack_signs over rows, then the table and, as a cross-check of it, the bit-by-bit shifts: both
     exactly torch.sign (NaN -> 0, +-inf -> +-1, -0.0 -> 0, subnormals -> +-1)."""
-    from dpq.sign_bits import pack_signs, sign_table, take, unpack_signs
+    from dpq.engine.sign_bits import pack_signs, sign_table, take, unpack_signs
 
     c = 8 * 37
     gen = torch.Generator().manual_seed(world)
@@ -385,7 +385,7 @@ def test_pack_gives_every_byte_and_issues_five_ops():
     """Every octet pattern packs to its byte in both planes (bit b from element 8*i + b), each
     octet's negative byte then its nonzero byte, in the five ops pack_into names: three comparisons,
     the weights, the uint8 sum (the int64-word packing it replaced issued ten)."""
-    from dpq.sign_bits import bit_weights, pack_into, pack_views, take
+    from dpq.engine.sign_bits import bit_weights, pack_into, pack_views, take
 
     octet = torch.arange(256).unsqueeze(1)
     bits = ((octet >> torch.arange(8)) & 1).view(1, -1).float()  # octet i: element b is bit b of i
@@ -405,7 +405,7 @@ def test_pack_gives_every_byte_and_issues_five_ops():
 def test_unpack_looks_up_each_pair_in_two_ops():
     """unpack_into: the byte pairs widened to int32 indices, the table's gather; every (negative,
     nonzero) pair that can occur gives torch.sign's values (the unpack it replaced issued four ops)."""
-    from dpq.sign_bits import sign_table, unpack_into, unpack_views
+    from dpq.engine.sign_bits import sign_table, unpack_into, unpack_views
 
     neg, nz = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
     possible = (neg & nz) == neg  # negative implies nonzero
@@ -418,7 +418,7 @@ def test_unpack_looks_up_each_pair_in_two_ops():
 
 
 def unpack_by_shifts(packed: torch.Tensor) -> torch.Tensor:
-    """The same values as :func:`dpq.sign_bits.unpack_signs` computed bit position by bit position (a cross-check
+    """The same values as :func:`dpq.engine.sign_bits.unpack_signs` computed bit position by bit position (a cross-check
     of the table): uint8 (W * c/4,) byte pairs -> int8 (W*c,)."""
     pairs = packed.view(-1, 2)
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
@@ -453,7 +453,7 @@ def _ops_of(fn) -> tuple[list[str], list[str]]:
 
 @pytest.mark.parametrize("apart", [False, True])
 def test_an_exchange_after_the_first_issues_no_view_op(apart):
-    """Note [views made once] (dpq/exchange.py): the second and later exchanges of a bucket issue
+    """Note [views made once] (dpq/engine/exchange.py): the second and later exchanges of a bucket issue
     only ops that compute or move data. The H200 run's trace: of the sign exchange's 968 host-issued
     ops per iteration (world 2, 8 buckets), 592 were slices, views and selects."""
     params = lane_params(2, [(40,), (7, 3), (64,)])
@@ -489,7 +489,7 @@ def test_buckets_without_overlap_are_as_large_as_the_largest_tensor():
     a share of the block (at least the 2^22 cap); one that does not (accelerator lanes' default) asks
     for buckets up to the largest tensor, so the engine's GradBuckets issue fewer buckets, none larger
     than that tensor."""
-    from dpq.exchange import OVERLAP_BUCKET_CAP, bucket_cap
+    from dpq.engine.exchange import OVERLAP_BUCKET_CAP, bucket_cap
 
     comm = comm_for(2)
     assert SignExchange(comm).plan.buckets is Buckets.SHARE  # CPU lanes: overlap on
@@ -506,7 +506,7 @@ def test_overlapped_buckets_are_a_share_of_the_block():
     """Note [overlap buckets as a share of the block]: an overlapped exchange lays a large block out in
     about eight buckets (a parameter larger than the share still gets one of its own), a small one with
     buckets of the 2^22 floor; the plan prices the scratch of such a bucket."""
-    from dpq.exchange import OVERLAP_BUCKET_CAP, OVERLAP_BUCKETS, bucket_cap, bucket_layout
+    from dpq.engine.exchange import OVERLAP_BUCKET_CAP, OVERLAP_BUCKETS, bucket_cap, bucket_layout
 
     even = [2**22] * 32  # 2^27 elements: an eighth is 2^24, four tensors per bucket
     assert bucket_cap(even, Buckets.SHARE) == 2**24 and len(bucket_layout(even, bucket_cap(even, Buckets.SHARE))) == 8
@@ -518,7 +518,9 @@ def test_overlapped_buckets_are_a_share_of_the_block():
         GradBuckets(lane_params(1, [(4,)]), bucket_cap_elems=-2)
     with pytest.raises(TypeError, match=r"a dpq\.exchange\.Buckets or a number of elements"):
         GradBuckets(lane_params(1, [(4,)]), bucket_cap_elems=None)  # no sentinel stands for a policy
-    from dpq.plan import price_mirror  # 64 equal weights: the share (9.4M elements) is above 2^22 and every weight
+    from dpq.planning.plan import (
+        price_mirror,  # 64 equal weights: the share (9.4M elements) is above 2^22 and every weight
+    )
 
     block = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False, device="meta") for _ in range(64)))
     inputs = [torch.empty(1, 8, 1024, device="meta")]
@@ -529,7 +531,7 @@ def test_overlapped_buckets_are_a_share_of_the_block():
 
 
 def test_one_bucket_for_the_whole_block_where_the_plan_says_so():
-    """Note [one bucket where it fits] (dpq.plan): an exchange after the backward whose plan found the
+    """Note [one bucket where it fits] (dpq.planning.plan): an exchange after the backward whose plan found the
     memory lays the whole block out as one bucket; one that overlaps keeps its small cap whatever the
     plan said; an exchange plan that is not one is refused on construction, by name."""
     comm = comm_for(2)

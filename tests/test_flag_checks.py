@@ -14,8 +14,8 @@ import pytest
 from dpq import refusals
 from dpq.autoround import cli
 from dpq.demo.embedded import DATA_DIR
-from dpq.machine import Machine
-from dpq.spec import FLAGS, ParallelSpec, SpecError
+from dpq.planning.machine import Machine
+from dpq.planning.spec import FLAGS, ParallelSpec, SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_TORCH_ON_A_GPU_BOX = Machine("2.13.0+cpu", frozenset(), {}, nvidia_driver=True)

@@ -1,4 +1,4 @@
-"""The GPU check (benchmarks/gpu_check.sh, benchmarks/gpu_check/), on CPU: the dry run passes with
+"""The GPU check (benchmarks/gpu_check.sh, dpqlab/gpu_check/), on CPU: the dry run passes with
 its plan inside the budgets and writes a calibration the timeline model loads; every verdict passes
 the recording of a good run and fails (or reads "not proven") the recording of a bad one
 (tests/gpu_recordings.py); what one GPU cannot show is never "passed".
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check import cli, summary, trace, verdicts
-from benchmarks.gpu_check.plan import CORE_LIMIT_S, PLAN, TOTAL_LIMIT_S
-from dpq.testing.timeline.calibration import Calibration
+from dpqlab.gpu_check import cli, summary, trace, verdicts
+from dpqlab.gpu_check.plan import CORE_LIMIT_S, PLAN, TOTAL_LIMIT_S
+from dpqlab.timeline.calibration import Calibration
 from tests import gpu_recordings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +156,7 @@ def test_replicas_identical_fails_a_lane_whose_replica_drifts():
 
 
 def test_phases_launches_and_host_time_of_a_recorded_run():
-    """Each kernel of the recording in its phase (the classification rules of benchmarks/gpu_check/trace.py)."""
+    """Each kernel of the recording in its phase (the classification rules of dpqlab/gpu_check/trace.py)."""
     got = trace.summarize(trace.analyze(trace.events_of(gpu_recordings.world2_run())))
     assert got["phases_ms"] == {"matmul": 2.4, "attention": 0.6, "qdq_forward": 0.24, "qdq_backward": 0.15,
                                 "elementwise": 0.16, "optimizer_step": 0.06, "readback": 0.006}
@@ -250,7 +250,7 @@ def test_calibration_uses_the_issuing_threads_cpu_time_where_measured_and_the_wa
     the host figure is the profiled world's CPU time / W, a value (``host_source`` "thread_time");
     without it (the first lease's file) the walls' bound, as before ("wall_bound"); a CPU time above
     its own wall (impossible for one thread) gives way to the wall."""
-    from dpq.testing.timeline.calibration import issuing_bound
+    from dpqlab.timeline.calibration import issuing_bound
 
     steps = h200_steps()
     steps["lanes"]["result"] = gpu_recordings.lanes_result(with_thread_time=True)
@@ -285,7 +285,7 @@ def test_calibration_uses_the_issuing_threads_cpu_time_where_measured_and_the_wa
 
 def test_the_stored_h200_calibration_reads_as_the_wall_bound():
     """The first lease's file has no CPU time: its host figure stays world 4's wall / 4, said to be a bound."""
-    from dpq.testing.timeline.calibration import HOST_SOURCES, host_source, issuing_bound
+    from dpqlab.timeline.calibration import HOST_SOURCES, host_source, issuing_bound
 
     cal = Calibration.load(ROOT / "benchmarks" / "calibration" / "NVIDIA_H200-2026-12-04.json")
     got = cal.extra["dpq_issuing"]
@@ -298,7 +298,7 @@ def test_issuing_threads_cpu_time_is_its_own_outside_the_wait_and_backward():
     """Note [the issuing thread's CPU time] on CPU: per timed iteration, the CPU the thread burns in
     the step counts, what it burns inside a set-apart call (the readback wait, the backward) is apart,
     a sleep counts in the wall only; the process's CPU holds the thread's."""
-    from benchmarks.gpu_check.block import RunSpec, _Marks
+    from dpqlab.gpu_check.block import RunSpec, _Marks
 
     own_s, aside_s, sleep_s = 0.02, 0.01, 0.03
 
@@ -374,7 +374,7 @@ def test_gpu_report_writes_the_rows_and_stores_the_calibration(tmp_path, capsys)
 def test_plan_parts_and_a_rerun_of_named_steps():
     """--core, --rest (what a --core run left) and --only=NAMES (a rerun): each starts with versions,
     and the named steps run in the order named; a name that is no step is refused by name."""
-    from benchmarks.gpu_check.plan import chosen
+    from dpqlab.gpu_check.plan import chosen
 
     assert [s.name for s in chosen("core")] == [s.name for s in PLAN if s.core]
     assert [s.name for s in chosen("rest")] == ["versions"] + [s.name for s in PLAN if not s.core]
@@ -388,7 +388,7 @@ def test_each_sanitized_run_is_counted_apart_and_its_report_kept(tmp_path, monke
     the planted race is counted apart (the last run plants it), every text lands in csan_report.txt."""
     from types import SimpleNamespace
 
-    from benchmarks.gpu_check import race
+    from dpqlab.gpu_check import race
 
     marker = "CSAN detected a possible data race on tensor with data pointer 1"
     calls = []
@@ -413,7 +413,7 @@ def test_each_sanitized_run_is_counted_apart_and_its_report_kept(tmp_path, monke
 def test_attention_kernels_are_not_counted_as_matmul():
     """The first H200 lease put cuDNN's attention kernels (their names hold 'wgmma') under matmul, so
     its calibration's matmul includes attention. Names as that run's trace recorded them."""
-    from benchmarks.gpu_check.trace import Event, classify
+    from dpqlab.gpu_check.trace import Event, classify
 
     def kernel(name):
         return Event(name=name, cat="kernel", ts=0.0, dur=1.0, tid=1, args={})
@@ -431,7 +431,7 @@ def test_the_stored_h200_calibration_is_what_its_trace_gives():
     from the lanes step's world-2 profile, stored beside it: the same function gives the same figure."""
     import statistics
 
-    from dpq.testing.timeline.calibration import Calibration
+    from dpqlab.timeline.calibration import Calibration
 
     folder = ROOT / "benchmarks" / "calibration"
     cal = Calibration.load(folder / "NVIDIA_H200-2026-12-04.json")
@@ -440,7 +440,7 @@ def test_the_stored_h200_calibration_is_what_its_trace_gives():
     issuing = cal.extra["dpq_issuing"]
     assert issuing["own_ms_per_iteration"] == pytest.approx(own, abs=1e-3)
     assert issuing["own_ms_per_lane_iteration"] == pytest.approx(own / issuing["world"], abs=1e-3)
-    from dpq.testing.timeline.work import is_view
+    from dpqlab.timeline.work import is_view
 
     counted = trace.summarize(trace.analyze(trace.load(folder / "NVIDIA_H200-2026-12-04.trace_world2.json.gz"),
                                             is_view))["issuing_ops_per_iteration"]

@@ -1,12 +1,12 @@
 """The wheels carried to the H200 resolve completely against the image, offline (pip's resolver over
-metadata stubs: benchmarks/gpu_check/wheels.py says how and why), and the check sees a pin removed,
+metadata stubs: dpqlab/gpu_check/wheels.py says how and why), and the check sees a pin removed,
 a conflicting version and an image that breaks a requirement."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.gpu_check import wheels
+from dpqlab.gpu_check import wheels
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 import dpq
 import dpq.session as session
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples, capture_block_inputs
-from dpq.testing.faults import inject_fault
+from dpqlab.faults import inject_fault
 from tests.conftest import ForwardFault
 
 LAYERS = 16

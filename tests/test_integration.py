@@ -14,10 +14,10 @@ import torch
 from dpq.autoround import block_task, integration, patches
 from dpq.autoround.seams_common import ParallelLaneError
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
-from dpq.distributed import ProcessSet
-from dpq.plan import PlanRefused, PlanRequest, resolve
-from dpq.testing import parity_stats
-from dpq.testing.faults import inject_fault
+from dpq.planning.distributed import ProcessSet
+from dpq.planning.plan import PlanRefused, PlanRequest, resolve
+from dpqlab import parity_stats
+from dpqlab.faults import inject_fault
 from tests import mutants
 from tests.conftest import SITE_HOOKS, cpu_bf16_expected
 
@@ -65,7 +65,7 @@ def test_world1_equals_plain_autoround(serial_state):
 
 def _run_diffs(serial: list, parallel: list) -> dict[str, list[float]]:
     """{statistic: [paired relative difference]} per block record of one (serial, parallel) pair of
-    in-process runs (dpq/testing/parity_stats.py)."""
+    in-process runs (dpqlab/parity_stats.py)."""
     out: dict[str, list[float]] = {}
     for s, p in zip(serial, parallel, strict=True):
         ss, ps = parity_stats.loss_stats(s.losses), parity_stats.loss_stats(p.losses)
@@ -75,7 +75,7 @@ def _run_diffs(serial: list, parallel: list) -> dict[str, list[float]]:
 
 
 # World 4 through enable() (the CLI runs world 2, test_parity worlds 2-4 on the engine): one pair
-# (seed 42, 20 iterations) of the tiny random Llama, statistics (dpq/testing/parity_stats.py) each
+# (seed 42, 20 iterations) of the tiny random Llama, statistics (dpqlab/parity_stats.py) each
 # block's best loss and trajectory and the model's KL(fp || q) on held-out samples: m = 5, n = 1,
 # K = Phi^-1(1 - 1e-3 / 10) = 3.72, bound 3.72 * sqrt(2) * MODEL_SPREAD: false failure <= 1e-3.
 # MODEL_SPREAD: serial's seed-to-seed spread of this setting (tests/parity_spread.py model, 2
@@ -129,7 +129,7 @@ ALGORITHMS = [  # (auto-round arguments, the quantizer class they select)
     ({"momentum": 0.9}, "SignRoundQuantizer"),  # stateful: full-value exchange
     ({"not_use_best_mse": True, "enable_quanted_input": False}, "SignRoundQuantizer"),
 ]
-# World 2 of each algorithm, one pair (seed 42, 6 iterations), statistics (dpq/testing/parity_stats.py)
+# World 2 of each algorithm, one pair (seed 42, 6 iterations), statistics (dpqlab/parity_stats.py)
 # each block's best loss and trajectory: m = 4, n = 1, K = Phi^-1(1 - 1e-3 / 8) = 3.66, bound
 # 3.66 * sqrt(2) * ALGORITHM_SPREAD[i]: false failure <= 1e-3 per algorithm. ALGORITHM_SPREAD[i]:
 # the larger of serial's seed-to-seed spread (tests/parity_spread.py algs, 2 blocks pooled: 6
@@ -282,7 +282,7 @@ def test_refusal_hpu_multi_lane(monkeypatch):
     from dpq import streams
 
     monkeypatch.setattr(streams, "check_device_exists", lambda d: None)
-    import dpq.lane_devices as lane_devices
+    import dpq.planning.lane_devices as lane_devices
 
     monkeypatch.setattr(lane_devices, "check_device_exists", lambda d: None)
     reasons = _refusal(world=2, devices="hpu:0,hpu:1", home="hpu:0")
@@ -469,7 +469,7 @@ def test_cli_world1_saves_the_same_tensors_as_off(cli_runs):
 # held to statistical parity on real auto-round blocks in test_parity.py (same engine, same loss
 # weights), and the CLI at world 4 is checked bitwise across layouts (1x4, 2x2, 4x1) in test_torchrun.py.
 #
-# Statistics (dpq/testing/parity_stats.py): per seed, the paired relative differences of each of the 4
+# Statistics (dpqlab/parity_stats.py): per seed, the paired relative differences of each of the 4
 # blocks' best loss and trajectory (mean per-iteration loss, from the report) and of the saved
 # model's KL(fp || q) on held-out text: m = 9 statistics, each a mean over the 3 SEEDS held to
 # K * sqrt(2) * CLI_SPREAD / sqrt(3), K = Phi^-1(1 - 9e-4 / 18) = 3.89 (bounds: best loss 8.6%,
@@ -603,8 +603,8 @@ def test_auto_chooses_the_world_by_predicted_time(tmp_path, bandwidth_GBps, comp
     import json
 
     from dpq.autoround.outputs import RunReport
-    from dpq.cost_model import AutoWorld
-    from dpq.testing.simulated_link import SimulatedLink
+    from dpq.planning.cost_model import AutoWorld
+    from dpqlab.simulated_link import SimulatedLink
 
     links = []
 

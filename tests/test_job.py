@@ -1,4 +1,4 @@
-"""The job every torchrun rank must agree on (dpq.autoround.job, dpq.distributed.agree_job), without
+"""The job every torchrun rank must agree on (dpq.autoround.job, dpq.planning.distributed.agree_job), without
 processes: what is compared (as auto-round parses it; model and data by content), what is not
 (per-rank settings), and the refusal naming each differing setting and rank. End to end under
 torchrun: tests/test_torchrun_stop.py."""
@@ -12,7 +12,7 @@ import pytest
 from dpq.autoround import job
 from dpq.autoround.args import split_argv
 from dpq.demo.embedded import DATA_DIR
-from dpq.distributed import JobMismatch, ProcessSet, agree_job
+from dpq.planning.distributed import JobMismatch, ProcessSet, agree_job
 
 
 class Gathered(ProcessSet):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 DPQ = Path(__file__).resolve().parent.parent / "dpq"
+DPQLAB = DPQ.parent / "dpqlab"
 
 
 def _module_name(path: Path) -> str:
@@ -22,10 +23,9 @@ def _module_name(path: Path) -> str:
 
 
 def _runtime_modules() -> list[str]:
-    """Everything in dpq/ but the adapter (dpq/autoround/), the demo (dpq/demo/) and the test
-    scaffolding (dpq/testing/)."""
+    """Everything in dpq/ but the adapter (dpq/autoround/) and the demo (dpq/demo/)."""
     return sorted(_module_name(p) for p in DPQ.rglob("*.py")
-                  if not {"autoround", "demo", "testing"} & set(p.relative_to(DPQ).parts))
+                  if not {"autoround", "demo"} & set(p.relative_to(DPQ).parts))
 
 
 def test_runtime_imports_no_auto_round():
@@ -76,8 +76,8 @@ def _imports(path: Path, name: str, known: set[str]) -> set[str]:
 
 
 def test_no_import_cycle_among_dpq_modules():
-    """Function-level imports included (:func:`_imports`)."""
-    paths = {_module_name(p): p for p in DPQ.rglob("*.py")}
+    """dpq's and dpqlab's modules; function-level imports included (:func:`_imports`)."""
+    paths = {_module_name(p): p for root in (DPQ, DPQLAB) for p in root.rglob("*.py")}
     known = set(paths)
     graph = {name: _imports(path, name, known) for name, path in paths.items()}
     # a package's __init__ importing its own submodules is not a cycle back into them
@@ -105,25 +105,38 @@ def test_no_import_cycle_among_dpq_modules():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_only_tests_and_benchmarks_import_the_scaffolding():
-    """dpq/testing/ (the simulated link) is for tests and benchmarks: no other dpq module imports it."""
-    paths = {_module_name(p): p for p in DPQ.rglob("*.py")}
-    known = set(paths)
-    users = sorted(name for name, path in paths.items() if not name.startswith("dpq.testing")
-                   and any(m.startswith("dpq.testing") for m in _imports(path, name, known)))
-    assert "dpq.testing.simulated_link" in known and not users, users
+def lab_imports(path: Path, name: str) -> list[str]:
+    """The dpqlab modules ``path`` imports anywhere (function-level imports included)."""
+    lab = {_module_name(p) for p in DPQLAB.rglob("*.py")}
+    return sorted(m for m in _imports(path, name, lab) if m == "dpqlab" or m.startswith("dpqlab."))
 
 
-# what only fault injection (dpq/testing/faults.py) has any reason to name
+def test_dpq_never_imports_the_lab():
+    """dpqlab/ (the tools: timeline model, stream checker, fakes, faults, GPU check) is not in the wheel:
+    no module of dpq/ imports it, the runtime, the adapter and the demo alike."""
+    users = [f"{p.relative_to(DPQ.parent)}: {m}" for p in sorted(DPQ.rglob("*.py"))
+             for m in lab_imports(p, _module_name(p))]
+    assert (DPQLAB / "simulated_link.py").is_file() and not users, users
+
+
+def test_an_import_of_the_lab_is_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import torch\ndef f():\n    from dpqlab.timeline import record\n"
+                       "from dpqlab import faults\n")
+    assert lab_imports(planted, "dpq.planted") == ["dpqlab", "dpqlab.faults", "dpqlab.timeline",
+                                                  "dpqlab.timeline.record"]
+
+
+# what only fault injection (dpqlab/faults.py) has any reason to name
 FAULT_WORDS = ("DPQ_TEST_FAULT", "inject_fault", "fault_point", "lane_fault", "dpq.faults")
 
 
 def test_fault_injection_is_only_scaffolding():
     """No module of the runtime or the adapter injects faults, reads the fault switch or names
-    either: tests make lanes fail from outside (dpq.testing.faults replaces what a run looks up)."""
-    assert (DPQ / "testing" / "faults.py").is_file()
+    either: tests make lanes fail from outside (dpqlab.faults replaces what a run looks up)."""
+    assert (DPQLAB / "faults.py").is_file()
     found = [f"{p.relative_to(DPQ.parent)}: {word}" for p in sorted(DPQ.rglob("*.py"))
-             if "testing" not in p.relative_to(DPQ).parts for word in FAULT_WORDS if word in p.read_text()]
+             for word in FAULT_WORDS if word in p.read_text()]
     assert not found, found
 
 
@@ -163,7 +176,7 @@ def test_no_module_imports_another_ones_private_names():
     found = [f"{p.relative_to(DPQ.parent)}:{hit}" for p in sorted(DPQ.rglob("*.py"))
              for hit in _private_imports(ast.parse(p.read_text()))]
     assert not found, found
-    assert _private_imports(ast.parse("from dpq.shard import _move, ok\nfrom . import _x")) == ["1 _move", "2 _x"]
+    assert _private_imports(ast.parse("from dpq.mirror import _move, ok\nfrom . import _x")) == ["1 _move", "2 _x"]
 
 
 def test_no_star_import():
@@ -211,20 +224,20 @@ def test_the_adapter_keeps_no_module_state_but_the_patch_table():
 @pytest.mark.parametrize("spec", ["cuda:256", "256", "cuda:128,cuda:0", [300]])
 def test_device_index_above_127_is_refused(spec):
     """torch keeps a device index in 8 bits: 'cuda:256' would silently be cuda:0."""
-    from dpq.lane_devices import parse_device_spec
+    from dpq.planning.lane_devices import parse_device_spec
 
     errors = [e.error for e in parse_device_spec(spec) if e.error]
     assert errors and "above 127" in errors[0], errors
 
 
 def test_device_parsing_sits_below_the_plan():
-    """The spec reads device lists and worlds from dpq.lane_devices, which the plan imports too: neither
+    """The spec reads device lists and worlds from dpq.planning.lane_devices, which the plan imports too: neither
     of them imports the plan."""
     paths = {_module_name(p): p for p in DPQ.rglob("*.py")}
     known = set(paths)
-    for name in ("dpq.spec", "dpq.lane_devices"):
-        assert "dpq.plan" not in _imports(paths[name], name, known), name
-    assert "dpq.lane_devices" in _imports(paths["dpq.plan"], "dpq.plan", known)
+    for name in ("dpq.planning.spec", "dpq.planning.lane_devices"):
+        assert "dpq.planning.plan" not in _imports(paths[name], name, known), name
+    assert "dpq.planning.lane_devices" in _imports(paths["dpq.planning.plan"], "dpq.planning.plan", known)
 
 
 def test_phase_records_are_made_in_one_place():
@@ -343,9 +356,9 @@ def imports_of_tests(source: str) -> list[str]:
 
 def test_nothing_outside_tests_imports_from_tests():
     """dpq/, benchmarks/ and scripts/ never import the test suite's modules: what they share with
-    it is scaffolding in dpq/testing/."""
+    it is scaffolding in dpqlab/."""
     root = DPQ.parent
-    found = [f"{p.relative_to(root)}: {m}" for folder in ("dpq", "benchmarks", "scripts")
+    found = [f"{p.relative_to(root)}: {m}" for folder in ("dpq", "dpqlab", "benchmarks", "scripts")
              for p in sorted((root / folder).rglob("*.py")) for m in imports_of_tests(p.read_text())]
     assert found == []
 
@@ -358,7 +371,7 @@ def test_an_import_from_tests_is_found():
 
 # -- communicators are known by what they declare ----------------------------------------------------
 
-# The registry (dpq/communicators.py) and the modules that define the kinds name them; nothing else does.
+# The registry (dpq/comm/communicators.py) and the modules that define the kinds name them; nothing else does.
 COMMUNICATOR_HOMES = {"communicators.py", "comm_base.py", "nccl_comm.py", "fallback_p2p.py", "process_group.py",
                       "nccl_lifecycle.py"}
 
@@ -384,7 +397,7 @@ def communicator_names_compared(source: str, names: set[str]) -> list[int]:
 def test_no_communicator_name_is_compared_outside_the_registry():
     """issue 30: the plan, the session and the engine ask a kind what it declares (``nccl``,
     ``sends_to_peers``, ``shares_handles``, ``setup_failure``, ``canonical_order``), never its name."""
-    from dpq.communicators import COMMUNICATORS
+    from dpq.comm.communicators import COMMUNICATORS
 
     names = set(COMMUNICATORS)
     found = [f"{p.relative_to(DPQ.parent)}:{line}" for p in sorted(DPQ.rglob("*.py"))
@@ -404,8 +417,8 @@ def test_a_compared_communicator_name_is_found():
 
 # getattr/hasattr with a name a dpq class defines, on an object that is not dpq's (why, each)
 FOREIGN_PROBES = {
-    ("dpq/compiles.py", "name"): "dynamo's compile trigger, an enum of torch's",
-    ("dpq/process_group.py", "abort"): "torch's process-group backend (abort exists in some builds)",
+    ("dpq/engine/compiles.py", "name"): "dynamo's compile trigger, an enum of torch's",
+    ("dpq/comm/process_group.py", "abort"): "torch's process-group backend (abort exists in some builds)",
     ("dpq/streams.py", "empty_cache"): "a torch device module (torch.cuda, torch.xpu, ...)",
     ("dpq/nccl_comm.py", "available"): "CuPy's nccl module (cupy.cuda.nccl.available: False where libnccl is missing)",
 }
@@ -553,12 +566,12 @@ def _replaced_runtime_attributes(tree: ast.Module, runtime: set[str], known: set
 
 
 # Replacing a runtime attribute from outside tests/, each with its reason. Tools see a run through
-# dpq.phases' observers and the declared seams (Note [observers, not patches]); what is left replaces
+# dpq.engine.phases' observers and the declared seams (Note [observers, not patches]); what is left replaces
 # behaviour on purpose, where no observer could.
 REPLACES_RUNTIME: dict[str, str] = {
-    "dpq/testing/timeline/scenarios.py": "MUTATIONS re-introduce known defects (pageable masks, a stream pool "
+    "dpqlab/timeline/scenarios.py": "MUTATIONS re-introduce known defects (pageable masks, a stream pool "
                                          "on home) so that tests/test_timeline.py shows its checks fail",
-    "benchmarks/gpu_check/race.py": "race_tune's diagnosis variant makes each bucket wait for all its lane "
+    "dpqlab/gpu_check/race.py": "race_tune's diagnosis variant makes each bucket wait for all its lane "
                                     "queued (CommStreams.begin_bucket without marks), a mutation, and notes "
                                     "the streams Lane.mark_current records on",
     "benchmarks/overlap.py": "--breakdown, a profile run by hand, times the exchange's internals (pack, "
@@ -567,7 +580,7 @@ REPLACES_RUNTIME: dict[str, str] = {
 
 
 def test_no_tool_replaces_a_runtime_attribute():
-    """No code outside tests/ (the scaffolding in dpq/testing/, the adapter, benchmarks, scripts)
+    """No code outside tests/ (the scaffolding in dpqlab/, the adapter, benchmarks, scripts)
     assigns to an attribute of a dpq runtime module or class: the runtime's private names are no API,
     and a tool that patched one stops seeing the run silently when it is renamed."""
     paths = {_module_name(p): p for p in DPQ.rglob("*.py")}

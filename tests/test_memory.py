@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dpq import mirror, tune_loop
+from dpq.planning.spec import ParallelSpec
 from dpq.session import SessionConfig, run
-from dpq.spec import ParallelSpec
-from dpq.testing.timeline.record import TimelineModel
+from dpqlab.timeline.record import TimelineModel
 from tests.test_distributed import Block, make_task
 
 
@@ -69,7 +69,7 @@ def test_lane_streams_are_the_runs_not_each_blocks():
     keeps a workspace per (handle, stream) for the process's life: two blocks at world 3 now use the
     same two lane streams (and, with the exchange on communication streams, the same three more: one per lane)."""
     from dpq.streams import release_run_streams
-    from tests.stream_checker import StreamOrderChecker
+    from dpqlab.stream_checker import StreamOrderChecker
 
     for overlap, lane_streams in ((None, 2), (True, 5)):
         with StreamOrderChecker() as chk:
@@ -85,7 +85,7 @@ def test_nested_tensors_are_mirrored_onto_the_lane():
     home's device; the mirror's copy is on the lane's (logical) device now, aliases intact."""
     from dpq.mirror import ReplicaSet
     from dpq.streams import make_lanes
-    from dpq.testing.timeline.record import TimelineModel
+    from dpqlab.timeline.record import TimelineModel
 
     block = Block()
     deep = torch.arange(6.0)
@@ -104,7 +104,7 @@ def _four_fake_gpus(monkeypatch, free_bytes, *, total: int, queried: list | None
     """cuda:0..3 on a fake backend for the plan (every pair peer-capable unless ``peer`` is False, every
     device existing): ``mem_get_info`` answers ``(free_bytes(index), total)`` and appends each queried
     index to ``queried``."""
-    import dpq.lane_devices as lane_devices
+    import dpq.planning.lane_devices as lane_devices
     import dpq.streams as dpq_streams
 
     class Gpus(dpq_streams.Backend):
@@ -132,7 +132,7 @@ def test_auto_queries_no_device_it_drops(monkeypatch):
     """A free-memory query makes a CUDA context (hundreds of MB) on a device that had none: under auto
     the plan stops at the first lane whose mirror does not fit (it and those after are dropped), an
     explicit world still queries every lane (it names every reason)."""
-    from dpq.plan import PlanRefused, PlanRequest, resolve
+    from dpq.planning.plan import PlanRefused, PlanRequest, resolve
 
     queried = []
     _four_fake_gpus(monkeypatch, lambda k: 10 if k == 2 else 1000, total=1000, queried=queried)  # cuda:2 nearly full
@@ -182,8 +182,8 @@ def test_the_plan_prices_what_every_lane_allocates(monkeypatch, compute):
     these devices (``price_runtime``: cuda only). Home's price has no weights (the block is there) but
     the best-iteration snapshots; a mirror's has no snapshot."""
     from dpq import session
-    from dpq.plan import MARGIN
-    from dpq.testing.timeline.scenarios import record_block, run_adapter
+    from dpq.planning.plan import MARGIN
+    from dpqlab.timeline.scenarios import record_block, run_adapter
 
     world, seen = 3, {}
     real_run = session.run
@@ -231,11 +231,11 @@ def test_home_price_covers_what_the_process_group_stages_on_lane_0():
     devices 1 and 2, one sign-path exchange of a block's tuned values): what device 1 allocates
     during the exchange is at least ``price_home``'s process-group term (the staging is held) and
     at most that plus its exchange term (the sign path's own scratch)."""
-    from dpq.comm_base import CommunicatorBase
-    from dpq.communicators import select_communicator
-    from dpq.exchange import GradBuckets, SignExchange
-    from dpq.plan import price_home
-    from dpq.process_group import ProcessGroupCommunicator
+    from dpq.comm.comm_base import CommunicatorBase
+    from dpq.comm.communicators import select_communicator
+    from dpq.comm.process_group import ProcessGroupCommunicator
+    from dpq.engine.exchange import GradBuckets, SignExchange
+    from dpq.planning.plan import price_home
     from dpq.streams import make_lanes
 
     block = torch.nn.Sequential(torch.nn.Linear(40, 24, bias=False), torch.nn.Linear(24, 40, bias=False))
@@ -268,8 +268,8 @@ def test_home_is_checked_and_accelerator_lanes_carry_the_runtimes_allocations(mo
     and per send/recv peer (and NVLS unless NCCL_NVLS_ENABLE=0); under torchrun home carries the
     process group's communicator. A home without room refuses an explicit world (named as home) and
     makes 'auto' serial."""
-    import dpq.plan as plan_mod
-    from dpq.plan import (
+    import dpq.planning.plan as plan_mod
+    from dpq.planning.plan import (
         CUBLAS_WORKSPACE,
         NCCL_COMM,
         NCCL_NVLS,
@@ -321,9 +321,9 @@ def test_one_bucket_where_every_lane_has_the_memory(monkeypatch):
     tensor on every rank, whatever the memory."""
     import dataclasses
 
-    import dpq.plan as plan_mod
-    from dpq.exchange import Buckets
-    from dpq.plan import BlockPrice, PlanRequest, price_runtime, resolve
+    import dpq.planning.plan as plan_mod
+    from dpq.engine.exchange import Buckets
+    from dpq.planning.plan import BlockPrice, PlanRequest, price_runtime, resolve
 
     free = {0: 2**40, 1: 2**40, 2: 2**40, 3: 2**40}
     _four_fake_gpus(monkeypatch, free.__getitem__, total=2**40)

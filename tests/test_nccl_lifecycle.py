@@ -28,11 +28,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dpq import nccl_comm
-from dpq.communicators import select_communicator
+from dpq.comm.communicators import select_communicator
+from dpq.comm.nccl_lifecycle import NcclAborted, NcclCollectiveError, NcclInitFailed, close_communicators
 from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator, cupy_nccl_version, multi_rank_gpu_enabled
-from dpq.nccl_lifecycle import NcclAborted, NcclCollectiveError, NcclInitFailed, close_communicators
-from dpq.testing import fake_cupy_nccl
-from dpq.testing.fake_cupy_nccl import Call
+from dpqlab import fake_cupy_nccl
+from dpqlab.fake_cupy_nccl import Call
 from tests.conftest import cast_floating
 
 
@@ -337,7 +337,7 @@ def test_mirror_price_against_what_a_lane_allocates_and_auto_round_estimate(reco
     from auto_round.utils.device import estimate_tuning_block_mem
     from auto_round.wrapper import wrapper_block
 
-    from dpq.plan import MARGIN, price_mirror
+    from dpq.planning.plan import MARGIN, price_mirror
 
     rec = recorded_blocks[0]
     per_iter = rec.quantizer.calibration_context.batch_size  # 8
@@ -417,7 +417,7 @@ def test_after_a_cupy_abort_no_nccl_kind_runs_on_those_gpus(fake, monkeypatch):
 def test_an_init_failure_is_remembered_for_the_run(fake):
     """ncclCommInitAll costs seconds: a failed one is not retried by every block. The session's block
     goes on with device copies at once."""
-    from dpq.plan import Plan
+    from dpq.planning.plan import Plan
     from dpq.session import LaneRun, SessionConfig, _communicator
 
     fake.fail[("initAll", None)] = 2  # ncclSystemError

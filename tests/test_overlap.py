@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from dpq.exchange import ExchangePlan, FullSumExchange, GradBuckets, SignExchange
+from dpq.engine.exchange import ExchangePlan, FullSumExchange, GradBuckets, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.streams import make_lanes
-from dpq.testing.simulated_link import SimulatedLink
+from dpqlab.simulated_link import SimulatedLink
 
 SIZES = [(12, 8), (12,), (16, 12), (16,), (6, 16), (5, 6), (5,)]  # 96..5 elements per parameter
 

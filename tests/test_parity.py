@@ -18,8 +18,8 @@ import torch
 
 import dpq
 from dpq.autoround import tune as dp_tune
-from dpq.testing import parity_stats
-from dpq.testing.autoround_blocks import RecordedBlock, record_autoround_blocks
+from dpqlab import parity_stats
+from dpqlab.autoround_blocks import RecordedBlock, record_autoround_blocks
 from tests import mutants
 
 
@@ -98,7 +98,7 @@ def longer_blocks():
 
 # -- statistical parity at world >= 2 ------------------------------------------------------------
 #
-# The formula and its false-failure rate: dpq/testing/parity_stats.py. Per (block, seed) pair, the paired
+# The formula and its false-failure rate: dpqlab/parity_stats.py. Per (block, seed) pair, the paired
 # relative difference d = (P - S) / S of two quantities of each run: its best loss (what auto-round
 # keeps) and the mean of its per-iteration losses (the whole trajectory; far less noisy); the mean
 # over n pairs is held to K * sqrt(2) * SPREAD / sqrt(n), K = Phi^-1(1 - 1e-3 / (2 * 2)) = 3.48 for
@@ -173,7 +173,7 @@ def parity_check(longer_blocks, serial_runs, world: int, pairs) -> dict[str, tup
 def test_serial_spread_matches_committed(serial_runs):
     """The committed SPREAD still describes serial: re-measured on this test's seeds (2 seeds per
     block, nu = 2 degrees of freedom pooled over the blocks) and held below C = 3 x SPREAD. If SPREAD
-    is right a statistic fails with P(chi2_2 > 2 C**2) = exp(-9) = 1.2e-4 (dpq/testing/parity_stats.py),
+    is right a statistic fails with P(chi2_2 > 2 C**2) = exp(-9) = 1.2e-4 (dpqlab/parity_stats.py),
     the test (2 statistics) with 2.5e-4. What it catches: a stale SPREAD far too small. One 10x
     too small fails a statistic when the measured spread reaches 0.3x the true one, with
     probability P(chi2_2 > 2 x 0.3**2) = exp(-0.09) = 91%."""

@@ -11,7 +11,7 @@ import pytest
 
 from dpq.autoround import integration, patches, run
 from dpq.autoround.versions import SERIES
-from dpq.spec import ParallelSpec
+from dpq.planning.spec import ParallelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_install_replaces_every_table_symbol_and_uninstall_restores_them():
 def test_table_names_every_auto_round_symbol_dpq_assigns():
     """No module of dpq assigns an attribute of an auto-round class or module itself: the table does
     (the per-call swaps of the collection seam are on instances, for one compress_block call). The
-    scaffolding in dpq/testing (never imported by the runtime or the adapter) records and replays
+    scaffolding in dpqlab (never imported by the runtime or the adapter) records and replays
     auto-round's own runs for tests and benchmarks, as tests/ does, and may patch it."""
     assigned = set()
     for path in (ROOT / "dpq").rglob("*.py"):

@@ -1,4 +1,4 @@
-"""The iteration's phases (dpq.phases): the order run_loop's engine goes through them, what an observer
+"""The iteration's phases (dpq.engine.phases): the order run_loop's engine goes through them, what an observer
 sees of them, and the watchdog's ``doing`` while each runs."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from dpq import phases
-from dpq.exchange import SignExchange
+from dpq.engine import phases
+from dpq.engine.exchange import SignExchange
 from dpq.tune_loop import iteration
 from tests.test_tune_loop import make_engine
 

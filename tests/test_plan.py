@@ -1,15 +1,15 @@
-"""dpq.plan on its own: every reason at once, lane 0 is home, device lists read as written."""
+"""dpq.planning.plan on its own: every reason at once, lane 0 is home, device lists read as written."""
 
 from __future__ import annotations
 
 import pytest
 
-import dpq.lane_devices as lane_devices
-import dpq.plan as plan_mod
-from dpq.lane_devices import validate_world
-from dpq.plan import PlanRefused, PlanRequest, resolve
-from dpq.spec import ParallelSpec
-from dpq.spec import problems as check_arguments
+import dpq.planning.lane_devices as lane_devices
+import dpq.planning.plan as plan_mod
+from dpq.planning.lane_devices import validate_world
+from dpq.planning.plan import PlanRefused, PlanRequest, resolve
+from dpq.planning.spec import ParallelSpec
+from dpq.planning.spec import problems as check_arguments
 
 NO_SUCH_GPU = "cuda:99"  # cannot exist here, nor on a lent GPU machine
 
@@ -101,13 +101,13 @@ def test_devices_with_parallel_quantization_off_are_an_error():
 
 
 def test_exchange_price_covers_a_weight_larger_than_the_bucket_cap():
-    """A parameter larger than the bucket cap gets a bucket of its own (dpq.exchange), and the
+    """A parameter larger than the bucket cap gets a bucket of its own (dpq.engine.exchange), and the
     exchange's buffers are sized for the largest bucket: the price follows the largest weight."""
     import torch
 
-    from dpq.exchange import GradBuckets
-    from dpq.plan import price_mirror
-    from dpq.sign_bits import SIGN_TABLE_BYTES
+    from dpq.engine.exchange import GradBuckets
+    from dpq.engine.sign_bits import SIGN_TABLE_BYTES
+    from dpq.planning.plan import price_mirror
 
     block = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 8, bias=False))
     cap = 1000  # below the first weight (4096 values)
@@ -164,7 +164,7 @@ def test_overlap_auto_is_on_where_a_gpu_pair_has_no_peer_access():
     """Note [overlap where the wire is slow]: 'auto' turns overlap on for distinct CUDA lanes of which some
     pair has no peer access (GeForce cards on PCIe: the exchange goes through host memory), off where every
     pair has it (NVLink), off across processes and on CPU lanes; 'on' and 'off' are taken as said."""
-    from dpq.plan import overlap_choice
+    from dpq.planning.plan import overlap_choice
 
     gpus = ["cuda:0", "cuda:1", "cuda:2"]
     on, why = overlap_choice(None, gpus, peer=lambda a, b: {a.index, b.index} != {1, 2})

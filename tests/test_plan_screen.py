@@ -97,7 +97,7 @@ def test_the_screen_shows_the_runs_own_lanes_and_stays_small():
 
 def fake_h100s(monkeypatch, count: int = 8) -> None:
     """A machine preset of ``count`` H100s (80 GB each, every pair peer-capable) on a fake cuda backend."""
-    import dpq.plan as plan_mod
+    import dpq.planning.plan as plan_mod
     import dpq.streams as dpq_streams
     from dpq.autoround import plan_screen
 
@@ -119,7 +119,8 @@ def fake_h100s(monkeypatch, count: int = 8) -> None:
     monkeypatch.setitem(dpq_streams._BACKENDS, "cuda", Gpus())
     monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)
     monkeypatch.setattr(plan_screen, "_link", lambda lanes: (20e-6, 370e9, "NVLink (preset)"))
-    monkeypatch.setattr("dpq.machine.device_names", lambda devices: dict.fromkeys(devices, "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr("dpq.planning.machine.device_names",
+                        lambda devices: dict.fromkeys(devices, "NVIDIA H100 80GB HBM3"))
 
 
 def test_the_screen_offers_torchrun_where_one_process_per_lane_is_faster(monkeypatch):
@@ -127,7 +128,7 @@ def test_the_screen_offers_torchrun_where_one_process_per_lane_is_faster(monkeyp
     process of 8 lanes and, predicted faster by more than 10% (each process issues only its own lane), gives
     the torchrun command that gets it: the command's own arguments, one lane per process."""
     from dpq.autoround.plan_screen import SPREAD_GAIN, torchrun_command
-    from dpq.cost_model import GPU_ISSUE_S_PER_LANE_ITERATION
+    from dpq.planning.cost_model import GPU_ISSUE_S_PER_LANE_ITERATION
 
     fake_h100s(monkeypatch)
     argv = ["--model", str(DATA_DIR), "--parallel_quantization", "auto", "--parallel_plan", "--iters", "10"]

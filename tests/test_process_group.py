@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dpq.comm_base import ring_wire_bytes
-from dpq.communicators import select_communicator
-from dpq.process_group import ProcessGroupCommunicator
+from dpq.comm.comm_base import ring_wire_bytes
+from dpq.comm.communicators import select_communicator
+from dpq.comm.process_group import ProcessGroupCommunicator
 from dpq.streams import make_lanes
 from tests.processes import worker_context
 
@@ -206,7 +206,7 @@ def test_stream_order_in_one_process():
     """Contract 4 for the process-group communicator's in-process legs (the lanes' parts read at
     lane 0, the results copied out): 3 lanes of one gloo process under the stream-order checker,
     each lane writing its inputs on its stream and reading its outputs there, home reading them."""
-    from tests.stream_checker import StreamOrderChecker
+    from dpqlab.stream_checker import StreamOrderChecker
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

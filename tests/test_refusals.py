@@ -109,7 +109,7 @@ def test_the_static_check_can_fail():
 
 
 def test_no_module_outside_refusals_builds_a_refusal_text_inline():
-    """(dpq/testing, scaffolding for tests and benchmarks that no run of dpq imports, words its own
+    """(dpqlab, scaffolding for tests and benchmarks that no run of dpq imports, words its own
     errors to the developer running them.)"""
     found, pending = [], {}
     for path in sorted(DPQ.rglob("*.py")):
@@ -126,7 +126,7 @@ def test_no_module_outside_refusals_builds_a_refusal_text_inline():
     assert all(pending.get(rel) for rel in still), f"no inline texts left: drop from PENDING {still - set(pending)}"
 
 
-@pytest.mark.parametrize("module", ["dpq.communicators", "dpq.plan"])
+@pytest.mark.parametrize("module", ["dpq.comm.communicators", "dpq.planning.plan"])
 def test_the_hpu_text_is_one_text(module):
     src = (DPQ / f"{module.split('.')[1]}.py").read_text()
     assert "Gaudi" not in src  # the sentence itself lives in dpq/refusals.py only

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dpq.autoround.outputs import SCHEMA, RunReport, error_of
-from dpq.plan import PlanRefused
+from dpq.planning.plan import PlanRefused
 
 HEADER = {"schema", "versions", "devices", "device_names", "command", "started", "ended", "wall_s", "exit_status"}
 

@@ -1,4 +1,4 @@
-"""Sharded no-grad phases: dpq.shard's helpers, and auto-round's collection / search seams.
+"""Sharded no-grad phases: dpq.sharded.shard's helpers, and auto-round's collection / search seams.
 
 Serial here means plain auto-round (no dpq). The sharded runs install the seams with world 2 on
 two CPU lanes; unless a test says otherwise the tuner itself runs serially (auto-round's own
@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dpq import shard
-from dpq.split import contiguous_ranges
+from dpq.engine.split import contiguous_ranges
+from dpq.sharded import shard
 from dpq.streams import make_lanes
 from tests.conftest import cast_floating
 from tests.numerics import assert_reassociated_nonneg_sum
@@ -52,7 +52,7 @@ def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
-# -- dpq.shard, no auto-round -----------------------------------------------------------------------
+# -- dpq.sharded.shard, no auto-round ---------------------------------------------------------------
 
 def test_contiguous_ranges():
     assert contiguous_ranges(16, 2, 8) == [(0, 8), (8, 16)]
@@ -238,8 +238,8 @@ def _run(world=None, *, tune_world=None, record=None, save_dir=None, faults=None
     from dpq.autoround import integration, seams_common, shard_seams
     from dpq.autoround.run import Run
     from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, build_tokenizer, calibration_samples
-    from dpq.spec import ParallelSpec
-    from dpq.testing.faults import inject_fault
+    from dpq.planning.spec import ParallelSpec
+    from dpqlab.faults import inject_fault
 
     args = dict(nsamples=16, seqlen=64, batch_size=8, iters=0)
     injected = [inject_fault(kind=kind, lane=lane) for kind, lane in (faults or {}).items()]
@@ -491,7 +491,7 @@ def test_install_is_idempotent_and_uninstall_restores():
 
     from dpq.autoround import shard_seams
     from dpq.autoround.run import Run
-    from dpq.spec import ParallelSpec
+    from dpq.planning.spec import ParallelSpec
 
     before = (AlgorithmComposer.compress_block, RTNQuantizer.quantize_block, OptimizedRTNQuantizer._quantize_targets)
     shard_seams.install(Run(ParallelSpec(2), seams_only=True))

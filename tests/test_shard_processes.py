@@ -1,5 +1,5 @@
-"""A sample-ordered forward (dpq.shard.shard_forward) over the global lanes of several processes
-(dpq.shard_processes): every rank gets every sample's output, bitwise the serial pass's.
+"""A sample-ordered forward (dpq.sharded.shard.shard_forward) over the global lanes of several processes
+(dpq.sharded.shard_processes): every rank gets every sample's output, bitwise the serial pass's.
 
 One spawn of 2 gloo processes (one intra-op thread each). In each process, for uneven sample
 counts and batch sizes (including a rank whose lanes get no sample): the serial pass, the
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpq.distributed import ProcessSet, Topology
-from dpq.shard import shard_forward
-from dpq.shard_processes import agree_lanes, gather_in_sample_order, global_ranges
+from dpq.planning.distributed import ProcessSet, Topology
+from dpq.sharded.shard import shard_forward
+from dpq.sharded.shard_processes import agree_lanes, gather_in_sample_order, global_ranges
 from dpq.streams import make_lanes
 from tests.processes import worker_context
 

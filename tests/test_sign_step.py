@@ -1,4 +1,4 @@
-"""dpq.sign_step: pure SignSGD's update as one foreach op per device and lr, bitwise auto-round's step."""
+"""dpq.engine.sign_step: pure SignSGD's update as one foreach op per device and lr, bitwise auto-round's step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from dpq.exchange import FullSumExchange, SignExchange
+from dpq.engine.exchange import FullSumExchange, SignExchange
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
 from dpq.streams import make_lanes
@@ -90,7 +90,8 @@ def test_one_op_step_is_bitwise_signsgd(world, exchange_cls):
 @pytest.mark.parametrize("mutant", ["alpha sign", "skip signing at world 1", "one lr for all groups"])
 def test_mutants_break_bitwise(monkeypatch, mutant):
     """The comparison above can fail: each broken variant of the step differs from SignSGD."""
-    from dpq import sign_step, tune_loop
+    from dpq import tune_loop
+    from dpq.engine import sign_step
 
     world = 2
     if mutant == "alpha sign":
@@ -122,7 +123,7 @@ def test_mutants_break_bitwise(monkeypatch, mutant):
 
 def test_streams_one_op_per_lane():
     """Lanes with (logical) streams: one op per lane under its issue(), stream order clean, same bits."""
-    from tests.stream_checker import StreamOrderChecker
+    from dpqlab.stream_checker import StreamOrderChecker
 
     with StreamOrderChecker() as chk:
         _, got = run(2, True, iters=4, lanes=make_lanes(["cpu"] * 2))
@@ -222,5 +223,5 @@ def test_parallel_tune_reports_the_step():
     for world in (1, 2):
         res = dpq.parallel_tune(copy.deepcopy(model.model.layers[0]), inputs[0], input_others=others[0], world=world,
                                 devices=",".join(["cpu"] * world), iters=2, batch_size=4, seed=0)
-        assert res.step == "one foreach op per device and lr (dpq.sign_step)", res.step
+        assert res.step == "one foreach op per device and lr (dpq.engine.sign_step)", res.step
         assert res.issue_s > 0

@@ -13,7 +13,7 @@ from tests.conftest import SITE_HOOKS, cpu_bf16_expected
 
 BF16 = "from auto_round.utils.device_manager import get_ar_device; print(get_ar_device('cpu').supports_bf16())"
 WEIGHT = "import dpq.tune_loop as t; print(t.TuneEngine._weight.__qualname__)"
-ENGINE = ("import dpq.session, dpq.phases as p; "
+ENGINE = ("import dpq.session, dpq.engine.phases as p; "
           "print(any(type(o).__name__ == '_LaneForwardFaults' for o in p.observers()))")
 
 

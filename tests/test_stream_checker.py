@@ -1,6 +1,6 @@
 """dpq's stream ordering (contract 4, rules R0-R6 in dpq.streams), proven on CPU lanes.
 
-Every test runs dpq under ``tests.stream_checker.StreamOrderChecker``: lanes get logical
+Every test runs dpq under ``dpqlab.stream_checker.StreamOrderChecker``: lanes get logical
 streams with vector clocks, every aten op is booked on its stream, and a read, write or free
 without a happens-before edge fails. World 1, 2 and 4 tunes, the failure path (teardown in a
 ``finally``), sharded collections and per-item maps run clean; each mutation removes one wait
@@ -17,13 +17,14 @@ import pytest
 import torch
 
 import dpq
-from dpq import phases, shard
 from dpq import tune_loop as tl
 from dpq.autoround import tune as ar_tune
 from dpq.demo.model import TinyLlamaConfig, build_tiny_llama, calibration_samples, capture_block_inputs
+from dpq.engine import phases
 from dpq.mirror import ReplicaSet
+from dpq.sharded import shard
 from dpq.streams import Lane, make_lanes
-from tests.stream_checker import StreamOrderChecker, StreamOrderError
+from dpqlab.stream_checker import StreamOrderChecker, StreamOrderError
 
 ITERS = 2
 
@@ -250,8 +251,8 @@ def test_stream_checker_map_over_lanes():
 @pytest.mark.parametrize("policy", ["full", "sign"])
 def test_stream_checker_exchange(name, policy):
     """Communicators and exchanges on their own: lanes write grads, exchange, read them, home reads them."""
-    from dpq.communicators import select_communicator
-    from dpq.exchange import FullSumExchange, GradBuckets, SignExchange
+    from dpq.comm.communicators import select_communicator
+    from dpq.engine.exchange import FullSumExchange, GradBuckets, SignExchange
 
     with StreamOrderChecker() as chk:
         lanes = make_lanes(["cpu"] * 3)

@@ -1,9 +1,9 @@
-"""The CUDA timeline model (``dpq/testing/timeline/``) on the real tune: one host sync per iteration
+"""The CUDA timeline model (``dpqlab/timeline/``) on the real tune: one host sync per iteration
 (the loss readback), the lanes side by side, every lane's data lane-local, in one process and under
 torchrun, on auto-round's default torch.compile path and on the eager one; and the mutations that
 prove the model sees each of these.
 
-The scenarios (``dpq/testing/timeline/scenarios.py``) replay a tiny bf16 Llama block, recorded from
+The scenarios (``dpqlab/timeline/scenarios.py``) replay a tiny bf16 Llama block, recorded from
 auto-round's own run, through the auto-round adapter (``enable()``: auto-round's ``block_forward``
 and ``_get_loss``, compiled or not) or ``dpq.parallel_tune`` on logical GPUs. Durations: the
 70B-class block on RTX 3090s (``benchmarks/timeline.py``'s default preset), where one thread's issue
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpq.testing.timeline.devices import GPUS, HOST
-from dpq.testing.timeline.replay import Pricing, simulate
-from dpq.testing.timeline.scenarios import record_block, recorded_run, run_adapter, run_api, shared_block
-from dpq.testing.timeline.shapes import BLOCKS, RECORDED
+from dpqlab.timeline.devices import GPUS, HOST
+from dpqlab.timeline.replay import Pricing, simulate
+from dpqlab.timeline.scenarios import record_block, recorded_run, run_adapter, run_api, shared_block
+from dpqlab.timeline.shapes import BLOCKS, RECORDED
 from tests.processes import worker_context
 
 OVERLAP = 0.9  # the issue's bound; the fixed data path gives >= 0.99 at worlds 2-8, the legacy one 0.65
@@ -145,7 +145,7 @@ def test_timeline_overlap_issues_no_collective_from_a_device_thread(rec, monkeyp
     """--parallel_overlap on logical GPUs: the hooks on autograd's device threads only mark their
     buckets; the issuer node runs on the calling thread and issues them (on the communication streams,
     one host sync per iteration still). Mutant: the hooks issue, as before; the model names their thread."""
-    from dpq.exchange import BackwardExchange
+    from dpq.engine.exchange import BackwardExchange
 
     if mutant:
         monkeypatch.setattr(BackwardExchange, "_on_devices", lambda self: False)

@@ -1,8 +1,8 @@
 """The timeline model replays the communicator the plan picks for the machine it prices.
 
 On the presets of ``benchmarks/timeline.py`` (4 x RTX 3090, 8 x H100, each with ``auto-round-dp[cuda12]``:
-CuPy's NCCL present) the plan picks a communicator by its own rules (``dpq.communicators.choose_communicator``);
-the model must record that communicator's own code (:class:`dpq.testing.timeline.record.ModelCupyNccl`): its
+CuPy's NCCL present) the plan picks a communicator by its own rules (``dpq.comm.communicators.choose_communicator``);
+the model must record that communicator's own code (:class:`dpqlab.timeline.record.ModelCupyNccl`): its
 staging allocations, its send/recv calls and its folds, not one collective per bucket.
 """
 
@@ -13,9 +13,9 @@ from collections import Counter
 import pytest
 
 from benchmarks.timeline import MACHINES
-from dpq import communicators
+from dpq.comm import communicators
 from dpq.nccl_comm import CupyNcclCommunicator, TorchNcclCommunicator
-from dpq.testing.timeline.scenarios import recorded_run
+from dpqlab.timeline.scenarios import recorded_run
 
 ITERS = 2
 
@@ -58,9 +58,9 @@ def test_timeline_prices_one_process_per_lane():
     (its own main thread and GIL): where the host is the bound (every host cost x 50) the iteration is
     shorter than one thread issuing both lanes, by at most the lane count, and each process's thread issues
     the ops of its lane only (every device op goes to the process of its stream's lane)."""
-    from dpq.testing.timeline.devices import GPUS, HOST
-    from dpq.testing.timeline.replay import Pricing, _process_threads, simulate
-    from dpq.testing.timeline.shapes import BLOCKS, RECORDED
+    from dpqlab.timeline.devices import GPUS, HOST
+    from dpqlab.timeline.replay import Pricing, _process_threads, simulate
+    from dpqlab.timeline.shapes import BLOCKS, RECORDED
 
     world = 2
     model = recorded_run(False, world, ITERS)
@@ -94,10 +94,10 @@ def test_timeline_counts_an_in_place_write_once_and_copy_reads_no_destination():
 def test_timeline_lane0_breakdown_has_its_communication_streams_kernels():
     """With --parallel_overlap on the exchange's kernels run on lane 0's communication stream: the breakdown
     counts them (the old model counted lane 0's compute stream only: 0 ms of exchange kernels)."""
-    from dpq.testing.timeline.devices import GPUS, HOST
-    from dpq.testing.timeline.replay import Pricing, op_class, simulate
-    from dpq.testing.timeline.scenarios import run_adapter, shared_block
-    from dpq.testing.timeline.shapes import BLOCKS, RECORDED
+    from dpqlab.timeline.devices import GPUS, HOST
+    from dpqlab.timeline.replay import Pricing, op_class, simulate
+    from dpqlab.timeline.scenarios import run_adapter, shared_block
+    from dpqlab.timeline.shapes import BLOCKS, RECORDED
 
     model = run_adapter(shared_block(False), 2, iters=ITERS, overlap=True)
     tl = simulate(model, Pricing(RECORDED, BLOCKS["70b"], GPUS["3090"], HOST))
@@ -113,7 +113,7 @@ def test_timeline_lane0_breakdown_has_its_communication_streams_kernels():
 def test_timeline_native_order_is_one_collective_per_rank():
     """--parallel_order native recorded: per bucket one reduceScatter host call and one NCCL kernel per lane,
     no send/recv and no fold kernel (the sums are NCCL's: nothing of them on the lanes' streams or the host)."""
-    from dpq.testing.timeline.scenarios import run_adapter, shared_block
+    from dpqlab.timeline.scenarios import run_adapter, shared_block
 
     world = 3
     model = run_adapter(shared_block(False), world, iters=ITERS, order="native")
@@ -132,10 +132,10 @@ def test_timeline_nccl_kernels_take_sms_from_the_compute_beside_them():
     them as if NCCL took no SMs: the same kernel time with and without the share)."""
     import dataclasses
 
-    from dpq.testing.timeline.devices import GPUS, HOST
-    from dpq.testing.timeline.replay import Pricing, simulate
-    from dpq.testing.timeline.scenarios import run_adapter, shared_block
-    from dpq.testing.timeline.shapes import BLOCKS, RECORDED
+    from dpqlab.timeline.devices import GPUS, HOST
+    from dpqlab.timeline.replay import Pricing, simulate
+    from dpqlab.timeline.scenarios import run_adapter, shared_block
+    from dpqlab.timeline.shapes import BLOCKS, RECORDED
 
     model = run_adapter(shared_block(False), 2, iters=ITERS, overlap=True)
     gpu = GPUS["3090"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpq.testing.timeline.compiled import capture
-from dpq.testing.timeline.scenarios import RECORD_SEQLEN, bf16_cpu, shared_block
+from dpqlab.timeline.compiled import capture
+from dpqlab.timeline.scenarios import RECORD_SEQLEN, bf16_cpu, shared_block
 
 
 @pytest.fixture

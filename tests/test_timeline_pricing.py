@@ -14,13 +14,13 @@ import json
 
 import pytest
 
-from dpq.exchange import Buckets, bucket_cap, bucket_layout
-from dpq.testing.timeline.calibration import Calibration, ModelCounts, rebase
-from dpq.testing.timeline.devices import GPUS, HOST
-from dpq.testing.timeline.replay import BREAKDOWN, Pricing, op_class, simulate
-from dpq.testing.timeline.roofline import roofline
-from dpq.testing.timeline.scenarios import recorded_run
-from dpq.testing.timeline.shapes import BLOCKS, RECORDED, RoleMap
+from dpq.engine.exchange import Buckets, bucket_cap, bucket_layout
+from dpqlab.timeline.calibration import Calibration, ModelCounts, rebase
+from dpqlab.timeline.devices import GPUS, HOST
+from dpqlab.timeline.replay import BREAKDOWN, Pricing, op_class, simulate
+from dpqlab.timeline.roofline import roofline
+from dpqlab.timeline.scenarios import recorded_run
+from dpqlab.timeline.shapes import BLOCKS, RECORDED, RoleMap
 
 ITERS = 2
 CASES = [(b, g) for b in BLOCKS for g in ("3090", "h100")]
@@ -39,7 +39,7 @@ def two_lanes():
 @pytest.fixture(scope="module")
 def two_lanes_overlap():
     """Two lanes with --parallel_overlap on (what auto takes on GPUs without peer access, e.g. RTX 3090s)."""
-    from dpq.testing.timeline.scenarios import run_adapter, shared_block
+    from dpqlab.timeline.scenarios import run_adapter, shared_block
 
     return run_adapter(shared_block(True), 2, iters=ITERS, overlap=True)
 
@@ -142,7 +142,7 @@ def check_buckets(tl, model, block: str, cap="recorded") -> None:
 
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_timeline_exchange_has_the_target_blocks_buckets(two_lanes, block):
-    from dpq.exchange import Buckets
+    from dpq.engine.exchange import Buckets
 
     # accelerator lanes, no overlap, and the recorded block fits anywhere: the plan's one bucket for the
     # whole block (Note [one bucket where it fits]), and so the target's
@@ -162,7 +162,7 @@ def test_timeline_exchange_has_the_target_blocks_buckets(two_lanes, block):
 def test_timeline_overlapping_buckets_keep_the_small_cap(two_lanes):
     """Where buckets overlap the backward the cap stays 2^22: every weight-shaped value of a 70B-class
     block over it alone, the scales in four."""
-    from dpq.exchange import OVERLAP_BUCKET_CAP
+    from dpq.engine.exchange import OVERLAP_BUCKET_CAP
 
     sizes, _ = two_lanes.bucket_layout
     target = [RoleMap(RECORDED, BLOCKS["70b"]).target_numel(n, 0) for n in sizes]
@@ -171,12 +171,12 @@ def test_timeline_overlapping_buckets_keep_the_small_cap(two_lanes):
 
 def test_timeline_one_bucket_for_every_block_fails(two_lanes, monkeypatch):
     """Mutant: the recorded block's single bucket kept for the target (the model before this change)."""
-    from dpq.testing.timeline.buckets import TargetBucket
+    from dpqlab.timeline.buckets import TargetBucket
 
     def one_bucket(layout, roles):
         return [TargetBucket(sum(roles.target_numel(n, 0) for n in layout[0]), tuple(range(len(layout[0]))))]
 
-    monkeypatch.setattr("dpq.testing.timeline.replay.target_buckets", one_bucket)
+    monkeypatch.setattr("dpqlab.timeline.replay.target_buckets", one_bucket)
     with pytest.raises(AssertionError):
         check_buckets(replay(two_lanes, "70b", "h100", buckets="largest"), two_lanes, "70b", cap=Buckets.LARGEST)
 
@@ -200,7 +200,7 @@ def test_timeline_default_record_is_compile_on(one_lane):
     import inspect
 
     from benchmarks import timeline as bench
-    from dpq.testing.timeline import scenarios
+    from dpqlab.timeline import scenarios
 
     assert inspect.signature(scenarios.record_block).parameters["compile"].default is True
     assert bench.PATHS[0] == "compile"
@@ -293,7 +293,7 @@ def test_timeline_calibration_with_attention_inside_matmul_keeps_the_models_rati
 def test_timeline_host_calibrated_from_dpqs_issuing_thread():
     """dpq_issuing: every per-op host cost scales by measured / modeled issuing time per
     lane-iteration; the paths' host times (an upper bound) are then left alone; no key, no change."""
-    from dpq.testing.timeline.calibration import HOST_OP_COSTS, issuing_scale
+    from dpqlab.timeline.calibration import HOST_OP_COSTS, issuing_scale
 
     data = {"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200", "date": "2026-12-04",
             "block": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
@@ -313,7 +313,7 @@ def test_timeline_host_calibrated_from_dpqs_issuing_thread():
 def test_timeline_issuing_figure_is_bounded_by_the_unprofiled_walls():
     """Note [the profiler's bound]: the one issuing thread's own time per lane-iteration is at most an
     unprofiled iteration's wall / W; the profiled figure is used only where it is smaller."""
-    from dpq.testing.timeline.calibration import issuing_bound, issuing_scale
+    from dpqlab.timeline.calibration import issuing_bound, issuing_scale
 
     got = {"world": 2, "path": "compile", "own_ms_per_lane_iteration": 21.0,
            "wall_ms_per_iteration": {"2": 46.0, "4": 48.8}}
@@ -332,7 +332,7 @@ def test_timeline_issuing_figure_is_bounded_by_the_unprofiled_walls():
 def test_timeline_issuing_scale_prices_the_measured_codes_own_ops():
     """Note [the measured code's ops]: with the run's op counts the scale is the measured time over
     those ops at the stated costs, whatever today's code issues (the model's figure is not used)."""
-    from dpq.testing.timeline.calibration import issuing_scale
+    from dpqlab.timeline.calibration import issuing_scale
 
     data = {"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200", "date": "2026-12-04",
             "block": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},

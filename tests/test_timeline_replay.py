@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from dpq.testing.timeline.record import Op
-from dpq.testing.timeline.replay import Busy, _device_pass
+from dpqlab.timeline.record import Op
+from dpqlab.timeline.replay import Busy, _device_pass
 
 
 @dataclass(frozen=True)

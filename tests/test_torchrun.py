@@ -34,7 +34,7 @@ import torch
 from dpq import refusals
 from dpq.autoround import cli
 from dpq.autoround.args import split_argv
-from dpq.spec import TIMEOUT_RANGE_S
+from dpq.planning.spec import TIMEOUT_RANGE_S
 from tests.test_shard import _saved as _state  # every saved tensor under a folder
 
 ITERS, NSAMPLES, BATCH, SEQLEN = "4", "8", "4", "32"  # lr 0.02 below: every block keeps a tuned iteration
@@ -242,7 +242,7 @@ def test_every_rank_on_one_host_checks_the_paths(monkeypatch, tmp_path):
 def test_a_device_map_of_gpus_this_torch_lacks_is_refused_before_loading(monkeypatch):
     """Issue 42's sweep, M8: --device_map cuda --parallel_quantization 2 on a CPU build of torch loaded the model,
     then failed with "Torch not compiled with CUDA enabled"; the lanes are --device_map's devices."""
-    from dpq.machine import Machine
+    from dpq.planning.machine import Machine
 
     monkeypatch.setattr(Machine, "detect", classmethod(lambda cls: Machine("2.13.0+cpu")))
     found = cli.argument_errors(*split_argv(["--device_map", "cuda", "--parallel_quantization", "2"]))
@@ -332,8 +332,8 @@ def test_tasks_under_torchrun_is_refused_before_loading(capsys, monkeypatch, fla
 
 
 def test_a_non_canonical_communicator_says_so_in_the_plan(monkeypatch):
-    from dpq import plan as plan_mod
     from dpq.nccl_comm import TorchNcclCommunicator
+    from dpq.planning import plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "choose_communicator", lambda devices: ("torch-nccl", "two GPUs"))
     request = plan_mod.PlanRequest()
@@ -370,8 +370,8 @@ def test_more_lanes_over_the_processes_than_samples_is_refused_before_the_blocks
     samples per iteration): at the block's dispatch, before its collection passes ran at another
     world, as in one process; agreed, so every rank stops there with the same reasons."""
     from dpq.autoround import integration
-    from dpq.distributed import ProcessSet
-    from dpq.plan import PlanRefused
+    from dpq.planning.distributed import ProcessSet
+    from dpq.planning.plan import PlanRefused
 
     class EveryRankAlike(ProcessSet):
         def all_gather_object(self, value):  # the agreement's one collective: every rank sent the same

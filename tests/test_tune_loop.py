@@ -7,16 +7,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dpq.exchange import FullSumExchange, SignExchange
+from dpq.engine.exchange import FullSumExchange, SignExchange
+from dpq.engine.split import contiguous_ranges
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
-from dpq.split import contiguous_ranges
 from dpq.streams import make_lanes
 from dpq.tune_loop import TuneEngine, iteration
 
 
 def contiguous_slices(indices, world):
-    """The engine's split of an iteration's indices over ``world`` lanes (dpq.split's ranges)."""
+    """The engine's split of an iteration's indices over ``world`` lanes (dpq.engine.split's ranges)."""
     return [list(indices[a:b]) for a, b in contiguous_ranges(len(indices), world)]
 
 

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import dpq.streams as dpq_streams
-from dpq import communicators
+from dpq.comm import communicators
 from dpq.fallback_p2p import LocalCommunicator
+from dpq.planning.spec import ParallelSpec
 from dpq.session import PG_WATCHDOG_LEAD, SessionConfig, run
-from dpq.spec import ParallelSpec
 from dpq.streams import WaitExpired, wait_events
 from dpq.tune_loop import LanesHung
 from tests.test_distributed import TUNED, Block, make_task
@@ -224,7 +224,7 @@ def test_the_watchdog_fires_before_the_process_groups_own():
 
 
 def test_process_group_abort_ends_the_nccl_backend_only():
-    from dpq.process_group import ProcessGroupCommunicator
+    from dpq.comm.process_group import ProcessGroupCommunicator
 
     calls = []
 
@@ -242,7 +242,7 @@ def test_process_group_abort_ends_the_nccl_backend_only():
     assert comm.abort("watchdog") is False and calls == ["inner"]  # gloo: nothing to end
 
 
-# -- the iteration watchdog (dpq.watchdog): a thread that holds each iteration's deadline -------------
+# -- the iteration watchdog (dpq.engine.watchdog): a thread that holds each iteration's deadline ------
 
 
 def _stuck_issuer(watch, release: threading.Event, iterations: int = 1) -> threading.Thread:
@@ -261,7 +261,7 @@ def _stuck_issuer(watch, release: threading.Event, iterations: int = 1) -> threa
 def test_the_iteration_watchdog_ends_what_stays_stuck_and_spares_what_comes_back():
     """Past the deadline the communicators are aborted (``expire``); a thread that stays stuck past the grace
     is ended (``end``), one that comes back is not (its expiry is kept for the engine to raise)."""
-    from dpq.watchdog import IterationWatchdog
+    from dpq.engine.watchdog import IterationWatchdog
 
     expired, ended = [], []
     done = threading.Event()
@@ -290,7 +290,7 @@ def test_the_iteration_watchdog_ends_what_stays_stuck_and_spares_what_comes_back
 def test_the_watchdog_leaves_a_wait_for_other_ranks_to_the_groups_timeout():
     """Under several processes a thread blocked in a collective waits for a lost or hung rank: the
     group's own timeout names that rank, so this rank is not ended while it waits there."""
-    from dpq.watchdog import IterationWatchdog
+    from dpq.engine.watchdog import IterationWatchdog
 
     ended, in_collective = [], [True]
     watch = IterationWatchdog(0.1, lambda waited: "hung", lambda text: ended.append(text), grace_s=0.1,

@@ -17,10 +17,10 @@ from auto_round.utils.common import SHARED_CACHE_KEYS, SUPPORTED_LAYER_TYPES
 from auto_round.wrapper import unwrapper_block, wrapper_block
 
 from dpq import refusals, session
-from dpq.cost_model import AutoWorld
 from dpq.mirror import tensors_in
-from dpq.plan import PlanRefused
-from dpq.spec import ParallelSpec, SpecError
+from dpq.planning.cost_model import AutoWorld
+from dpq.planning.plan import PlanRefused
+from dpq.planning.spec import ParallelSpec, SpecError
 
 from .tune import BlockData, SignRoundSettings, is_pure_sign, signround_spec
 
@@ -41,7 +41,7 @@ class ParallelTuneResult:
     communicator: str
     communicator_reason: str
     wire_bytes: int
-    step: str  # which optimizer step the lanes ran (dpq.sign_step's one op, or each lane's), and why
+    step: str  # which optimizer step the lanes ran (dpq.engine.sign_step's one op, or each lane's), and why
     issue_s: float  # the issuing thread's host time per lane-iteration (on accelerators: the issue cost)
     plan_reasons: list[str]  # why the plan kept fewer lanes or ran serial, and what it noted (unused devices)
     indices: list[list[int]]  # the sample indices drawn each iteration
@@ -355,16 +355,16 @@ def parallel_tune(
     detached. Tensors made under ``torch.inference_mode()`` are refused (autograd cannot use them).
 
     ``auto_world``: under ``world='auto'``, the cost model that picks the world by predicted
-    time (``dpq.cost_model.AutoWorld``; None: a fresh one for this call). ``overlap``: exchange
+    time (``dpq.planning.cost_model.AutoWorld``; None: a fresh one for this call). ``overlap``: exchange
     gradient buckets during the backward: None or 'auto' (CPU lanes on; GPU lanes as
-    :func:`dpq.plan.overlap_choice` decides: on where some lane GPU pair has no peer access), True
-    or 'on' (on accelerators the exchange on a second stream per lane, ``dpq.comm_streams``: checked
+    :func:`dpq.planning.plan.overlap_choice` decides: on where some lane GPU pair has no peer access), True
+    or 'on' (on accelerators the exchange on a second stream per lane, ``dpq.comm.comm_streams``: checked
     for stream order on CPU; on one H200's lanes bitwise the plain run, not yet on several GPUs),
     False or 'off'.
     ``timeout``: seconds the host waits for an iteration's work on the lanes before the run stops as
     hung (``dpq.tune_loop``: the watchdog). ``order``: 'canonical' (the sums in dpq's lane order: the
     bits depend on the world alone) or 'native' (NCCL's own reduce-scatter on distinct GPUs: the same bits
-    on every lane, which depend on NCCL's algorithm; Note [canonical or native order] in ``dpq.plan``).
+    on every lane, which depend on NCCL's algorithm; Note [canonical or native order] in ``dpq.planning.plan``).
 
     Bad arguments (block, pool, settings, lanes) raise one ``ValueError`` listing every problem
     with its fix, before the block is touched. Any later failure (an exception or out-of-memory

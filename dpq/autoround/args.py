@@ -1,5 +1,5 @@
 """The one parser of ``auto-round-dp``: auto-round's own quantize parser (its arguments, help,
-usage and error format) with dpq's flags as its ``dpq`` argument group (:data:`dpq.spec.FLAGS`),
+usage and error format) with dpq's flags as its ``dpq`` argument group (:data:`dpq.planning.spec.FLAGS`),
 under the command's own name.
 
 :func:`parse` reads a command line as that parser does, and names a close match for an
@@ -14,7 +14,7 @@ import argparse
 import difflib
 
 from dpq import refusals
-from dpq.spec import FLAGS, Flag
+from dpq.planning.spec import FLAGS, Flag
 
 __all__ = ["GROUP_DESCRIPTION", "add_flags", "autoround_args", "build_parser", "parse", "program", "split_argv"]
 
@@ -28,7 +28,7 @@ def program(recipe: str | None = None) -> str:
 
 
 def add_flags(target, flags: tuple[Flag, ...] = FLAGS) -> None:
-    """dpq's flags on ``target`` (a parser or an argument group), as :data:`dpq.spec.FLAGS` says."""
+    """dpq's flags on ``target`` (a parser or an argument group), as :data:`dpq.planning.spec.FLAGS` says."""
     for flag in flags:
         if flag.choices:
             target.add_argument(flag.option, nargs="?", const=flag.const, default=flag.default, choices=flag.choices,

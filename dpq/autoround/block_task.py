@@ -22,8 +22,8 @@ from auto_round.utils.device_manager import device_manager
 from auto_round.wrapper import unwrapper_block
 
 from dpq import refusals, session
-from dpq.distributed import ProcessSet
-from dpq.plan import BlockPrice
+from dpq.planning.distributed import ProcessSet
+from dpq.planning.plan import BlockPrice
 
 from .compat import prepare_block_for_tuning
 from .seams_common import ParallelLaneError
@@ -113,7 +113,7 @@ def lane_block_forward(ran: session.LaneRun, torch_compile: bool):
     its own backward ends and the buckets go out while the earlier layers' backward runs. The price
     is the block's elementwise work eager (norms, activations, residuals: more kernels and more host
     ops per lane-iteration), which is why ``auto`` turns overlap on only where the link is slow (Note
-    [overlap where the wire is slow] in ``dpq.plan``).
+    [overlap where the wire is slow] in ``dpq.planning.plan``).
     Overlap happens only on lanes with streams (accelerators; ``ran.overlap``), so CPU lanes and
     world 1 (auto-round's serial path) keep the compiled block forward. The values differ from the
     compiled forward's by rounding only, as between any two worlds (contract 1: statistical parity)."""

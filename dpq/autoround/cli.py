@@ -1,5 +1,5 @@
 """``auto-round-dp``: the auto-round CLI, every argument unchanged, plus dpq's flags
-(:data:`dpq.spec.FLAGS`) as the ``dpq`` group of auto-round's own parser (:mod:`dpq.autoround.args`:
+(:data:`dpq.planning.spec.FLAGS`) as the ``dpq`` group of auto-round's own parser (:mod:`dpq.autoround.args`:
 one ``--help``, one usage line, auto-round's error format, under the command's name).
 
 The whole command line is parsed first; then everything the flags and this machine reveal
@@ -7,7 +7,7 @@ without the model is checked (:func:`argument_errors`: the world against the lan
 this torch build or machine lacks, the timeout, the paths the run writes): any problem stops the
 command with exit 2 before the model loads, each reason once, nothing created. ``--parallel_plan``
 prints the plan screen (:mod:`dpq.autoround.plan_screen`) and exits. Otherwise dpq's flags are taken
-out of argv, ``enable()`` is called with the validated :class:`dpq.spec.ParallelSpec`, and auto-round's
+out of argv, ``enable()`` is called with the validated :class:`dpq.planning.spec.ParallelSpec`, and auto-round's
 own runner gets the rest. At the end a summary goes through auto-round's logger
 (:mod:`dpq.autoround.summary`).
 
@@ -78,8 +78,8 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str 
     torchrun also auto-round's that dpq cannot serve there, in ``rest``; ``recipe`` the command's, for
     auto-round's defaults), each once."""
     from dpq import refusals
-    from dpq.machine import Machine
-    from dpq.spec import machine_problems, problems
+    from dpq.planning.machine import Machine
+    from dpq.planning.spec import machine_problems, problems
 
     from .args import autoround_args
     from .outputs import DEFAULT_OUTPUT_DIR, missing_inputs, path_errors, run_inputs
@@ -89,7 +89,7 @@ def argument_errors(ours: argparse.Namespace, rest: list[str] = (), recipe: str 
     found = problems(world, ours.parallel_devices, debug=ours.parallel_debug, overlap=ours.parallel_overlap,
                      timeout=ours.parallel_timeout, timeout_given=isinstance(ours.parallel_timeout, str))
     try:
-        from dpq.lane_devices import validate_world
+        from dpq.planning.lane_devices import validate_world
 
         machine, valid = Machine.detect(), validate_world(world)
         home = "cpu" if theirs is not None and str(theirs.device_map).strip().lower() == "cpu" else None
@@ -134,8 +134,8 @@ def _device_map_problems(world: int | str, devices: object, theirs: argparse.Nam
     them on the CPU)."""
     if world == "off" or devices is not None or theirs is None:
         return []
-    from dpq.lane_devices import parse_device_spec
-    from dpq.spec import machine_problems
+    from dpq.planning.lane_devices import parse_device_spec
+    from dpq.planning.spec import machine_problems
 
     typed = [e.raw.strip() for e in parse_device_spec(str(theirs.device_map))
              if e.device is not None and not e.bare_index and e.device.type != "cpu"]
@@ -193,8 +193,8 @@ def _listed(problems: list[str]) -> str:
 
 
 def spec_of(ours: argparse.Namespace):
-    """The validated :class:`dpq.spec.ParallelSpec` of dpq's flags (:func:`argument_errors` passed them)."""
-    from dpq.spec import ParallelSpec
+    """The validated :class:`dpq.planning.spec.ParallelSpec` of dpq's flags (:func:`argument_errors` passed them)."""
+    from dpq.planning.spec import ParallelSpec
 
     return ParallelSpec.build(_screen_world(ours) if ours.parallel_plan else ours.parallel_quantization,
                               ours.parallel_devices, parallel_debug=ours.parallel_debug,
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
         return stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 2
     spec = spec_of(ours)
     if ours.parallel_plan:
-        from dpq.spec import SpecError
+        from dpq.planning.spec import SpecError
 
         from .plan_screen import show_for_command
 
@@ -309,9 +309,9 @@ def _run_processes(spec, ours: argparse.Namespace, recipe: str | None, rest: lis
     from dpq import cancel, refusals
     from dpq.autoround.job import settings
     from dpq.autoround.process_setup import SETUPS, process_lanes, start_group
-    from dpq.distributed import JobMismatch, ProcessSet, agree_job, peer_lost
-    from dpq.lane_devices import lane_device_errors
-    from dpq.plan import PlanRefused
+    from dpq.planning.distributed import JobMismatch, ProcessSet, agree_job, peer_lost
+    from dpq.planning.lane_devices import lane_device_errors
+    from dpq.planning.plan import PlanRefused
     from dpq.streams import default_accelerator_type
 
     devices, rest, kind = process_lanes(spec.world, spec.devices, rest, int(os.environ.get("LOCAL_RANK", "0")),
@@ -347,7 +347,7 @@ def _run_processes(spec, ours: argparse.Namespace, recipe: str | None, rest: lis
             return failure.exit_status
         return _run(spec, recipe, rest, procs, report)
     finally:
-        if dist.is_initialized():  # a failure destroyed it already (dpq.distributed.ProcessSet.stop)
+        if dist.is_initialized():  # a failure destroyed it already (dpq.planning.distributed.ProcessSet.stop)
             dist.destroy_process_group()
 
 
@@ -380,8 +380,8 @@ def _run(spec, recipe: str | None, rest: list[str], procs=None, report=None) -> 
     from dpq.autoround import integration
     from dpq.autoround.patches import PatchMismatch
     from dpq.autoround.seams_common import ParallelLaneError
-    from dpq.distributed import RankFailure, peer_lost
-    from dpq.plan import PlanRefused
+    from dpq.planning.distributed import RankFailure, peer_lost
+    from dpq.planning.plan import PlanRefused
 
     from .args import program
     from .outputs import error_of, exit_status_of

@@ -1,7 +1,7 @@
 """``enable()``: auto-round's SignRound tune loop delegates each block to dpq's engine.
 
 Patches ``SignRoundQuantizer.quantize_block`` (inherited by SignRoundV2 and AdamRound).
-Per block: the plan decides (``dpq.plan``); when it says serial, auto-round's own method runs
+Per block: the plan decides (``dpq.planning.plan``); when it says serial, auto-round's own method runs
 unchanged (contract 5). When it says parallel, the block is tuned by
 :mod:`dpq.session` (the task: :func:`dpq.autoround.tune.signround_spec`) with the quantizer's own wrapper, lr per layer,
 loss (``_get_loss``), runner, optimizer class, lr schedule and early-stop settings.
@@ -27,11 +27,11 @@ from auto_round.logger import logger
 from auto_round.utils.device_manager import device_manager
 
 from dpq import refusals, session
-from dpq.cost_model import AutoWorld
-from dpq.distributed import ProcessSet, Topology
-from dpq.nccl_lifecycle import close_communicators
-from dpq.plan import Plan, PlanRequest, price_mirror, resolve
-from dpq.spec import DEFAULTS, ParallelSpec, SpecError
+from dpq.comm.nccl_lifecycle import close_communicators
+from dpq.planning.cost_model import AutoWorld
+from dpq.planning.distributed import ProcessSet, Topology
+from dpq.planning.plan import Plan, PlanRequest, price_mirror, resolve
+from dpq.planning.spec import DEFAULTS, ParallelSpec, SpecError
 from dpq.streams import release_run_streams
 
 from . import patches
@@ -60,7 +60,7 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
     """Make every later ``AutoRound(...).quantize()`` in this process tune blocks data-parallel.
 
     The settings are auto-round-dp's flags under their own names, with their defaults
-    (:data:`dpq.spec.FLAGS`); only the world has none (the command's absent flag is ``'off'``, plain
+    (:data:`dpq.planning.spec.FLAGS`); only the world has none (the command's absent flag is ``'off'``, plain
     auto-round: here say which). ``parallel_quantization``: 'off', 'auto' (use what fits; never
     refuses) or an int world (refuses before the block starts when it cannot be served).
     ``parallel_devices``: lane devices (``'0,1,2,3'``, ``'cpu,cpu'``); default: auto-round's device
@@ -80,10 +80,10 @@ def enable(parallel_quantization: int | str, parallel_devices=None, *,
     (:mod:`dpq.autoround.ranks`). Call it on every rank, after ``init_process_group``.
 
     ``auto_world`` (``'auto'`` only): the cost model that picks each block's world by predicted
-    time (:class:`dpq.cost_model.AutoWorld`); default: a fresh one for this ``enable()``, used
+    time (:class:`dpq.planning.cost_model.AutoWorld`); default: a fresh one for this ``enable()``, used
     where the lanes are on distinct devices (lanes sharing one device keep every fitting lane:
     the model divides compute over devices). A given one is used for any lanes. ``processes``:
-    the group's :class:`dpq.distributed.ProcessSet` when the caller made one for the job already
+    the group's :class:`dpq.planning.distributed.ProcessSet` when the caller made one for the job already
     (auto-round-dp does, to agree on the job and report a cancel through it; default: detected).
 
     Calls nest like a stack: each ``enable()`` is undone by one ``disable()``, which brings
@@ -237,7 +237,7 @@ def auto_world_report() -> list[dict]:
 
 def _preflight(run: Run, q, block, inputs) -> None:
     """An explicit world's plan for this block, resolved before any of the block's work (the
-    collection passes come first): raises :class:`dpq.plan.PlanRefused` with every reason at
+    collection passes come first): raises :class:`dpq.planning.plan.PlanRefused` with every reason at
     once, the tuner's feature reasons included. Several processes: agreed by every rank
     (:func:`dpq.session.agree_plan`, as the tune's plan is), so a refusal on any rank (more lanes
     over the processes than samples per iteration among them) stops every rank here."""
@@ -337,7 +337,7 @@ def _delegated_quantize_block(run: Run | None, self, block, fp_inputs, input_oth
 
 
 def _compile_fields(watch) -> dict:
-    """The block's compiles per lane (dpq.compiles.CompileWatch) as record fields."""
+    """The block's compiles per lane (dpq.engine.compiles.CompileWatch) as record fields."""
     if watch is None or not watch.watched:
         return {}
     return {"recompiles": watch.recompiles(), "compiles": watch.compiles(), "compile_s": watch.compile_s()}

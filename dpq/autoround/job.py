@@ -9,7 +9,7 @@ which ranks on other hosts may mount elsewhere; a hub name by its name. Left out
 per rank: the devices (``--device_map``, ``--parallel_devices``: each process its own),
 ``--output_dir`` (rank 0 alone writes), ``--parallel_report`` (rank 0's), ``--parallel_timeout``,
 and the options of an evaluation, which does not run under torchrun (``--tasks`` is refused).
-:func:`dpq.distributed.agree_job` compares every rank's settings and stops every rank, naming
+:func:`dpq.planning.distributed.agree_job` compares every rank's settings and stops every rank, naming
 each differing setting with every rank's value, before the model loads.
 """
 
@@ -125,7 +125,7 @@ def _by_meaning(dest: str, value: object) -> str:
     are one world; ``AUTO`` is ``auto``), the others as given. A world dpq rejects is left as
     written (the argument check refuses it on its own rank)."""
     if dest == "parallel_quantization":
-        from dpq.lane_devices import validate_world
+        from dpq.planning.lane_devices import validate_world
 
         try:
             return repr(validate_world(value))

@@ -246,8 +246,8 @@ def error_of(failure: BaseException | None, at: str = "") -> dict | None:
     lane_failed, save_failed, rank_failed, rank_lost, cancelled, error), ``where`` (the block, "save",
     or None when not known), ``block`` (the block it stopped in, None outside one), ``lane`` (the lane
     that failed when one is known, else None) and ``message``."""
-    from dpq.distributed import RankFailure
-    from dpq.plan import PlanRefused
+    from dpq.planning.distributed import RankFailure
+    from dpq.planning.plan import PlanRefused
 
     from .ranks import SaveFailed
     from .seams_common import ParallelLaneError
@@ -281,7 +281,7 @@ def structured(kind: str, message: str, where: str | None = None, lane: int | No
 def exit_status_of(failure: BaseException | None) -> int:
     """The exit status auto-round-dp ends with after ``failure`` (None: 0): a cancel 128 + its signal,
     a failed rank its own status, anything else 1."""
-    from dpq.distributed import RankFailure
+    from dpq.planning.distributed import RankFailure
 
     if failure is None:
         return 0
@@ -325,7 +325,7 @@ def report_header(command: list[str], started: float, ended: float, exit_status:
     """The keys every dpq report starts with (the run's and the demo's): ``schema``, ``versions``,
     ``devices`` (as given) and ``device_names``, ``command``, ``started``/``ended`` (UTC) with
     ``wall_s``, ``exit_status``. ``started``/``ended``: :func:`time.time` values."""
-    from dpq.machine import device_names
+    from dpq.planning.machine import device_names
 
     return {"schema": SCHEMA, "versions": versions(), "devices": devices, "device_names": device_names(devices),
             "command": list(command), "started": _utc(started), "ended": _utc(ended),

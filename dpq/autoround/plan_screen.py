@@ -4,9 +4,9 @@ get, before anything is tuned.
 For the model's first block, built from the model's config on the meta device (no weight is
 read) or taken from a model object, and the lanes (the given devices, else the plan's default),
 it says per world W = 1 .. the lanes: the lanes, each lane's memory price against its device's
-free memory (the plan's own prices, :class:`dpq.plan.BlockPrice` and :func:`dpq.plan.price_runtime`,
-and its verdict, :func:`dpq.plan.resolve`), and the predicted seconds per iteration and per block
-by ``auto``'s cost model (:mod:`dpq.cost_model`: compute from the block's FLOPs at its stated
+free memory (the plan's own prices, :class:`dpq.planning.plan.BlockPrice` and :func:`dpq.planning.plan.price_runtime`,
+and its verdict, :func:`dpq.planning.plan.resolve`), and the predicted seconds per iteration and per block
+by ``auto``'s cost model (:mod:`dpq.planning.cost_model`: compute from the block's FLOPs at its stated
 throughput, divided over the distinct devices (lanes sharing one take turns on it: such a row says
 "no speedup" and why), the link probed on the lanes as ``auto`` probes it, the issuing thread's cost
 unknown before a run), then the world ``auto`` would choose and why (the run's rule: lanes sharing a
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dpq import refusals
-from dpq.cost_model import (
+from dpq.planning.cost_model import (
     ACHIEVABLE_FLOPS,
     GPU_ISSUE_S_PER_LANE_ITERATION,
     CostInputs,
@@ -34,8 +34,8 @@ from dpq.cost_model import (
     predict,
     probe_link,
 )
-from dpq.lane_devices import parse_device_spec
-from dpq.plan import BlockPrice, PlanRefused, PlanRequest, default_devices, price_runtime, resolve
+from dpq.planning.lane_devices import parse_device_spec
+from dpq.planning.plan import BlockPrice, PlanRefused, PlanRequest, default_devices, price_runtime, resolve
 from dpq.streams import backend, default_accelerator_type
 
 __all__ = ["LanePrice", "PlanScreen", "WorldRow", "plan_for", "show_for_command"]
@@ -58,8 +58,8 @@ class WorldRow:
     per_iter_s: float
     per_block_s: float
     refused: list[str] = field(default_factory=list)  # why this world cannot run (empty: it can)
-    buckets: str = ""  # the gradient buckets the plan takes at this world, and why (dpq.plan.Plan.buckets_reason)
-    overlap: str = ""  # whether the exchange runs during the backward, and why (dpq.plan.Plan.overlap_reason)
+    buckets: str = ""  # the plan's gradient buckets at this world, and why (dpq.planning.plan.Plan.buckets_reason)
+    overlap: str = ""  # whether the exchange runs during the backward, and why (dpq.planning.plan.Plan.overlap_reason)
     shared: str = ""  # the lanes share a device: no speedup, and why (refusals.shared_lanes); "" one device each
 
 
@@ -162,8 +162,8 @@ def _link(lanes: list[torch.device]) -> tuple[float, float, str]:
     """(latency, bandwidth, said): the link probed on the lanes as 'auto' probes it."""
     if len(lanes) < 2:
         return 0.0, float("inf"), "one lane: nothing to exchange"
-    from dpq.communicators import select_communicator
-    from dpq.nccl_lifecycle import close_communicators
+    from dpq.comm.communicators import select_communicator
+    from dpq.comm.nccl_lifecycle import close_communicators
     from dpq.streams import make_lanes, release_run_streams
 
     try:
@@ -197,10 +197,10 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
     is read), or a model object. The settings are auto-round's and auto-round-dp's, with their
     defaults; ``home``: the block's device (default: the first lane's, else the CPU). An explicit
     ``parallel_quantization`` N marks the rows above N as not asked for. Bad arguments raise one
-    :class:`dpq.spec.SpecError` (a ValueError) listing every problem in these keywords' names (``caller``
+    :class:`dpq.planning.spec.SpecError` (a ValueError) listing every problem in these keywords' names (``caller``
     "cli": the command's flags, whose lanes it checked against this machine itself)."""
-    from dpq.machine import Machine
-    from dpq.spec import ParallelSpec, SpecError
+    from dpq.planning.machine import Machine
+    from dpq.planning.spec import ParallelSpec, SpecError
 
     off = str(parallel_quantization).strip().lower() == "off"
     screen_world = "auto" if off else parallel_quantization  # every world, as the command's --parallel_plan
@@ -257,7 +257,7 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
         rows.append(WorldRow(w, [str(d) for d in lanes[:w]], _prices(price, lanes[:w], home_dev), p.per_iter_s,
                              p.seconds, refused, buckets, overlap, shared))
     choice, why = _auto_choice(rows, lanes, iters, costs, spec.world)
-    from dpq.machine import device_names
+    from dpq.planning.machine import device_names
 
     return PlanScreen(str(getattr(model, "name_or_path", model) if source == "model" else model), source, name,
                       type(block).__name__, blocks, samples, iters, seqlen, str(compute).removeprefix("torch."),
@@ -267,7 +267,7 @@ def plan_for(model, *, parallel_quantization: int | str = "auto", parallel_devic
 
 def _plan_argument_problems(model, home, **counts) -> list[str]:
     """:func:`plan_for`'s own arguments, each problem with its fix (the lane settings are
-    :meth:`dpq.spec.ParallelSpec.build`'s): a model of a type that names none, a local path with nothing
+    :meth:`dpq.planning.spec.ParallelSpec.build`'s): a model of a type that names none, a local path with nothing
     there, a home that is not a device here, and counts that are not integers (>= 1; iters >= 0)."""
     import os
 
@@ -333,7 +333,7 @@ def spread_lines(rows: list[WorldRow], lanes: list[torch.device], iters: int, co
     """Note [P processes x 1 lane on the screen]: the most lanes that run, one GPU each, in one process
     (as ``auto`` runs them: it cannot re-launch itself) beside one process per lane under torchrun, each
     with its own issuing thread and GIL, by the cost model with the issuing thread at
-    :data:`dpq.cost_model.GPU_ISSUE_S_PER_LANE_ITERATION` (an upper bound); where torchrun is predicted
+    :data:`dpq.planning.cost_model.GPU_ISSUE_S_PER_LANE_ITERATION` (an upper bound); where torchrun is predicted
     faster by more than 10%, the command that gets it (``argv``: the command's own arguments)."""
     runs = [r for r in rows if not r.refused and not r.shared and r.world > 1]
     if not runs or lanes[0].type == "cpu":

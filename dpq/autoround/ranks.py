@@ -12,7 +12,7 @@ no process set (:attr:`dpq.autoround.run.Run.processes`), but the first, which n
 * ``BaseCompressor.save_quantized``: every rank waits for every other first (a barrier on the
   run's group, bounded by the group's timeout), so that rank 0 never finishes a save after a
   failure on another rank (a rank that failed raised, or was killed: the barrier fails and
-  :meth:`dpq.distributed.ProcessSet.stop` names it); then rank 0 writes and the other ranks
+  :meth:`dpq.planning.distributed.ProcessSet.stop` names it); then rank 0 writes and the other ranks
   write nothing (their model stays in memory, quantized the same way) and wait for the folders
   rank 0 wrote, once they are in place: as long as the save takes, not bounded by the group's
   timeout, but by rank 0's heartbeat (a rank 0 that died is noticed; one that saves slowly is
@@ -29,7 +29,7 @@ no process set (:attr:`dpq.autoround.run.Run.processes`), but the first, which n
   quantization): those ranks keep the packed blocks in memory instead.
 * ``setup_ddp_if_needed_`` (auto-round's own DDP lane, which ``SignRoundQuantizer.quantize_block``
   enters whenever a group is initialised): never on dpq's path. A block the ranks agreed to run
-  serially (``dpq.distributed.agree``) runs auto-round's serial loop alone on every rank, the
+  serially (``dpq.planning.distributed.agree``) runs auto-round's serial loop alone on every rank, the
   same way on the same inputs and seed; with ``--parallel_quantization off`` (``enable('off')``)
   auto-round's own code runs unchanged (contract 5), its DDP lane included.
 """
@@ -120,8 +120,8 @@ def quantize_and_save(run: Run | None, self, output_dir="tmp_autoround", format=
     from auto_round.logger import logger
 
     from dpq import refusals
-    from dpq.distributed import RankFailure, peer_lost
-    from dpq.plan import PlanRefused
+    from dpq.planning.distributed import RankFailure, peer_lost
+    from dpq.planning.plan import PlanRefused
 
     original = _original(_BASE, "quantize_and_save")
     procs = run.processes if run is not None else None
@@ -172,7 +172,7 @@ def _rank0_writes(run: Run | None, owner: str, self, output_dir, format, inplace
     rank 0's folders (module docstring). A save called from inside rank 0's save (a mixin's
     ``super().save_quantized``) is part of it: it passes straight through, with no second barrier.
     The other ranks wait for rank 0's folders without a collective deadline (a save can take long):
-    on its heartbeat (:meth:`dpq.distributed.ProcessSet.await_rank0`), until rank 0 hands them out:
+    on its heartbeat (:meth:`dpq.planning.distributed.ProcessSet.await_rank0`), until rank 0 hands them out:
     after this save, or, inside :func:`quantize_and_save`, once they are moved into place."""
     procs = run.processes if run is not None else None
     save = _original(owner, "save_quantized")
@@ -182,7 +182,7 @@ def _rank0_writes(run: Run | None, owner: str, self, output_dir, format, inplace
         return save(self, output_dir, format, inplace, return_folders=return_folders, **kwargs)
     import torch.distributed as dist
 
-    from dpq.distributed import peer_lost
+    from dpq.planning.distributed import peer_lost
 
     out = None
     try:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from auto_round.utils.device_manager import device_manager
 
-from dpq.cost_model import AutoWorld
-from dpq.distributed import ProcessSet
-from dpq.spec import ParallelSpec, SpecSettings
+from dpq.planning.cost_model import AutoWorld
+from dpq.planning.distributed import ProcessSet
+from dpq.planning.spec import ParallelSpec, SpecSettings
 from dpq.staging import Staging
 
 __all__ = ["BlockRecord", "PhaseRecord", "Run", "SeamScratch"]
@@ -43,11 +43,11 @@ class BlockRecord:
     # the issuing thread's host time per lane-iteration (dpq.tune_loop.TuneEngine.issue_s): on
     # accelerator lanes, W x this next to the GPUs' time per iteration says whether one thread keeps up
     issue_s: float | None = None
-    # 'auto' with the cost model (dpq.cost_model): the predicted seconds of the lanes' run per candidate
+    # 'auto' with the cost model (dpq.planning.cost_model): the predicted seconds of the lanes' run per candidate
     # world (the chosen one is ``world``) and the measured seconds of the same span (mirrors + loop)
     predicted_s: dict[int, float] = field(default_factory=dict)
     measured_s: float | None = None
-    # torch.compile on the lanes (dpq.compiles), per lane of this process: dynamo recompiles caused by
+    # torch.compile on the lanes (dpq.engine.compiles), per lane of this process: dynamo recompiles caused by
     # the lane's forwards (each is host time on the one issuing thread), all its compiles, and the
     # host seconds they took (lazily compiled backwards included); empty: serial, or nothing watched
     recompiles: list[int] = field(default_factory=list)
@@ -89,7 +89,7 @@ class SeamScratch:
 @dataclass(slots=True)
 class Run(SpecSettings):
     """One ``enable()`` (or one seams-only install, ``seams_only``): its settings (``spec``, validated
-    once where they came in: the CLI, ``enable()``; read through :class:`dpq.spec.SpecSettings`),
+    once where they came in: the CLI, ``enable()``; read through :class:`dpq.planning.spec.SpecSettings`),
     its records (the tuner's per block, the seams' per phase) and the seams' scratch."""
 
     spec: ParallelSpec = field(default_factory=ParallelSpec)

@@ -23,10 +23,10 @@ from auto_round.algorithms.transforms.awq.base import AWQTransform
 from auto_round.utils.model import move_to_device
 
 from dpq import refusals
+from dpq.engine.split import contiguous_ranges
 from dpq.mirror import ReplicaSet
-from dpq.plan import MARGIN
-from dpq.shard import copy_to_lane, map_over_lanes, shard_forward
-from dpq.split import contiguous_ranges
+from dpq.planning.plan import MARGIN
+from dpq.sharded.shard import copy_to_lane, map_over_lanes, shard_forward
 
 from . import patches
 from .run import Run

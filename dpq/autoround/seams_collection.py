@@ -8,7 +8,7 @@ whole batches on a short-lived mirror (batch boundaries as serial's, so outputs 
 serial's); outputs return in sample order; hook statistics merge into the home block's layers
 (see :mod:`dpq.autoround.seams_common`). Under several processes (torchrun) a pass without hooks
 runs over the global lanes, every rank receiving every sample's output
-(:mod:`dpq.shard_processes`); a pass with hook statistics runs on each rank's home alone
+(:mod:`dpq.sharded.shard_processes`); a pass with hook statistics runs on each rank's home alone
 (``refusals.PASS_HOOKS_PROCESSES``: those merges are not canonical across processes yet). The
 quantizer's own forwards (tuning) are not touched. The call also times the block quantizer's
 ``quantize_block`` (phase "tune", or "search" for RTN).
@@ -26,9 +26,9 @@ from auto_round.algorithms.composer import AlgorithmComposer
 from auto_round.algorithms.quantization.rtn.quantizer import RTNQuantizer
 
 from dpq import refusals
-from dpq.plan import MARGIN
-from dpq.shard import sharded_collection
-from dpq.shard_processes import gather_in_sample_order, global_ranges
+from dpq.planning.plan import MARGIN
+from dpq.sharded.shard import sharded_collection
+from dpq.sharded.shard_processes import gather_in_sample_order, global_ranges
 
 from . import patches
 from .run import Run

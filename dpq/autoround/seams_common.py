@@ -1,7 +1,7 @@
 """What the per-phase seams share: the run they are handed, the per-pass lane plan, the one phase runner.
 
 The seams (``seams_collection``, ``seams_rtn``, ``seams_init_scale``, ``seams_awq``) run
-auto-round's no-grad phases over lanes with :mod:`dpq.shard`; every one is bitwise serial.
+auto-round's no-grad phases over lanes with :mod:`dpq.sharded.shard`; every one is bitwise serial.
 Each patched function is handed its :class:`dpq.autoround.run.Run` as its first argument (the
 patch table's top frame: Note [each replacement is handed its run] in :mod:`dpq.autoround.patches`;
 :func:`or_idle` when nothing is installed) and passes it down: its settings (``world``,
@@ -23,7 +23,7 @@ hook (auto-round 0.16.1 / 0.17)                                 merge
 ==============================================================  =======================================
 
 Several processes (torchrun, the run's ``processes``): a collection pass without hooks runs
-over the global lanes (``run_phase(processes=...)``, :mod:`dpq.shard_processes`); a pass
+over the global lanes (``run_phase(processes=...)``, :mod:`dpq.sharded.shard_processes`); a pass
 with any of the hooks above runs on each rank's home alone (``refusals.PASS_HOOKS_PROCESSES``:
 these merges follow lane order inside one process and have no canonical order across processes
 yet), and AWQ's grid replays too (``refusals.PASS_DIST_ACTIVE``). Per-item searches (RTN,
@@ -40,10 +40,10 @@ from typing import Generic, TypeVar
 import torch
 
 from dpq import refusals
-from dpq.distributed import ProcessSet, Topology, peer_lost
-from dpq.plan import PlanRefused, PlanRequest
+from dpq.planning.distributed import ProcessSet, Topology, peer_lost
+from dpq.planning.plan import PlanRefused, PlanRequest
 from dpq.session import lanes_for
-from dpq.shard_processes import agree_lanes
+from dpq.sharded.shard_processes import agree_lanes
 from dpq.streams import make_lanes
 
 from . import patches
@@ -116,7 +116,7 @@ def plan_lanes(run: Run, units: int, price: int | None, reasons: list[str]):
 
     The same plan the tuner gets (``dpq.session.lanes_for``: world, devices, memory), with the world
     capped at ``units`` (a pass cannot use more lanes than it has pieces). An explicit world
-    that cannot be served raises :class:`dpq.plan.PlanRefused` here, before the block's work.
+    that cannot be served raises :class:`dpq.planning.plan.PlanRefused` here, before the block's work.
     """
     w = run.world
     if w == "off" or w == 1 or units < 2 or reasons:

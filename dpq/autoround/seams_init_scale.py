@@ -17,7 +17,7 @@ from auto_round.algorithms.quantization.sign_roundv2 import quantizer as _v2
 from auto_round.data_type.utils import reshape_imatrix_for_weight
 from auto_round.utils import SUPPORTED_LAYER_TYPES, check_to_quantized
 
-from dpq.shard import copy_to_lane, map_over_lanes
+from dpq.sharded.shard import copy_to_lane, map_over_lanes
 
 from . import patches
 from .run import Run

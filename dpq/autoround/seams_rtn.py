@@ -17,7 +17,7 @@ from auto_round.utils import check_to_quantized, set_module
 from auto_round.utils.device_manager import device_manager
 
 from dpq import refusals
-from dpq.shard import bring_home, copy_to_lane, map_over_lanes
+from dpq.sharded.shard import bring_home, copy_to_lane, map_over_lanes
 
 from . import patches
 from .run import Run

@@ -262,7 +262,7 @@ def _sign_sgd_unchanged() -> bool:
 
 
 def one_op_sign_step(optimizer_cls: type, momentum: float | None) -> bool:
-    """True when dpq's one-op step (:mod:`dpq.sign_step`) may replace each lane's ``SignSGD.step``:
+    """True when dpq's one-op step (:mod:`dpq.engine.sign_step`) may replace each lane's ``SignSGD.step``:
     pure SignSGD itself (not a subclass) and its upstream source the one dpq reproduces (the
     series' ``REPRODUCED``, :mod:`dpq.autoround.versions`); else every lane runs auto-round's own
     step (warned once)."""

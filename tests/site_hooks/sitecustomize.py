@@ -21,7 +21,7 @@ that shows a subprocess's run (the CLI's) failing its statistical check.
 ``DPQ_TEST_FAULT=<exit|raise|hang>:<RANK>:<block>:<after>`` makes the process of that RANK (0
 outside torchrun) fail in block ``<block>``'s lane loss from its call ``<after> + 1`` on (exit as
 if killed, raise, or hang), for a test of torchrun's workers, which it cannot reach into: the
-fault is injected through ``dpq.testing.faults`` once ``dpq.session`` is imported.
+fault is injected through ``dpqlab.faults`` once ``dpq.session`` is imported.
 
 Each patch is applied as its module is imported (an import hook: nothing is imported here, so no
 auto-round object can read the detection before the patch); ``auto_round.utils.device`` is the
@@ -69,7 +69,7 @@ def _install_mutant(module) -> None:
 
 def _inject_fault(module) -> None:
     # dpq.session is loaded (the module faults replace a name in): the scaffolding may import now
-    from dpq.testing.faults import inject_from_environment
+    from dpqlab.faults import inject_from_environment
 
     inject_from_environment()
 

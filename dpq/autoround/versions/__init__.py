@@ -8,7 +8,7 @@ Each series module (``v0_16``, ``v0_17``) holds, for its checked release (``RELE
 * ``LOOP_REPRODUCED``: the sources dpq's lane loop reproduces op for op (``dpq/autoround/tune.py``), by
   digest: a change refuses the install by name;
 * ``REPRODUCED``: the sources dpq's runtime reproduces with a fallback (the SignSGD step,
-  ``dpq.sign_step``), by digest: a change makes every lane run auto-round's own code;
+  ``dpq.engine.sign_step``), by digest: a change makes every lane run auto-round's own code;
 * ``CALLED``: auto-round's private callables dpq calls, each of which must exist.
 
 Covering a new series is one new module here and one line in :data:`SERIES`. The modules import

@@ -52,7 +52,7 @@ LOOP_REPRODUCED: MappingProxyType[str, str] = MappingProxyType({
     "auto_round.algorithms.block_runner:BlockForwardRunner.forward": "4ec3efa90177bf8b",  # tune.lane_forward
 })
 
-# dpq.sign_step: pure SignSGD's step, ``param.add_(torch.sign(grad), alpha=-lr)`` per tensor, as one
+# dpq.engine.sign_step: pure SignSGD's step, ``param.add_(torch.sign(grad), alpha=-lr)`` per tensor, as one
 # foreach op per device and lr (no momentum, no weight decay)
 REPRODUCED: MappingProxyType[str, str] = MappingProxyType({
     "auto_round.algorithms.quantization.sign_round.sign_sgd:SignSGD": "f8715df118ee1cfe",

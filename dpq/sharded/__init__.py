@@ -1,0 +1,1 @@
+"""The no-grad passes sharded over lanes (``shard``) and over processes (``shard_processes``)."""
