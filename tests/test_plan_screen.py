@@ -97,9 +97,10 @@ def test_the_screen_shows_the_runs_own_lanes_and_stays_small():
 
 def fake_h100s(monkeypatch, count: int = 8) -> None:
     """A machine preset of ``count`` H100s (80 GB each, every pair peer-capable) on a fake cuda backend."""
-    import dpq.planning.plan as plan_mod
+    import dpq.planning.lane_devices as lane_devices
     import dpq.streams as dpq_streams
     from dpq.autoround import plan_screen
+    from dpq.planning.machine import Machine
 
     class Gpus(dpq_streams.Backend):
         type, accelerator, has_streams = "cuda", True, True
@@ -117,7 +118,9 @@ def fake_h100s(monkeypatch, count: int = 8) -> None:
             return True
 
     monkeypatch.setitem(dpq_streams._BACKENDS, "cuda", Gpus())
-    monkeypatch.setattr(plan_mod, "check_device_exists", lambda d: None)
+    monkeypatch.setattr(lane_devices, "check_device_exists", lambda d: None)
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls: Machine("2.13.0+cu128", frozenset({"cuda"}),
+                                                                           {"cuda": count}, nvidia_driver=True)))
     monkeypatch.setattr(plan_screen, "_link", lambda lanes: (20e-6, 370e9, "NVLink (preset)"))
     monkeypatch.setattr("dpq.planning.machine.device_names",
                         lambda devices: dict.fromkeys(devices, "NVIDIA H100 80GB HBM3"))
