@@ -516,7 +516,7 @@ def test_overlapped_buckets_are_a_share_of_the_block():
     assert bucket_cap([7, 2**20], Buckets.SHARE) == OVERLAP_BUCKET_CAP
     with pytest.raises(ValueError, match="must be positive"):
         GradBuckets(lane_params(1, [(4,)]), bucket_cap_elems=-2)
-    with pytest.raises(TypeError, match=r"a dpq\.exchange\.Buckets or a number of elements"):
+    with pytest.raises(TypeError, match=r"a dpq\.engine\.exchange\.Buckets or a number of elements"):
         GradBuckets(lane_params(1, [(4,)]), bucket_cap_elems=None)  # no sentinel stands for a policy
     from dpq.planning.plan import (
         price_mirror,  # 64 equal weights: the share (9.4M elements) is above 2^22 and every weight
@@ -541,7 +541,7 @@ def test_one_bucket_for_the_whole_block_where_the_plan_says_so():
     sizes = [5 * 2**20, 2**20, 2**20, 3 * 2**22, 7]
     one = GradBuckets(lane_params(1, [(n,) for n in sizes]), bucket_cap_elems=Buckets.BLOCK)
     assert one.bucket_ranges == [(0, sum(sizes))]
-    with pytest.raises(TypeError, match=r"a dpq\.exchange\.Buckets or a number of elements.*'all'"):
+    with pytest.raises(TypeError, match=r"a dpq\.engine\.exchange\.Buckets or a number of elements.*'all'"):
         ExchangePlan("sign", buckets="all")
     with pytest.raises(TypeError, match="overlap is a bool"):
         ExchangePlan("sign", overlap=None)  # decided before it reaches the exchange

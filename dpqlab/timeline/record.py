@@ -204,7 +204,7 @@ def _issued_from_python() -> bool:
         path, name = frame.f_code.co_filename, frame.f_code.co_name
         if name == "_engine_run_backward" and path.endswith("autograd/graph.py"):
             return False
-        if "/torch/" not in path and "/dpq/testing/timeline/" not in path:
+        if "/torch/" not in path and "/dpqlab/timeline/" not in path:
             return True
         frame = frame.f_back
     return False
@@ -525,7 +525,7 @@ _WAIT_HELPERS = {"wait_events", "<listcomp>", "wait", "tolist"}
 def _site() -> str:
     """The innermost two frames of dpq, auto-round or a test (what caused a sync or a copy)."""
     frames = [f for f in traceback.extract_stack()[:-1]
-              if "/torch/" not in f.filename and "/dpq/testing/timeline/" not in f.filename
+              if "/torch/" not in f.filename and "/dpqlab/timeline/" not in f.filename
               and not (f.filename.endswith("dpq/streams.py") and f.name in _WAIT_HELPERS)]
     keep = [f for f in frames if "/dpq/" in f.filename or "auto_round" in f.filename or "/tests/" in f.filename]
     keep = keep[-2:] if keep else frames[-2:]
