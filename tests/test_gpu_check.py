@@ -35,6 +35,7 @@ SKIP = "skipped: no CUDA (dry run)"
 RELATIVE_BOUND = 12.0
 
 
+@pytest.mark.gpu_check_dry_run
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PY=sys.executable)
