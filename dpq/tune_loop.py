@@ -617,8 +617,8 @@ class LoopOutcome:
 
 
 def iteration(engine: TuneEngine, indices: Sequence[int]) -> list[float]:
-    """One iteration's phases but the step, as :func:`run_loop` calls them (tests and benchmarks drive
-    the engine with it): each serial micro-batch's loss, read back in the iteration's one host sync."""
+    """One iteration's phases but the step, in order (:func:`run_loop` calls it, and tests and benchmarks
+    drive the engine with it): each serial micro-batch's loss, read back in the iteration's one host sync."""
     it = engine.split(indices)
     for m in range(it.steps):
         engine.forward(it, m)
@@ -683,15 +683,8 @@ def run_loop(engine: TuneEngine, spec: TuneSpec) -> LoopOutcome:
             if spec.token_counts:
                 num_elm = sum(spec.token_counts[j] for j in global_indices)
             num_elm = 1 if num_elm <= 0 else num_elm
-            it = engine.split(global_indices)
-            for m in range(it.steps):
-                engine.forward(it, m)
-                if m == it.steps - 1:
-                    engine.queue_readback(it)  # R6: before the last backward and the exchange
-                engine.backward(it)
-            engine.exchange(it)
             total_loss = 0
-            for step_loss in engine.readback(it):  # the iteration's one host sync
+            for step_loss in iteration(engine, global_indices):  # split .. readback: the one host sync
                 total_loss += step_loss / num_elm
             wire += engine.last.wire_bytes
             if progress.record(i, total_loss):
