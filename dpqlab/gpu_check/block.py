@@ -159,8 +159,12 @@ class _Marks:
                 with self.record(name):
                     return real(*a, **k)
             finally:
-                self.aside += time.thread_time() - t0
+                self.set_aside(t0)
         return call
+
+    def set_aside(self, since: float) -> None:
+        """The calling thread's CPU time from ``since`` (a ``time.thread_time()``) to now, set apart."""
+        self.aside += time.thread_time() - since
 
     def step(self, call):
         with self.record(trace.STEP):
@@ -279,7 +283,7 @@ def _engine_marks_class():
                 _, _, rec, cpu0 = self.open.pop()
                 rec.__exit__(None, None, None)
                 if cpu0 is not None:
-                    self.marks.aside += time.thread_time() - cpu0
+                    self.marks.set_aside(cpu0)
                 if name == "step" and error is None:
                     self.marks.stepped()
 
