@@ -297,8 +297,8 @@ class StreamOrderChecker:
 
     def __enter__(self) -> StreamOrderChecker:
         real_backward = torch.autograd.backward
-        self._saved = (dpq_streams._BACKENDS["cpu"], real_backward)
-        dpq_streams._BACKENDS["cpu"] = _CheckedCpuBackend(self)
+        # the declared seam (Note [observers, not patches] in dpq.engine.phases): the CPU lanes' backend is ours
+        self._saved = (dpq_streams.install_backend("cpu", _CheckedCpuBackend(self)), real_backward)
 
         def backward(*args, **kwargs):
             self._windows += 1
@@ -320,7 +320,8 @@ class StreamOrderChecker:
             gc.collect()  # run the frees of whatever the test dropped, while the modes still book them
         finally:
             self._modes.close()
-            dpq_streams._BACKENDS["cpu"], torch.autograd.backward = self._saved
+            real_cpu, torch.autograd.backward = self._saved
+            dpq_streams.install_backend("cpu", real_cpu)
             self._closed = True
         if exc_type is None:
             self._raise_pending()
