@@ -57,7 +57,7 @@ from dpqlab.timeline.devices import GPUS, HOST, GpuClass, HostCosts  # noqa: E40
 from dpqlab.timeline.record import TimelineModel  # noqa: E402
 from dpqlab.timeline.replay import BREAKDOWN, GRAPHS, Pricing, Timeline, simulate  # noqa: E402
 from dpqlab.timeline.roofline import roofline  # noqa: E402
-from dpqlab.timeline.scenarios import LEGACY, record_block, run_adapter, run_api  # noqa: E402
+from dpqlab.timeline.scenarios import record_block, run_adapter, run_api  # noqa: E402
 from dpqlab.timeline.shapes import BLOCKS, RECORDED, BlockShape  # noqa: E402
 
 PRESETS = {"70b-3090": ("70b", "3090"), "8b-h100": ("8b", "h100"), "70b-h100": ("70b", "h100")}
@@ -565,9 +565,6 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", default="auto",
                    help="a calibration.json a GPU check wrote, 'auto' (the newest in benchmarks/calibration/) "
                         "or 'none'")
-    p.add_argument("--legacy", action="store_true",
-                   help="the data path before it was lane-local: host masks copied in _get_loss, samples copied "
-                        "on the pool device's current stream")
     p.add_argument("--table", action="store_true",
                    help="instead: the modeled speedup table, 4 x RTX 3090 and 8 x H100, 8B/32B/70B-class blocks, "
                         "both paths (worlds 1, 2, 4, 8 recorded once each)")
@@ -604,14 +601,14 @@ def main(argv=None) -> int:
     overlap, why = auto_overlap(GPUS[args.gpu or gpu_key], args.world) if args.path == "adapter" else (False, "")
     extra = {"overlap": overlap} if args.path == "adapter" else {}
     run = run_adapter if args.path == "adapter" else run_api
-    model = run(rec, args.world, pool=args.pool, iters=args.iters, mutations=LEGACY if args.legacy else (), **extra)
+    model = run(rec, args.world, pool=args.pool, iters=args.iters, **extra)
     gpu, host, notes = calibrated(cal, args.gpu or gpu_key, host, one, {(path, args.world): model})
     for n in notes:
         print(f"calibrated: {n}")
     tl = simulate(model, Pricing(RECORDED, block, gpu, host,
                                  buckets=plan_buckets(args.block or block_key, args.gpu or gpu_key, args.world)))
     label = (f"{args.path} path, {path}, world {args.world}, pool on {args.pool}"
-             f"{', legacy data path' if args.legacy else ''}{', overlap on' if overlap else ''}; {block.name} on "
+             f"{', overlap on' if overlap else ''}; {block.name} on "
              f"{gpu.name}")
     if why:
         print(f"--parallel_overlap {why}")
@@ -621,11 +618,11 @@ def main(argv=None) -> int:
     for line in summary_lines(tl, args.world):
         print(line)
     out = Path(args.out)
-    stem = f"timeline_w{args.world}_{args.preset}_{path}_{args.pool}{'_legacy' if args.legacy else ''}"
+    stem = f"timeline_w{args.world}_{args.preset}_{path}_{args.pool}"
     plot(tl, out / f"{stem}.png", f"timeline model (modeled, not measured on a GPU): {label}")
     report = {
         "world": args.world, "preset": args.preset, "block": block.name, "gpu": gpu.name, "pool": args.pool,
-        "path": args.path, "compile": not args.eager, "legacy": args.legacy, "host": dataclasses.asdict(host),
+        "path": args.path, "compile": not args.eager, "host": dataclasses.asdict(host),
         "calibration": cal.label if cal else None, "host_syncs_per_iter": tl.syncs_per_iteration(),
         "lane_overlap": tl.lane_overlap(), "lanes_per_thread": tl.lanes_per_thread(), "breakdown": tl.breakdown(),
         "violations": model.violations,

@@ -23,9 +23,10 @@ from dpqlab.timeline.devices import GPUS, HOST
 from dpqlab.timeline.replay import Pricing, simulate
 from dpqlab.timeline.scenarios import record_block, recorded_run, run_adapter, run_api, shared_block
 from dpqlab.timeline.shapes import BLOCKS, RECORDED
+from tests import timeline_mutants
 from tests.processes import worker_context
 
-OVERLAP = 0.9  # the issue's bound; the fixed data path gives >= 0.99 at worlds 2-8, the legacy one 0.65
+OVERLAP = 0.9  # the issue's bound; the fixed data path gives >= 0.99 at worlds 2-8, the one before lane-local 0.65
 ITERS = 2  # iteration 0 also brings each lane's per-block constants; iteration 1 is steady
 
 
@@ -114,11 +115,12 @@ def test_timeline_parallel_tune(rec):
     assert_lane_local(model)
 
 
-@pytest.mark.parametrize("mutation", ["pageable-mask", "home-stream-pool", "item-in-iteration"])
-def test_timeline_mutation_fails(rec, mutation):
-    """Each re-introduced defect fails what the tests above hold: more host syncs, or lanes waiting
-    for each other."""
-    model = run_adapter(rec, 3, iters=ITERS, mutations=[mutation])
+@pytest.mark.parametrize("mutation", timeline_mutants.MUTATIONS)
+def test_timeline_mutation_fails(rec, mutation, monkeypatch):
+    """Each re-introduced defect (tests/timeline_mutants.py) fails what the tests above hold: more host
+    syncs, or lanes waiting for each other."""
+    timeline_mutants.apply(monkeypatch.setattr, mutation)
+    model = run_adapter(rec, 3, iters=ITERS)
     tl = timeline(model)
     if mutation == "home-stream-pool":
         # the samples' copies queue on lane 0's stream: lanes 1.. wait for lane 0's earlier work

@@ -13,17 +13,15 @@ block on logical device 1 and the pool where the scenario says:
 * ``spread``: sample i on lane ``i * W // n``'s device (auto-round 0.17's ``--calibration_data_device
   auto`` for a pool that does not fit one GPU).
 
-:data:`MUTATIONS` re-introduce what the data path did before the lanes were made lane-local
-(``--legacy`` in ``benchmarks/timeline.py`` applies the first two together): the loss mask copied
-from pageable host memory inside ``_get_loss``, each lane's samples copied from the pool's device
-on that device's current stream (lane 0's), and a host read inside an iteration.
+The defects ``tests/test_timeline.py`` re-introduces to show that its checks fail (the data path before
+it was lane-local) patch the runtime, so they live with the tests (``tests/timeline_mutants.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
@@ -146,7 +144,7 @@ def lane_devices(world: int) -> list[str]:
 
 
 def run_adapter(rec, world: int, *, pool: str = "home", cache: str | None = None, iters: int = 4,
-                mutations: Sequence[str] = (), overlap: bool | None = None, order: str = "canonical") -> TimelineModel:
+                overlap: bool | None = None, order: str = "canonical") -> TimelineModel:
     """``rec``'s block through ``dpq.autoround.enable(world)`` on logical GPUs; the model's record.
     Under torchrun (a process group initialised), ``world`` is this rank's lanes. ``cache``: where
     auto-round keeps the best iteration's values (default: the host for a host pool, else the device)."""
@@ -154,8 +152,7 @@ def run_adapter(rec, world: int, *, pool: str = "home", cache: str | None = None
 
     block = rec.fresh_block()
     cache = cache or ("host" if pool == "host" else "device")
-    with _compiled(rec), TimelineModel(world, seqlen=RECORD_SEQLEN) as model, _settings(rec, cache, iters), \
-            _mutated(model, mutations):
+    with _compiled(rec), TimelineModel(world, seqlen=RECORD_SEQLEN) as model, _settings(rec, cache, iters):
         model.place(block, "cpu:1")
         _place_pool(model, rec, pool, world)
         dpq_ar.enable(world, lane_devices(world), parallel_overlap=overlap, parallel_order=order)
@@ -167,14 +164,14 @@ def run_adapter(rec, world: int, *, pool: str = "home", cache: str | None = None
     return model
 
 
-def run_api(rec, world: int, *, pool: str = "home", iters: int = 4, mutations: Sequence[str] = ()) -> TimelineModel:
+def run_api(rec, world: int, *, pool: str = "home", iters: int = 4) -> TimelineModel:
     """``rec``'s block through ``dpq.parallel_tune`` on logical GPUs (its own reproduction of the loss)."""
     block = rec.fresh_block()
     q = rec.quantizer
     saved = q.iters
     q.iters = iters
     try:
-        with _compiled(rec), TimelineModel(world, seqlen=RECORD_SEQLEN) as model, _mutated(model, mutations):
+        with _compiled(rec), TimelineModel(world, seqlen=RECORD_SEQLEN) as model:
             model.place(block, "cpu:1")
             _place_pool(model, rec, pool, world)
             rec.restore_rng()
@@ -184,78 +181,5 @@ def run_api(rec, world: int, *, pool: str = "home", iters: int = 4, mutations: S
     return model
 
 
-# -- mutations: the data path before it was lane-local ---------------------------------------------
-
-
-def _pageable_masks(model: TimelineModel, patch: Callable) -> None:
-    """The loss gets the host's masks (auto-round's ``_get_loss`` copies them with ``.to(device)``)."""
-    from dpq.mirror import LaneData
-
-    real = LaneData.once
-
-    def once(self, lane, key, value):
-        return value if key == "valid_token_mask" else real(self, lane, key, value)
-
-    patch(LaneData, "once", once)
-
-
-def _home_stream_pool(model: TimelineModel, patch: Callable) -> None:
-    """Each sample copied with ``.to(lane.device)`` from the lane's context: the copy queues on the
-    pool device's current stream (lane 0's), as ``torch.cat(...).to(dev)`` did."""
-    from dpq.streams import Lane
-
-    real = Lane.bring
-
-    def bring(self, t):
-        return real(self, t) if self.backend.host_memory(t.device) else t.to(self.device)
-
-    patch(Lane, "bring", bring)
-
-
-def _item_in_iteration(model: TimelineModel, patch: Callable) -> None:
-    """Each lane's loss read on the host as soon as it is computed."""
-    from dpq.autoround import tune
-
-    real = tune.make_lane_loss
-
-    def make(*a, **k):
-        inner = real(*a, **k)
-
-        def lane_loss(lane, module, indices):
-            loss = inner(lane, module, indices)
-            loss.item()
-            return loss
-
-        return lane_loss
-
-    patch(tune, "make_lane_loss", make)
-
-
-MUTATIONS: dict[str, Callable] = {
-    "pageable-mask": _pageable_masks,
-    "home-stream-pool": _home_stream_pool,
-    "item-in-iteration": _item_in_iteration,
-}
-LEGACY = ("pageable-mask", "home-stream-pool")
-
-
-@contextlib.contextmanager
-def _mutated(model: TimelineModel, names: Sequence[str]) -> Iterator[None]:
-    restore = []
-
-    def patch(owner, name, value):
-        real = getattr(owner, name)
-        setattr(owner, name, value)
-        restore.append(lambda: setattr(owner, name, real))
-
-    for name in names:
-        MUTATIONS[name](model, patch)
-    try:
-        yield
-    finally:
-        while restore:
-            restore.pop()()
-
-
-__all__ = ["LEGACY", "MUTATIONS", "RECORD_SEQLEN", "bf16_cpu", "compiles", "lane_devices", "record_block",
+__all__ = ["RECORD_SEQLEN", "bf16_cpu", "compiles", "lane_devices", "record_block",
            "recorded_run", "run_adapter", "run_api"]
