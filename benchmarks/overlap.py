@@ -62,6 +62,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from dpq.engine import phases  # noqa: E402
 from dpq.engine.exchange import (  # noqa: E402
     OVERLAP_BUCKET_CAP,
     ExchangePlan,
@@ -395,15 +396,19 @@ def hidden_fraction(t_none: float, t_after: float, t_overlap: float) -> tuple[fl
     return fraction, ""
 
 
-class Breakdown:
-    """Per-iteration host and wait times of one engine, measured where they run (``--breakdown``).
+SIGN_STEPS = {"update_owned": "pack_signs", "gather": "gather"}  # the sign exchange's steps --breakdown times
 
-    Patched for the duration: the policy's ``exchange_bucket`` (its whole host work), the
-    collectives' calls on the link (the real sums / copies plus the link's bookkeeping), the sign
-    path's pack and unpack, the overlap hooks (their bookkeeping = hook time minus the buckets
-    they issue; each lane's last hook ends that lane's backward on CPU, autograd running the
-    lanes one after another, last lane first), ``policy.wait`` (the step's wait for the link)
-    and ``torch.autograd.backward``."""
+
+class Breakdown(phases.Observer):
+    """Per-iteration host and wait times of one engine, measured where they run (``--breakdown``), from the
+    runtime's observer events (Note [observers, not patches] in ``dpq.engine.phases``): each bucket's
+    exchange (``exchange_begin``/``_end``: its whole host work) and its steps (the sign path's pack is
+    its ``update_owned`` step, its unpack the ``gather`` step less the all-gather's call), the overlap's
+    gradient hooks (``gradient_hook_begin``/``_end``: their bookkeeping = hook time minus the buckets
+    they issue; each lane's last hook ends that lane's backward on CPU, autograd running the lanes one
+    after another, last lane first) and phase ``exchange wait`` (the step's wait for the link). The
+    collectives' calls on the link (the real sums / copies plus the link's bookkeeping) are timed by
+    :class:`TimedLink`, ``torch.autograd.backward`` by wrapping torch's while :meth:`watching`."""
 
     PARTS = ("reduce_scatter", "all_gather", "all_reduce", "pack_signs", "unpack_signs")
 
@@ -412,62 +417,77 @@ class Breakdown:
         self.lane_last: dict[int, float] = {}
         self.lane_spans: dict[int, list[float]] = {}
         self.backward_start = 0.0
+        self._began: dict[str, float] = {}
 
     def add(self, key: str, dt: float) -> None:
         self.t[key] = self.t.get(key, 0.0) + dt
 
-    def timed(self, key: str, fn):
-        def run(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.add(key, time.perf_counter() - t0)
-        return run
+    @contextlib.contextmanager
+    def timing(self, key: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - t0)
+
+    def _begin(self, key: str) -> None:
+        self._began[key] = time.perf_counter()
+
+    def _end(self, key: str) -> float:
+        t1 = time.perf_counter()
+        self.add(key, t1 - self._began.pop(key))
+        return t1
+
+    def exchange_begin(self, policy, bucket, numel):
+        self._begin("exchange host")
+
+    def exchange_end(self, policy, bucket, numel, error):
+        self._end("exchange host")
+
+    def exchange_step_begin(self, policy, bucket, step):
+        if isinstance(policy, SignExchange) and step in SIGN_STEPS:
+            self._begin(SIGN_STEPS[step])
+
+    def exchange_step_end(self, policy, bucket, step, error):
+        if isinstance(policy, SignExchange) and step in SIGN_STEPS:
+            self._end(SIGN_STEPS[step])
+
+    def gradient_hook_begin(self, exchange, lane, param):
+        self._begin("hooks")
+
+    def gradient_hook_end(self, exchange, lane, param, error):
+        self.lane_last[lane] = self._end("hooks")
+
+    def phase_begin(self, name, owner, lane):
+        if name == "exchange wait":
+            self._begin("link wait at step")
+
+    def phase_end(self, name, owner, lane, error):
+        if name == "exchange wait":
+            self._end("link wait at step")
 
     @contextlib.contextmanager
-    def patched(self, link):
-        from dpq.engine import exchange as ex
-
-        saved = [(ex, n, getattr(ex, n)) for n in ("pack_into", "unpack_into")]
-        saved += [(ex._Exchange, n, getattr(ex._Exchange, n)) for n in ("exchange_bucket", "wait")]
-        saved += [(ex.BackwardExchange, "_hook", ex.BackwardExchange._hook), (torch.autograd, "backward",
-                                                                              torch.autograd.backward)]
+    def watching(self):
+        """The events observed and torch's ``autograd.backward`` timed, while entered (the times so far dropped)."""
+        self.t.clear()
         real_backward = torch.autograd.backward
-        saved += [(link, n, getattr(link, n)) for n in ("reduce_scatter", "all_gather", "all_reduce")]
-        for owner, name, fn in saved:
-            key = {"_hook": None, "backward": None, "exchange_bucket": "exchange host", "pack_into": "pack_signs",
-                   "unpack_into": "unpack_signs", "wait": "link wait at step"}.get(name, name)
-            if key is not None:
-                setattr(owner, name, self.timed(key, fn))
-        real_hook = saved[4][2]
-
-        def hook(bx, lane, k, j):
-            ready = real_hook(bx, lane, k, j)
-
-            def timed_ready(p):
-                t0 = time.perf_counter()
-                ready(p)
-                t1 = time.perf_counter()
-                self.add("hooks", t1 - t0)
-                self.lane_last[k] = t1
-            return timed_ready
 
         def backward(*a, **k):
             self.backward_start = time.perf_counter()
             real_backward(*a, **k)
             self.add("backward call", time.perf_counter() - self.backward_start)
 
-        ex.BackwardExchange._hook = hook
         torch.autograd.backward = backward
         try:
-            yield
+            with phases.observing(self):
+                yield
         finally:
-            for owner, name, fn in saved:
-                if owner is link:
-                    delattr(link, name)  # the instance attribute goes; the class's method is back
-                else:
-                    setattr(owner, name, fn)
+            torch.autograd.backward = real_backward
+
+    def unpack_seconds(self) -> float:
+        """The sign path's unpack (and the copy of its signs to where they go): its gather steps less their
+        all-gathers."""
+        return self.t.get("gather", 0.0) - self.t.get("all_gather", 0.0) if "gather" in self.t else 0.0
 
     def iteration(self, engine: TuneEngine, idx: list[int]) -> None:
         self.lane_last.clear()
@@ -481,6 +501,26 @@ class Breakdown:
             prev = self.lane_last[k]
 
 
+class TimedLink(SimulatedLink):
+    """The simulated link, each collective's call timed into ``breakdown`` (under the collective's name)."""
+
+    def __init__(self, inner, breakdown: Breakdown, **kw) -> None:
+        super().__init__(inner, **kw)
+        self.breakdown = breakdown
+
+    def all_reduce(self, bufs) -> None:
+        with self.breakdown.timing("all_reduce"):
+            super().all_reduce(bufs)
+
+    def reduce_scatter(self, send, recv) -> None:
+        with self.breakdown.timing("reduce_scatter"):
+            super().reduce_scatter(send, recv)
+
+    def all_gather(self, send, recv) -> None:
+        with self.breakdown.timing("all_gather"):
+            super().all_gather(send, recv)
+
+
 def breakdown(case: Case, world: int, args, row: dict, cap: int) -> list[str]:
     """Markdown rows: per-iteration times of the after and overlapped engines at the row's link."""
     policy = policy_class(args.policy)
@@ -488,22 +528,23 @@ def breakdown(case: Case, world: int, args, row: dict, cap: int) -> list[str]:
     out = []
     for overlap in (False, True):
         link = None
+        bd = Breakdown()
 
-        def make(lanes, overlap=overlap):
+        def make(lanes, overlap=overlap, bd=bd):
             nonlocal link
-            link = SimulatedLink(LocalCommunicator(lanes), bandwidth_GBps=row["link_GBps"], latency_s=row["latency_s"])
+            link = TimedLink(LocalCommunicator(lanes), bd, bandwidth_GBps=row["link_GBps"], latency_s=row["latency_s"])
             return policy(link, ExchangePlan.overlapped(policy.name, overlap))
 
         engine, replicas = make_engine(case, world, make, cap)
         iterate(engine, [batch] * 2)
-        bd = Breakdown()
-        with bd.patched(link):
+        with bd.watching():
             for _ in range(args.iters * args.rounds):
                 bd.iteration(engine, batch)
         replicas.close()
         link.close()
         n = args.iters * args.rounds
         ms = {k: v / n * 1e3 for k, v in bd.t.items()}
+        ms["unpack_signs"] = bd.unpack_seconds() / n * 1e3
         parts = [f"{ms.get(p, 0.0):.2f}" for p in Breakdown.PARTS]
         sign_parts = ms.get("pack_signs", 0.0) + ms.get("unpack_signs", 0.0)
         rest = ms.get("exchange host", 0.0) - sum(ms.get(p, 0.0) for p in Breakdown.PARTS[:3]) - sign_parts
@@ -586,7 +627,8 @@ def main(argv=None) -> int:
         print("\nms per iteration (mean); lane backward: from the previous lane's last gradient hook to its own, "
               "last lane first (lane 0's includes the exchange host work its hooks issue); exchange host: every "
               "bucket's exchange on the issuing thread, of which the collectives' calls (the real sums and copies "
-              "and the link's bookkeeping), pack and unpack (sign path) and the rest (padding, views); hooks: "
+              "and the link's bookkeeping), pack and unpack (sign path: its update-owned step, and its gather step "
+              "less the all-gather, the signs' copy to the grads included) and the rest (padding, views); hooks: "
               "their own bookkeeping; link wait: the step's wait for the last collective\n")
         print("| world | mode | iteration | backward call | lane backward W-1 .. 0 | exchange host | reduce_scatter "
               "| all_gather | all_reduce | pack | unpack | rest | hooks | link wait at step |")

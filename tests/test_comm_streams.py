@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dpq.comm.comm_streams import CommStreams, comm_lanes
-from dpq.engine.exchange import ExchangePlan, FullSumExchange, GradBuckets, SignExchange
+from dpq.engine.exchange import ExchangePlan, FullSumExchange, GradBuckets, SignExchange, bucket_layout
 from dpq.fallback_p2p import LocalCommunicator
 from dpq.mirror import ReplicaSet
 from dpq.streams import make_lanes
@@ -152,4 +152,42 @@ def test_the_issuers_marks_order_each_bucket(monkeypatch, policy, mutant):
         return
     assert violations == [] and issued and all(n > 0 for n in issued)
     want, _ = tune(2, policy, streams=False, overlap=False, iters=2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("full_wait", [False, True])
+def test_the_observers_see_the_marks_and_may_ask_for_the_full_wait(monkeypatch, full_wait):
+    """The GPU check's diagnosis (dpqlab/gpu_check/race.py) through the observer protocol: every lane's mark
+    of every bucket is told (``bucket_marked``), the marks reach ``bucket_waits``, and an observer
+    answering None (each bucket's communication streams wait for everything their lane queued:
+    conservative) leaves the order clean and the bits those of the plain run."""
+    from dpq.engine import phases
+    from dpq.engine.exchange import BackwardExchange
+
+    monkeypatch.setattr(BackwardExchange, "_on_devices", lambda self: True)  # the accelerator path (as above)
+    marked, waited = [], []
+
+    class Diagnosis(phases.Observer):
+        def bucket_marked(self, exchange, bucket, lane, mark):
+            marked.append((bucket, lane, mark is not None))
+
+        def bucket_waits(self, policy, bucket, marks):
+            waited.append(marks is not None and all(m is not None for m in marks))
+            return None if full_wait else marks
+
+    given = []
+    real_begin = CommStreams.begin_bucket
+    monkeypatch.setattr(CommStreams, "begin_bucket", lambda self, marks=None: (given.append(marks is not None),
+                                                                               real_begin(self, marks)))
+    with phases.observing(Diagnosis()):
+        got, violations = tune(2, SignExchange, streams=True, overlap=True, iters=2)
+    assert violations == []
+    assert any(given) != full_wait  # what the communication streams waited for: the observer's answer
+    params = dict(MLP().named_parameters())
+    buckets = len(bucket_layout([params[n].numel() for n in NAMES], 100))
+    assert buckets > 1 and all(ok for _, _, ok in marked)
+    # each lane's part of each bucket marked once per backward (2 iterations)
+    assert sorted((b, k) for b, k, _ in marked) == [(b, k) for b in range(buckets) for k in (0, 1) for _ in range(2)]
+    assert any(waited)  # the issuer's buckets came with their marks
+    want, _ = tune(2, SignExchange, streams=False, overlap=False, iters=2)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

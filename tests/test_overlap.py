@@ -290,3 +290,31 @@ def test_a_hidden_fraction_outside_0_1_is_a_failed_measurement():
         assert fraction != fraction and said.startswith("failed: ") and why in said, said
     fraction, said = hidden_fraction(1.0, 0.99, 1.2)
     assert fraction != fraction and said.startswith("undefined: the exchange added nothing measurable"), said
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_breakdown_sees_each_part_through_the_runtimes_events(overlap):
+    """benchmarks/overlap.py --breakdown replaces no runtime attribute: each part it reports comes from an
+    observer event (a bucket's exchange, its pack and gather steps, each gradient hook, the wait for the
+    link) or its own link's calls, and the unpack (the gather less its all-gather) is time spent."""
+    from benchmarks import overlap as bench
+
+    case = bench.make_case(32, 64, 3, 8, amp=False)
+    bd, links = bench.Breakdown(), []
+
+    def make(lanes):
+        links.append(bench.TimedLink(LocalCommunicator(lanes), bd, bandwidth_GBps=1e9))
+        return SignExchange(links[-1], ExchangePlan.overlapped("sign", overlap))
+
+    engine, replicas = bench.make_engine(case, 3, make, bucket_cap=case.tuned_numel // 4)
+    try:
+        with bd.watching():
+            bd.iteration(engine, [0, 1, 2])
+    finally:
+        replicas.close()
+        links[0].close()
+    parts = {"iteration", "backward call", "exchange host", "reduce_scatter", "all_gather", "pack_signs", "gather",
+             "link wait at step"}
+    assert set(bd.t) == parts | ({"hooks"} if overlap else set())
+    assert bd.unpack_seconds() > 0 and bd.t["exchange host"] > bd.t["gather"] + bd.t["pack_signs"]
+    assert sorted(bd.lane_last) == ([0, 1, 2] if overlap else [])  # each lane's last hook

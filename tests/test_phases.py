@@ -3,6 +3,7 @@ sees of them, and the watchdog's ``doing`` while each runs."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -33,7 +34,7 @@ class Seen(phases.Observer):
 
 def _top(events) -> list[str]:
     """The engine's own phases in order (a lane's forward and the runtime's inner phases left out)."""
-    inner = {"grads", "exchange finish", "issuer", "loss gather", "identical check"}
+    inner = {"grads", "exchange finish", "exchange wait", "issuer", "loss gather", "identical check"}
     return [e[1] for e in events if e[0] == "begin" and e[2] is None and e[1] not in inner]
 
 
@@ -99,3 +100,66 @@ def test_the_bucket_cap_an_observer_asks_for_lays_the_buckets_out():
     assert engine.buckets is not None and len(engine.buckets.bucket_ranges) == 1  # the Toy has one tensor
     assert ("buckets", 1, 1) in seen.events
     assert torch.equal(engine.buckets.buffers[0], torch.zeros_like(engine.buckets.buffers[0]))
+
+
+class Exchanged(phases.Observer):
+    """The exchange's own events, in order: its buckets, their steps, the gradient hooks and the link's wait."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def exchange_begin(self, policy, bucket, numel):
+        self.events.append(("bucket", bucket))
+
+    def exchange_end(self, policy, bucket, numel, error):
+        self.events.append(("bucket end", bucket))
+
+    def exchange_step_begin(self, policy, bucket, step):
+        self.events.append(("step", bucket, step))
+
+    def exchange_step_end(self, policy, bucket, step, error):
+        self.events.append(("step end", bucket, step))
+
+    def bucket_waits(self, policy, bucket, marks):
+        self.events.append(("waits", bucket, marks))
+        return marks
+
+    def gradient_hook_begin(self, exchange, lane, param):
+        self.events.append(("hook", lane, param))
+
+    def gradient_hook_end(self, exchange, lane, param, error):
+        self.events.append(("hook end", lane, param))
+
+    def phase_begin(self, name, owner, lane):
+        if name == "exchange wait":
+            self.events.append(("wait",))
+
+
+def _tuned(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for k in range(len(engine.lanes)) for p in engine.replicas.tuned_params(k)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_exchange_tells_its_steps_hooks_and_wait_and_changes_no_bit(overlap):
+    """What benchmarks/overlap.py --breakdown times: each bucket's three steps inside its exchange, each
+    lane's gradient hook (overlap on CPU lanes: the last one issues the bucket), and the wait for the
+    last collective; the run with an observer is bitwise the run without."""
+    runs = {}
+    for observed in (False, True):
+        engine, _ = make_engine(2, exchange_cls=SignExchange)
+        engine.policy.plan = dataclasses.replace(engine.policy.plan, overlap=overlap)
+        seen = Exchanged()
+        with phases.observing(seen) if observed else contextlib.nullcontext():
+            iteration(engine, [3, 9, 1, 14])
+            engine.step()
+        runs[observed] = (_tuned(engine), seen.events)
+    (plain, _), (watched, events) = runs[False], runs[True]
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    steps = [("step", 0, s) for s in ("reduce", "update_owned", "gather")]
+    exchanged = [("bucket", 0), ("waits", 0, None), *[e for s in steps for e in (s, ("step end", *s[1:]))],
+                 ("bucket end", 0)]
+    if overlap:  # autograd runs the last lane's backward first; lane 0's hook completes the bucket and issues it
+        assert events == [("hook", 1, 0), ("hook end", 1, 0), ("hook", 0, 0), *exchanged, ("hook end", 0, 0),
+                          ("wait",)]
+    else:
+        assert events == [*exchanged, ("wait",)]

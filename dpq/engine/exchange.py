@@ -531,6 +531,8 @@ class _Exchange:
         if watching:
             phases.notify.exchange_begin(self, i, end - start)
         try:
+            if watching:  # an observer may ask for the conservative wait (Observer.bucket_waits)
+                marks = phases.bucket_waits(self, i, marks)
             self.comm.begin_bucket(marks)  # dpq.comm.comm_streams: C1
             self._exchange(buckets, i)
         except BaseException as err:
@@ -545,7 +547,8 @@ class _Exchange:
         """The lanes' next use of the grads waits for the last collective. Real communicators
         queue their collectives on the lanes' streams, which orders the step after them: nothing
         to do; one that completes later (``dpqlab.simulated_link``) waits here."""
-        self.comm.wait()
+        with phases.phase("exchange wait", self):
+            self.comm.wait()
 
     def _check(self, buckets: GradBuckets) -> None:
         if buckets.local_lanes != len(self.comm.lanes):
@@ -577,9 +580,23 @@ class _Exchange:
         the updated values. The steps share the bucket's views (``plan``, made once: Note [views made
         once])."""
         plan = self._plan(buckets, i)
+        if phases.observers():
+            self._observed_steps(plan, i)
+            return
         self.reduce(plan)
         self.update_owned(plan)
         self.gather(plan)
+
+    def _observed_steps(self, plan, i: int) -> None:
+        """The three steps, each told to the observers (``Observer.exchange_step_begin``/``_end``)."""
+        for name, step in (("reduce", self.reduce), ("update_owned", self.update_owned), ("gather", self.gather)):
+            phases.notify.exchange_step_begin(self, i, name)
+            try:
+                step(plan)
+            except BaseException as err:
+                phases.notify.exchange_step_end(self, i, name, err)
+                raise
+            phases.notify.exchange_step_end(self, i, name, None)
 
     def _plan(self, buckets: GradBuckets, i: int):
         raise NotImplementedError
@@ -642,10 +659,27 @@ class BackwardExchange:
     def __enter__(self) -> BackwardExchange:
         if self.policy.overlap and self.policy.comm.world > 1:
             lanes = self.policy.comm.lanes
+            observed = bool(phases.observers())  # decided once per backward: an unobserved hook stays lean
             for k in self.active:
                 for j, p in enumerate(self.buckets.params[k]):
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook(lanes[k], k, j)))
+                    ready = self._hook(lanes[k], k, j)
+                    self._handles.append(p.register_post_accumulate_grad_hook(
+                        self._observed_hook(ready, k, j) if observed else ready))
         return self
+
+    def _observed_hook(self, ready, k: int, j: int):
+        """``ready`` told to the observers (``Observer.gradient_hook_begin``/``_end``)."""
+
+        def observed(param: Tensor) -> None:
+            phases.notify.gradient_hook_begin(self, k, j)
+            try:
+                ready(param)
+            except BaseException as err:
+                phases.notify.gradient_hook_end(self, k, j, err)
+                raise
+            phases.notify.gradient_hook_end(self, k, j, None)
+
+        return observed
 
     def _hook(self, lane: Lane, k: int, j: int):
         b = self.buckets.bucket_of[j]
@@ -655,6 +689,7 @@ class BackwardExchange:
         # Deferred: no stream is touched here but by the mark (the issuer's streams wait for it).
         wait = lane.wait_for_current if lane.stream is not None and not deferred else None
         fired = self._fired[k]
+        watching = phases.observers()  # the registered observers (a list: empty when none)
 
         def ready(_param: Tensor) -> None:
             # CPU: autograd calls this on the thread that called backward (the issuing thread).
@@ -676,7 +711,9 @@ class BackwardExchange:
                     if self._lane_left[b][k] == 0:
                         # this lane's part of the bucket is final after the accumulation just queued on
                         # the stream autograd runs the lane's backward on (one stream per lane: its forward's)
-                        self._marks[b][k] = lane.mark_current()
+                        self._marks[b][k] = mark = lane.mark_current()
+                        if watching:
+                            phases.notify.bucket_marked(self, b, k, mark)
                     if self.remaining[b] == 0:
                         self._complete.put(b)  # the issuer takes it (never issued from this thread)
                 elif self.remaining[b] == 0:

@@ -19,8 +19,9 @@ runs, and tells the observers. Some runtime work inside a phase is a phase of it
 observers (``grads``: the flat gradient buffers made ready; ``loss gather``; ``exchange finish``:
 an overlapped exchange's buckets that did not go during the backward; ``issuer``: the overlapped
 exchange's issuing node on autograd's calling thread; ``identical check``: ``--parallel_debug``'s
-check of the mirrors after the step; ``loop``: the whole loop of a block). A lane's own forward is
-phase ``forward`` again, with its global lane.
+check of the mirrors after the step; ``exchange wait``: the lanes' wait for the exchange's last
+collective, ``dpq.engine.exchange._Exchange.wait``; ``loop``: the whole loop of a block). A lane's own
+forward is phase ``forward`` again, with its global lane.
 
 Note [observers, not patches]
 A tool that must see a run (the CUDA timeline model, fault injection, the benchmarks that time the
@@ -29,7 +30,12 @@ so a renamed private method cannot silently stop a tool from seeing what it meas
 (``tests/test_layout.py`` scans for such assignments). The runtime calls the observers synchronously
 on the thread that does the work: an observer that raises fails the run at that point, which is how
 fault injection fails a lane. With no observer registered each notification is one empty-list
-check. Two declared seams let a tool that simulates devices take the accelerator path:
+check, and the exchange's per-bucket and per-gradient events allocate nothing (the gradient hooks
+of an overlapped backward are told only where an observer was registered when that backward began:
+decided once, so an unobserved hook is what it would be without events). Two observer answers
+change what runs, for the tools that ask: ``bucket_cap`` (the timeline model's one tensor per
+bucket) and ``bucket_waits`` (the GPU check's diagnosis: each bucket's communication streams wait
+for everything their lanes queued). Two declared seams let a tool that simulates devices take the accelerator path:
 :func:`dpq.streams.install_backend` and :func:`dpq.comm.communicators.register_communicator`.
 """
 
@@ -40,7 +46,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["Observer", "Watched", "bucket_cap", "notify", "observers", "observing", "phase", "register"]
+__all__ = ["Observer", "Watched", "bucket_cap", "bucket_waits", "notify", "observers", "observing", "phase",
+           "register"]
 
 
 class Observer:
@@ -74,6 +81,36 @@ class Observer:
 
     def exchange_end(self, policy: object, bucket: int, numel: int, error: BaseException | None) -> None:
         """The exchange policy issued everything of bucket ``bucket``."""
+
+    def exchange_step_begin(self, policy: object, bucket: int, step: str) -> None:
+        """Step ``step`` of bucket ``bucket`` starts: ``reduce``, ``update_owned`` or ``gather`` (Note [the
+        exchange in three steps] in ``dpq.engine.exchange``; the sign exchange's pack is its
+        ``update_owned``, its unpack the ``gather`` after the all-gather); inside ``exchange_begin``/``_end``."""
+
+    def exchange_step_end(self, policy: object, bucket: int, step: str, error: BaseException | None) -> None:
+        """Step ``step`` of bucket ``bucket`` issued everything (``error``: what it raised)."""
+
+    def bucket_waits(self, policy: object, bucket: int, marks: Sequence | None) -> Sequence | None:
+        """What the communication streams wait for before bucket ``bucket`` (C1 of ``dpq.comm.comm_streams``):
+        ``marks``, per lane the event after which its part of the bucket is final (an overlapped
+        backward on accelerator lanes), or None: everything each compute lane queued so far. An
+        observer may answer None where there were marks (correct, and conservative: the GPU check's
+        diagnosis of a race the marks let through)."""
+        return marks
+
+    def gradient_hook_begin(self, exchange: object, lane: int, param: int) -> None:
+        """An overlapped backward's hook on tuned parameter ``param`` of local lane ``lane`` (the position
+        in the communicator's lanes) starts: its gradient was just accumulated. ``exchange``: the
+        ``dpq.engine.exchange.BackwardExchange``. On CPU lanes the hook that completes a bucket
+        issues it (``exchange_begin`` inside); on accelerator lanes it runs on autograd's device thread."""
+
+    def gradient_hook_end(self, exchange: object, lane: int, param: int, error: BaseException | None) -> None:
+        """The hook on tuned parameter ``param`` of local lane ``lane`` returned (``error``: what it raised)."""
+
+    def bucket_marked(self, exchange: object, bucket: int, lane: int, mark: object) -> None:
+        """Accelerator lanes, overlapped: local lane ``lane``'s part of bucket ``bucket`` is final after
+        ``mark``, an event just recorded on the stream current on this thread (autograd's stream for
+        the node: the lane's forward stream). Called on that device thread, under the exchange's lock."""
 
     def constant_made(self, tensor: torch.Tensor) -> None:
         """A lookup table of fixed size, whatever the block (the sign unpack's table)."""
@@ -124,6 +161,14 @@ def bucket_cap(sizes: Sequence[int], cap: object) -> object:
     for observer in list(_OBSERVERS):
         cap = observer.bucket_cap(sizes, cap)
     return cap
+
+
+def bucket_waits(policy: object, bucket: int, marks: Sequence | None) -> Sequence | None:
+    """What bucket ``bucket``'s communication streams wait for, as the observers leave it (each may replace
+    the answer before it; :meth:`Observer.bucket_waits`)."""
+    for observer in list(_OBSERVERS):
+        marks = observer.bucket_waits(policy, bucket, marks)
+    return marks
 
 
 class Watched:

@@ -96,6 +96,28 @@ SANITIZED = {"plain": (None, False), "overlap": (True, False),
 CONTROL = "CONTROL: a planted race follows"
 
 
+@contextlib.contextmanager
+def _diagnosis(marks_on: set, full_wait: bool):
+    """While entered: each (lane, stream id) an overlapped backward's marks are recorded on, into
+    ``marks_on`` (``Observer.bucket_marked``: on the device thread, the stream current there); with
+    ``full_wait`` each bucket's communication streams wait for everything their compute lane queued
+    instead of the marks (``Observer.bucket_waits`` answering None)."""
+    import torch
+
+    from dpq.engine import phases
+
+    class Diagnosis(phases.Observer):  # Note [observers, not patches] in dpq.engine.phases
+        def bucket_marked(self, exchange, bucket, lane, mark):
+            lane = exchange.policy.comm.lanes[lane]
+            marks_on.add((lane.index, torch.cuda.current_stream(lane.device).stream_id))
+
+        def bucket_waits(self, policy, bucket, marks):
+            return None if full_wait else marks
+
+    with phases.observing(Diagnosis()):
+        yield
+
+
 def race_tune(args) -> dict:
     """Subprocess of step_race (TORCH_CUDA_SANITIZER=1), one per entry of SANITIZED (a fresh process
     each: the sanitizer keeps what it saw by address, and a later run reusing an address would meet
@@ -109,33 +131,21 @@ def race_tune(args) -> dict:
     import torch.cuda._sanitizer as csan
 
     import dpq
-    from dpq.comm.comm_streams import CommStreams
-    from dpq.streams import Lane
 
     print(f"CSAN enabled: {csan.cuda_sanitizer.enabled}", flush=True)
     saved = torch.load(args.blob, weights_only=False)
     overlap, full_wait = SANITIZED[args.config]
     out = {"config": args.config, "sanitizer_enabled": bool(csan.cuda_sanitizer.enabled)}
-    real_begin, real_mark = CommStreams.begin_bucket, Lane.mark_current
     marks_on: set = set()
-
-    def mark_current(lane):
-        marks_on.add((lane.index, torch.cuda.current_stream(lane.device).stream_id))
-        return real_mark(lane)
-
-    Lane.mark_current = mark_current
-    if full_wait:
-        CommStreams.begin_bucket = lambda self, marks=None: real_begin(self, None)
     try:
-        res = dpq.parallel_tune(saved["block"], saved["inputs"], world=2, devices=["cuda:0", "cuda:0"],
-                                debug_identical=False, seed=None, overlap=overlap, **saved["kw"])
+        with _diagnosis(marks_on, full_wait):
+            res = dpq.parallel_tune(saved["block"], saved["inputs"], world=2, devices=["cuda:0", "cuda:0"],
+                                    debug_identical=False, seed=None, overlap=overlap, **saved["kw"])
         torch.cuda.synchronize()
         out.update(world=res.world, best_loss=res.best_loss)
     except Exception as e:  # the sanitizer raises its report (printed whole: the run's text keeps it)
         print(e, flush=True)
         out["raised"] = type(e).__name__
-    finally:
-        CommStreams.begin_bucket, Lane.mark_current = real_begin, real_mark
     out["marks_on_streams"] = sorted(marks_on)
     out["default_stream"] = torch.cuda.default_stream(0).stream_id
     if args.control:
