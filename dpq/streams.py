@@ -271,8 +271,8 @@ _BACKENDS: dict[str, Backend] = {
 def install_backend(type_: str, be: Backend) -> Backend | None:
     """``be`` answers for device type ``type_`` from now on; returns the backend it replaces (install
     that again to undo). The declared seam through which a simulated device (the timeline model's
-    logical accelerators) takes the runtime's accelerator path (Note [observers, not patches] in
-    ``dpq.engine.phases``)."""
+    logical accelerators, the stream checker's CPU lanes with logical streams) takes the runtime's
+    accelerator path (Note [observers, not patches] in ``dpq.engine.phases``)."""
     before = _BACKENDS.get(type_)
     _BACKENDS[type_] = be
     return before

@@ -1,7 +1,7 @@
 """A stream-order checker for CPU lanes: CUDA's stream semantics, modelled with logical streams.
 
 On CPU every dpq stream is a no-op, so a missing wait cannot corrupt anything and no test can
-see it. This checker replaces the cpu backend of ``dpq.streams`` with one whose streams are
+see it. This checker installs a cpu backend in ``dpq.streams`` (``install_backend``) whose streams are
 *logical*: each has a vector clock; ``wait_stream`` and events carry happens-before edges;
 ``Stream.synchronize`` / ``Event.synchronize`` are host syncs (everything issued afterwards, on
 any stream, happens after what was synced). The device's current stream is a logical default

@@ -411,6 +411,19 @@ def test_each_sanitized_run_is_counted_apart_and_its_report_kept(tmp_path, monke
     assert (tmp_path / "csan_report.txt").read_text().count(marker) == 2
 
 
+@pytest.mark.parametrize("full_wait", [False, True])
+def test_the_race_steps_diagnosis_is_an_observer(full_wait):
+    """race_tune's diagnosis variant (each bucket's communication streams wait for everything their lane
+    queued) is the observers' answer to ``bucket_waits``, registered only while the tune runs."""
+    from dpq.engine import phases
+    from dpqlab.gpu_check import race
+
+    marks = ["lane 0's mark", "lane 1's mark"]
+    with race._diagnosis(set(), full_wait):
+        assert phases.bucket_waits(None, 0, marks) == (None if full_wait else marks)
+    assert phases.observers() == [] and phases.bucket_waits(None, 0, marks) == marks
+
+
 def test_attention_kernels_are_not_counted_as_matmul():
     """The first H200 lease put cuDNN's attention kernels (their names hold 'wgmma') under matmul, so
     its calibration's matmul includes attention. Names as that run's trace recorded them."""

@@ -16,7 +16,9 @@ C1  Before a bucket's exchange (:meth:`CommStreams.begin_bucket`, called by
     backward (``dpq.engine.exchange``: on accelerator lanes, each lane's event recorded when its part of
     the bucket was final) it waits for that event only; without, for everything the compute lane
     queued so far (recorded when the bucket is complete, so it covers the bucket; it may also
-    cover later backward kernels already queued: conservative).
+    cover later backward kernels already queued: conservative; an observer may ask for this wait
+    instead of the marks, ``Observer.bucket_waits`` in ``dpq.engine.phases``: the GPU check's
+    diagnosis).
 C2  The compute lanes wait for their communication streams only when the exchange ends
     (:meth:`CommStreams.wait`: ``_Exchange.wait`` at the end of the iteration's exchange), not
     per collective: a wait queued mid-backward would hold the rest of that lane's backward
