@@ -167,6 +167,8 @@ class LaneRun:
         why = f" ({self.plan.overlap_reason})" if self.plan.overlap_reason else ""
         if self.overlap:
             return reason + OVERLAP_NOTE + why
+        if self.plan.exchange.overlap and self.world > 1:  # host lanes (Note [host lanes exchange during the backward])
+            return reason + f"; the exchange during the backward{why}"
         return reason + (f"; the exchange after the backward{why}" if why and self.world > 1 else "")
 
     @property

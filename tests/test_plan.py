@@ -196,6 +196,22 @@ def test_the_plan_carries_its_overlap_choice(monkeypatch):
     assert not plan.exchange.overlap and plan.overlap_reason == "--parallel_overlap off"
 
 
+def test_the_plan_says_cpu_lanes_exchange_during_the_backward():
+    """CPU lanes exchange during the backward under auto (Note [host lanes exchange during the backward]):
+    the plan says so, the session's communicator reason says it, and off says the other."""
+    from dpq.planning.plan import HOST_LANES_OVERLAP
+    from dpq.session import LaneRun
+
+    plan = resolve(PlanRequest(world=2, devices="cpu,cpu"))
+    assert plan.exchange.overlap and not plan.exchange.second_stream
+    assert plan.overlap_reason == HOST_LANES_OVERLAP
+    assert "the exchange during the backward (auto: CPU lanes" in LaneRun.planned(plan).communicator_reason
+    off = resolve(PlanRequest(world=2, devices="cpu,cpu", overlap=False))
+    assert not off.exchange.overlap and off.overlap_reason == "--parallel_overlap off"
+    assert "the exchange after the backward (--parallel_overlap off)" in LaneRun.planned(off).communicator_reason
+    assert resolve(PlanRequest(world=1, devices="cpu")).overlap_reason == ""  # no exchange to speak of
+
+
 @pytest.mark.parametrize("value, held", [("auto", None), (None, None), ("on", True), (True, True), ("OFF", False),
                                          (False, False)])
 def test_overlap_settings(value, held):

@@ -66,11 +66,14 @@ def test_plan_for_prices_each_lane_and_says_what_does_not_fit():
 
 
 def test_the_screen_says_the_overlap_choice():
-    """The plan's overlap choice and its reason per world that runs (auto says nothing on CPU lanes, which
-    exchange during the backward anyway)."""
+    """The plan's overlap choice and its reason per world that runs (auto on CPU lanes: the exchange during
+    the backward on the issuing thread, said; world 1 has no exchange to speak of)."""
+    from dpq.planning.plan import HOST_LANES_OVERLAP
+
     auto = dpq.plan_for(str(DATA_DIR), parallel_devices="cpu,cpu", home="cpu", iters=10, batch_size=2,
                         nsamples=2, seqlen=64)
-    assert [r.overlap for r in auto.rows] == ["", ""]
+    assert [r.overlap for r in auto.rows] == ["", HOST_LANES_OVERLAP]
+    assert f"- {HOST_LANES_OVERLAP}" in str(auto)
     off = dpq.plan_for(str(DATA_DIR), parallel_devices="cpu,cpu", home="cpu", iters=10, batch_size=2, nsamples=2,
                        seqlen=64, parallel_overlap="off")
     assert off.rows[1].overlap == "--parallel_overlap off" and "- --parallel_overlap off" in str(off)

@@ -30,8 +30,9 @@ from dpq.engine.sign_bits import SIGN_TABLE_BYTES
 from dpq.planning.lane_devices import DeviceEntry, entry_problem, parse_device_spec, validate_world
 from dpq.streams import backend, default_accelerator_type
 
-__all__ = ["ONE_LANE_EXCHANGE", "BlockPrice", "Plan", "PlanRefused", "PlanRequest", "default_devices",
-           "exchange_plan", "overlap_choice", "price_home", "price_mirror", "price_runtime", "resolve"]
+__all__ = ["HOST_LANES_OVERLAP", "ONE_LANE_EXCHANGE", "BlockPrice", "Plan", "PlanRefused", "PlanRequest",
+           "default_devices", "exchange_plan", "overlap_choice", "price_home", "price_mirror", "price_runtime",
+           "resolve"]
 
 SUPPORTED_HOME_TYPES = ("cuda", "xpu", "hpu", "cpu")
 MARGIN = 1.2  # headroom over the priced bytes: allocator fragmentation, autograd temporaries
@@ -195,9 +196,17 @@ def _finish(plan: Plan, request: PlanRequest, choices: _Choices) -> Plan:
     buckets, buckets_reason = _bucket_choice(plan.devices, request, choices)
     overlap, overlap_reason = choices.overlap(plan.devices)
     exchange = exchange_plan(policy, plan.devices, request.overlap, overlap, buckets)
+    if exchange.overlap and not overlap and len(plan.devices) > 1:  # the plan says what runs on host lanes
+        overlap_reason = HOST_LANES_OVERLAP
     return replace(plan, communicator=communicator, communicator_reason=reason, exchange=exchange,
                    exchange_reason=exchange_reason, buckets_reason=buckets_reason, overlap_reason=overlap_reason,
                    order=order)
+
+
+# Note [host lanes exchange during the backward] (below): what the plan says of it, as overlap_choice says a GPU choice
+HOST_LANES_OVERLAP = ("auto: CPU lanes exchange during the backward, each bucket on the issuing thread as its "
+                      "gradients complete (no second stream, the block forward as auto-round compiles it); "
+                      "--parallel_overlap off exchanges after it")
 
 
 def exchange_plan(policy: str, devices: Sequence[torch.device], setting: bool | None, gpu_overlap: bool,
