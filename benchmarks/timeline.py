@@ -49,6 +49,7 @@ from dpq.planning.plan import overlap_choice  # noqa: E402
 from dpqlab.timeline.calibration import (  # noqa: E402
     Calibration,
     block_shape,
+    compiled_host_ms,
     counts_of,
     issuing_scale,
     rebase,
@@ -159,7 +160,8 @@ def calibrated(cal: Calibration | None, gpu_key: str, host: HostCosts, one_lane:
     if not several:
         return rebase(cal, gpu_key, gpu, host, counts)
     modeled = simulate(lanes[(issuing["path"], several[0])], Pricing(RECORDED, shape, gpu, host))
-    host, notes = issuing_scale(cal, host, modeled.breakdown()["host_per_lane_iteration"] * 1e3)
+    host, notes = issuing_scale(cal, host, modeled.breakdown()["host_per_lane_iteration"] * 1e3,
+                                compiled_host_ms(modeled))
     gpu, host, more = rebase(cal, gpu_key, gpu, host, counts, paths_host=False)
     return gpu, host, notes + more
 

@@ -346,6 +346,30 @@ def test_timeline_issuing_scale_prices_the_measured_codes_own_ops():
     assert issuing_scale(Calibration.from_dict(data), HOST, 5.0)[0].eager_op_s == pytest.approx(4 * HOST.eager_op_s)
 
 
+def _issuing_cal(got: dict) -> Calibration:
+    return Calibration.from_dict({"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200",
+                                  "date": "2026-12-04", "block": {"hidden": 4096, "intermediate": 14336,
+                                                                  "heads": 32, "kv_heads": 8, "head_dim": 128},
+                                  "dpq_issuing": {"world": 2, "path": "compile", **got}})
+
+
+def test_timeline_compiled_forward_is_counted_once(one_lane, two_lanes):
+    """Note [the compiled forward counted once]: the run's counted ops at the calibrated costs plus the
+    compiled regions as the calibrated model replays them are the measured time, not more (before: the
+    measured time went to the counted ops alone and the compiled regions came on top, scaled alike)."""
+    from benchmarks import timeline as bench
+    from dpqlab.timeline.calibration import block_shape, compiled_host_ms
+
+    got = {"own_ms_per_lane_iteration": 12.0, "ops_per_lane_iteration": {"views": 328.0, "other": 204.5}}
+    cal = _issuing_cal(got)
+    _, h, _ = bench.calibrated(cal, "h200", HOST, {"compile": one_lane}, {("compile", 2): two_lanes})
+    tl = simulate(two_lanes, Pricing(RECORDED, block_shape(cal), GPUS["h200"], h))
+    compiled = compiled_host_ms(tl)
+    assert compiled > 0  # the record's compiled forward is on the issuing thread
+    counted = (204.5 * h.eager_op_s + 328.0 * h.view_op_s) * 1e3
+    assert counted + compiled == pytest.approx(12.0, rel=1e-9)
+
+
 def test_timeline_views_cost_the_issuing_thread_only(two_lanes):
     """An op that only makes a view is recorded (kind ``view``), priced at ``view_op_s`` on its
     thread and nothing on a device; the exchange makes its views once, in its first iteration (the
