@@ -291,9 +291,10 @@ def test_timeline_calibration_with_attention_inside_matmul_keeps_the_models_rati
 
 
 def test_timeline_host_calibrated_from_dpqs_issuing_thread():
-    """dpq_issuing: every per-op host cost scales by measured / modeled issuing time per
-    lane-iteration; the paths' host times (an upper bound) are then left alone; no key, no change."""
-    from dpqlab.timeline.calibration import HOST_OP_COSTS, issuing_scale
+    """dpq_issuing: the eager kind's per-op host costs scale by measured / modeled issuing time per
+    lane-iteration (Note [host scales by kind]); the paths' host times (an upper bound) are then left
+    alone; no key, no change."""
+    from dpqlab.timeline.calibration import HOST_KINDS, HOST_OP_COSTS, issuing_scale
 
     data = {"schema": "dpq-calibration/1", "card": "NVIDIA H200", "gpu_class": "h200", "date": "2026-12-04",
             "block": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
@@ -301,8 +302,9 @@ def test_timeline_host_calibrated_from_dpqs_issuing_thread():
             "dpq_issuing": {"world": 2, "path": "compile", "own_ms_per_lane_iteration": 21.0}}
     cal = Calibration.from_dict(data)
     h, notes = issuing_scale(cal, HOST, 7.0)
-    assert changed(HOST, h) == set(HOST_OP_COSTS) and len(notes) == 1
-    for name in HOST_OP_COSTS:
+    assert set(HOST_OP_COSTS) == {name for names in HOST_KINDS.values() for name in names}
+    assert changed(HOST, h) == set(HOST_KINDS["eager"]) and len(notes) == 1
+    for name in HOST_KINDS["eager"]:
         assert getattr(h, name) == pytest.approx(3.0 * getattr(HOST, name))
     _, h2, _ = rebase(cal, "h200", GPUS["h200"], h, COUNTS, paths_host=False)
     assert h2 == h  # the eager path's 9 ms (an upper bound) does not overwrite it
@@ -368,6 +370,34 @@ def test_timeline_compiled_forward_is_counted_once(one_lane, two_lanes):
     assert compiled > 0  # the record's compiled forward is on the issuing thread
     counted = (204.5 * h.eager_op_s + 328.0 * h.view_op_s) * 1e3
     assert counted + compiled == pytest.approx(12.0, rel=1e-9)
+
+
+def test_timeline_host_kinds_are_priced_apart(two_lanes):
+    """Note [host scales by kind]: the measured issuing time re-bases the Python-issued eager ops only,
+    less the compiled regions at their stated costs; compiled-region calls, Inductor's launches and
+    graph launches keep their stated figures (before: every kind x the eager scale), and the replay
+    prices each op by its kind's figure."""
+    from dpqlab.timeline.calibration import HOST_KINDS, issuing_scale
+
+    cal = _issuing_cal({"own_ms_per_lane_iteration": 12.0, "ops_per_lane_iteration": {"views": 300.0,
+                                                                                       "other": 200.0}})
+    h, notes = issuing_scale(cal, HOST, 5.0, 2.0)
+    then = (200 * HOST.eager_op_s + 300 * HOST.view_op_s) * 1e3
+    for kind, names in HOST_KINDS.items():
+        for name in names:
+            want = getattr(HOST, name) * ((12.0 - 2.0) / then if kind == "eager" else 1.0)
+            assert getattr(h, name) == pytest.approx(want), (kind, name)
+    assert "stated costs" in notes[0]
+    same, why = issuing_scale(cal, HOST, 5.0, 12.0)  # nothing left for the eager ops: the stated host kept
+    assert same == HOST and "stated figures kept" in why[0]
+    # the replay: a compiled kernel costs compiled_kernel_s, a region's call region_call_s, whatever eager costs
+    price = replay(two_lanes, "8b", "h100", host=h).pricing
+    call = next(op for op in two_lanes.ops if op.kind == "call")
+    assert price.host_s(call) == h.region_call_s == HOST.region_call_s
+    kernel = next(op for op in two_lanes.ops if op.kind == "kernel" and op.region and op.work == "elementwise")
+    assert price.host_s(kernel) == HOST.compiled_kernel_s
+    eager = next(op for op in two_lanes.ops if op.kind == "kernel" and not op.region)
+    assert price.host_s(eager) == pytest.approx(HOST.eager_op_s * (12.0 - 2.0) / then)
 
 
 def test_timeline_views_cost_the_issuing_thread_only(two_lanes):
