@@ -144,11 +144,13 @@ def host_costs(host_per_op_us: float | None) -> HostCosts:
 
 
 def calibrated(cal: Calibration | None, gpu_key: str, host: HostCosts, one_lane: dict[str, TimelineModel],
-               lanes: dict[tuple[str, int], TimelineModel] | None = None) -> tuple[GpuClass, HostCosts, list[str]]:
+               lanes: dict[tuple[str, int], TimelineModel] | None = None,
+               issuing_host: bool = True) -> tuple[GpuClass, HostCosts, list[str]]:
     """The GPU class and host, re-based by ``cal`` (the model's own counts: its 1-lane records of
     each path replayed on the calibration's block). With ``dpq_issuing`` in ``cal`` and a record of
     several lanes on its path in ``lanes``, the host's per-op costs come from dpq's issuing thread
-    (the model's replay of that record on the calibration's block, per lane-iteration, against it)."""
+    (the model's replay of that record on the calibration's block, per lane-iteration, against it);
+    ``issuing_host`` False: the stated host instead (the side-by-side of :func:`host_sides_lines`)."""
     gpu = GPUS[gpu_key]
     if cal is None:
         return gpu, host, []
@@ -157,8 +159,8 @@ def calibrated(cal: Calibration | None, gpu_key: str, host: HostCosts, one_lane:
               for path, model in one_lane.items()}
     issuing = cal.extra.get("dpq_issuing") or {}
     several = sorted(w for p, w in (lanes or {}) if p == issuing.get("path") and w > 1)
-    if not several:
-        return rebase(cal, gpu_key, gpu, host, counts)
+    if not several or not issuing_host:
+        return rebase(cal, gpu_key, gpu, host, counts, paths_host=not several)
     modeled = simulate(lanes[(issuing["path"], several[0])], Pricing(RECORDED, shape, gpu, host))
     host, notes = issuing_scale(cal, host, modeled.breakdown()["host_per_lane_iteration"] * 1e3,
                                 compiled_host_ms(modeled))
@@ -511,6 +513,45 @@ def spread_lines(rows: list[Row]) -> list[str]:
     return out
 
 
+def host_sides_lines(rows: list[Row], records: dict[tuple[str, int], TimelineModel], cal: Calibration | None,
+                     host: HostCosts) -> list[str]:
+    """While the calibration's issuing-thread figure is a bound (``Calibration.host_source`` is not
+    ``thread_time``: no lease has measured the thread's CPU time), the compile-on rows at all lanes
+    priced with the host at that bound (the table above) and with the stated host (devices.HOST; the
+    GPU figures calibrated alike) side by side: the truth lies between (issue 38 item 2)."""
+    sel = [r for r in rows if r.path == "compile"]
+    if cal is None or cal.host_source == "thread_time" or not sel or ("compile", 1) not in records:
+        return []
+    from dpqlab.timeline.calibration import HOST_SOURCES
+
+    out = ["", f"The issuing host at the calibration's bound and at the stated host (modeled; {cal.label}'s issuing "
+               f"figure is {HOST_SOURCES[cal.host_source]}; the stated host: dpqlab/timeline/devices.py; torch.compile "
+               f"on, all lanes, speedup over 1 lane priced alike):", "",
+           "| machine | block | bound: eager op, us | speedup | W processes x 1 lane | host/lane-iter, ms | "
+           "stated: eager op, us | speedup | W processes x 1 lane | host/lane-iter, ms |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    stated = {}
+    for _, gpu_key, _ in MACHINES:
+        if any(r.gpu == gpu_key for r in sel):
+            stated[gpu_key] = calibrated(cal, gpu_key, host, {"compile": records[("compile", 1)]}, records,
+                                         issuing_host=False)[:2]
+    for r in sel:
+        top = max(r.timelines)
+        gpu, host_s = stated[r.gpu]
+        key = ("compile" + OVERLAPPED, top) if r.overlap[0] and top > 1 else ("compile", top)
+        one = _priced(records[("compile", 1)], r.block, r.gpu, gpu, host_s, 1).seconds_per_iteration()
+        cells = []
+        for h, base, all_lanes, spread in (
+                (r.host, r.per_iter[1], r.timelines[top], r.spread.get(top)),
+                (host_s, one, _priced(records[key], r.block, r.gpu, gpu, host_s, top),
+                 _priced(records[key], r.block, r.gpu, gpu, host_s, top, processes=top) if top > 1 else None)):
+            torchrun = f"{base / spread.seconds_per_iteration():.2f}x" if spread is not None else "-"
+            cells += [f"{h.eager_op_s * 1e6:.1f}", f"{base / all_lanes.seconds_per_iteration():.2f}x", torchrun,
+                      f"{all_lanes.breakdown()['host_per_lane_iteration'] * 1e3:.2f}"]
+        out.append(f"| {r.machine} | {BLOCKS[r.block].name} | " + " | ".join(cells) + " |")
+    return out
+
+
 def final_line(rows: list[Row], cal: Calibration | None, communicator: str) -> str:
     pick = {(r.gpu, r.lanes, r.block): r for r in rows if r.path == "compile"}
     return (f"timeline_table path=compile speedup_3090_w4_70b={pick[('3090', 4, '70b')].speedup():.2f} "
@@ -590,7 +631,7 @@ def main(argv=None) -> int:
         for n in notes:
             print(f"calibrated: {n}")
         print("\n".join(table_lines(rows) + overlap_lines(rows) + order_lines(rows) + spread_lines(rows)
-                        + graphs_lines(rows) + bucket_price_lines()))
+                        + host_sides_lines(rows, records, cal, host) + graphs_lines(rows) + bucket_price_lines()))
         print(f"({time.perf_counter() - t0:.0f} s)")
         print(final_line(rows, cal, communicator_of(records)) if "compile" in paths else "timeline_table path=eager")
         return 0

@@ -400,6 +400,33 @@ def test_timeline_host_kinds_are_priced_apart(two_lanes):
     assert price.host_s(eager) == pytest.approx(HOST.eager_op_s * (12.0 - 2.0) / then)
 
 
+def test_timeline_table_prints_the_bound_and_the_stated_host_while_the_host_is_a_bound(one_lane, two_lanes,
+                                                                                       two_lanes_overlap):
+    """Issue 38 item 2: until a lease measured the issuing thread's CPU time the calibration's host is a
+    bound, and ``--table`` prints the compile-on rows at that bound and at the stated host side by
+    side; with the thread's CPU time (``host_source`` thread_time) it prints the table alone."""
+    from benchmarks import timeline as bench
+
+    records = table_records(one_lane, two_lanes, two_lanes_overlap)
+    walls = {"own_ms_per_lane_iteration": 21.0, "wall_ms_per_iteration": {"2": 46.0, "4": 48.9},
+             "ops_per_lane_iteration": {"views": 328.0, "other": 204.5}}
+    bound = _issuing_cal(walls)
+    assert bound.host_source == "wall_bound"
+    rows, _ = bench.table(records, bound, HOST, ("compile",))
+    lines = bench.host_sides_lines(rows, records, bound, HOST)
+    body = [ln for ln in lines if ln.startswith("| ") and "x |" in ln]
+    assert len(body) == len(rows) and "an upper bound" in "\n".join(lines)
+    for r, ln in zip(rows, body, strict=True):
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert cells[2] == f"{r.host.eager_op_s * 1e6:.1f}" and cells[6] == f"{HOST.eager_op_s * 1e6:.1f}"
+        assert cells[3] == f"{r.per_iter[1] / r.per_iter[2]:.2f}x"
+        assert float(cells[9]) < float(cells[5])  # the stated host is below the bound's
+    measured = _issuing_cal({**walls, "thread_cpu_ms_per_iteration": {"2": 18.0, "4": 35.0}})
+    assert measured.host_source == "thread_time"
+    rows, _ = bench.table(records, measured, HOST, ("compile",))
+    assert bench.host_sides_lines(rows, records, measured, HOST) == []
+
+
 def test_timeline_views_cost_the_issuing_thread_only(two_lanes):
     """An op that only makes a view is recorded (kind ``view``), priced at ``view_op_s`` on its
     thread and nothing on a device; the exchange makes its views once, in its first iteration (the
