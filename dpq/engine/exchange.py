@@ -590,13 +590,7 @@ class _Exchange:
     def _observed_steps(self, plan, i: int) -> None:
         """The three steps, each told to the observers (``Observer.exchange_step_begin``/``_end``)."""
         for name, step in (("reduce", self.reduce), ("update_owned", self.update_owned), ("gather", self.gather)):
-            phases.notify.exchange_step_begin(self, i, name)
-            try:
-                step(plan)
-            except BaseException as err:
-                phases.notify.exchange_step_end(self, i, name, err)
-                raise
-            phases.notify.exchange_step_end(self, i, name, None)
+            phases.told("exchange_step", (self, i, name), lambda step=step: step(plan))
 
     def _plan(self, buckets: GradBuckets, i: int):
         raise NotImplementedError
@@ -671,13 +665,7 @@ class BackwardExchange:
         """``ready`` told to the observers (``Observer.gradient_hook_begin``/``_end``)."""
 
         def observed(param: Tensor) -> None:
-            phases.notify.gradient_hook_begin(self, k, j)
-            try:
-                ready(param)
-            except BaseException as err:
-                phases.notify.gradient_hook_end(self, k, j, err)
-                raise
-            phases.notify.gradient_hook_end(self, k, j, None)
+            phases.told("gradient_hook", (self, k, j), lambda: ready(param))
 
         return observed
 

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 __all__ = ["Observer", "Watched", "bucket_cap", "bucket_waits", "notify", "observers", "observing", "phase",
-           "register"]
+           "register", "told"]
 
 
 class Observer:
@@ -153,6 +153,18 @@ class _Notify:
 
 
 notify = _Notify()
+
+
+def told(event: str, args: tuple, work: Callable[[], None]) -> None:
+    """``work()`` told to the observers as ``<event>_begin(*args)`` before it and ``<event>_end(*args, error)``
+    after it (``error``: what it raised, else None), as the exchange's steps and hooks are."""
+    getattr(notify, f"{event}_begin")(*args)
+    try:
+        work()
+    except BaseException as err:
+        getattr(notify, f"{event}_end")(*args, err)
+        raise
+    getattr(notify, f"{event}_end")(*args, None)
 
 
 def bucket_cap(sizes: Sequence[int], cap: object) -> object:
