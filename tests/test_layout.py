@@ -586,3 +586,18 @@ def test_no_tool_replaces_a_runtime_attribute():
         "self._patch(s, 'backend', g)\n"
         "import torch\ntorch.autograd.backward = f\nfrom dpq.autoround import tune\ntune.make = g\nengine.doing = 1\n")
     assert [h.split()[0] for h in _replaced_runtime_attributes(planted, runtime, known)] == ["4", "5", "6", "7"]
+
+
+def test_every_marker_the_readme_command_leaves_out_runs_in_its_own_ci_stage():
+    """pyproject's addopts deselects a few slow groups from the README's test command (``not <marker>``);
+    each must have a ``.ci/run`` stage that selects it (``-m <marker>``), or those tests would never run."""
+    import re
+    import tomllib
+
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    left_out = re.findall(r"not (\w+)", options["addopts"])
+    declared = {m.split(":")[0] for m in options["markers"]}
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert {"compile_cli", "gpu_check_dry_run", "torchrun_cli"} <= set(left_out) <= declared
+    missing = [m for m in left_out if not re.search(rf"pytest -m {m}\b", ci)]
+    assert not missing, f"deselected by addopts but no .ci/run stage selects them: {missing}"

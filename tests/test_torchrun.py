@@ -37,6 +37,8 @@ from dpq.autoround.args import split_argv
 from dpq.planning.spec import TIMEOUT_RANGE_S
 from tests.test_shard import _saved as _state  # every saved tensor under a folder
 
+pytestmark = pytest.mark.torchrun_cli  # its own .ci/run stage (pyproject's markers)
+
 ITERS, NSAMPLES, BATCH, SEQLEN = "4", "8", "4", "32"  # lr 0.02 below: every block keeps a tuned iteration
 TIMEOUT_S = "60"  # --parallel_timeout of the multi-process runs
 

@@ -37,7 +37,8 @@ from dpq import refusals
 from tests.test_cli import earlier_model, tree_bytes
 from tests.test_torchrun import _args, _env, _torchrun
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through /proc")
+pytestmark = [pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through /proc"),
+              pytest.mark.torchrun_cli]  # its own .ci/run stage (pyproject's markers)
 
 STOP_S = 10.0  # every worker gone this long after the launcher's SIGTERM or SIGKILL
 SHARDS = ("--max_shard_size", "100KB")
