@@ -194,10 +194,8 @@ def _finish(plan: Plan, request: PlanRequest, choices: _Choices) -> Plan:
     reason += f"; {said}" if said else ""
     policy, exchange_reason = _exchange(request.pure_sign)
     buckets, buckets_reason = _bucket_choice(plan.devices, request, choices)
-    overlap, overlap_reason = choices.overlap(plan.devices)
-    exchange = exchange_plan(policy, plan.devices, request.overlap, overlap, buckets)
-    if exchange.overlap and not overlap and len(plan.devices) > 1:  # the plan says what runs on host lanes
-        overlap_reason = HOST_LANES_OVERLAP
+    exchange, overlap_reason = exchange_plan(policy, plan.devices, request.overlap, choices.overlap(plan.devices),
+                                             buckets)
     return replace(plan, communicator=communicator, communicator_reason=reason, exchange=exchange,
                    exchange_reason=exchange_reason, buckets_reason=buckets_reason, overlap_reason=overlap_reason,
                    order=order)
@@ -209,12 +207,13 @@ HOST_LANES_OVERLAP = ("auto: CPU lanes exchange during the backward, each bucket
                       "--parallel_overlap off exchanges after it")
 
 
-def exchange_plan(policy: str, devices: Sequence[torch.device], setting: bool | None, gpu_overlap: bool,
-                  after_backward: Buckets) -> ExchangePlan:
-    """What the exchange over ``devices`` runs: ``policy``, during the backward where ``gpu_overlap``
-    (:func:`overlap_choice` for ``setting``; then on a second stream per lane where the lanes have streams)
-    says so, or on host lanes unless ``setting`` is False (Note [host lanes exchange during the backward]);
-    then in buckets of a share of the block, else in ``after_backward``'s (:func:`_bucket_choice`).
+def exchange_plan(policy: str, devices: Sequence[torch.device], setting: bool | None,
+                  gpu_overlap: tuple[bool, str], after_backward: Buckets) -> tuple[ExchangePlan, str]:
+    """What the exchange over ``devices`` runs, and why it runs during the backward or not: ``policy``,
+    during the backward where ``gpu_overlap`` (:func:`overlap_choice` for ``setting``: on, why; then on a
+    second stream per lane where the lanes have streams) says so, or on host lanes unless ``setting`` is
+    False (Note [host lanes exchange during the backward]; why: :data:`HOST_LANES_OVERLAP` where there is
+    an exchange); then in buckets of a share of the block, else in ``after_backward``'s (:func:`_bucket_choice`).
 
     Note [host lanes exchange during the backward]
     On lanes without an accelerator (the backend's answer, as ``dpq.streams.Lane.accelerator`` gives it:
@@ -223,8 +222,10 @@ def exchange_plan(policy: str, devices: Sequence[torch.device], setting: bool | 
     uncompiled forward (``dpq.engine.exchange``, the module docstring): ``auto`` and ``on`` exchange during the
     backward, ``off`` after it. A second stream per lane (``second_stream``) follows :func:`overlap_choice`
     alone: the session gives one to lanes that have streams."""
-    overlap = gpu_overlap or (setting is None and _host_lanes(devices))
-    return ExchangePlan.overlapped(policy, overlap, after_backward, second_stream=gpu_overlap)
+    on_gpus, why = gpu_overlap
+    on_host = not on_gpus and setting is None and _host_lanes(devices)
+    exchange = ExchangePlan.overlapped(policy, on_gpus or on_host, after_backward, second_stream=on_gpus)
+    return exchange, (HOST_LANES_OVERLAP if on_host and len(devices) > 1 else why)
 
 
 def _host_lanes(devices: Sequence[torch.device]) -> bool:
